@@ -1,0 +1,3 @@
+from ampdoctor.cli import main
+
+main()

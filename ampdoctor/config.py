@@ -1,0 +1,58 @@
+"""Frozen, validated configuration of a triage run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ampdoctor.errors import UsageError
+
+STAGES = ("fp32", "fp16", "amp", "bf16")
+TARGETS = ("amp", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class TriageConfig:
+    """Options of ``ampdoctor triage``; every field maps to a CLI option of the same name."""
+
+    steps: int = 50
+    """Optimizer steps per stage; the dataloader is cycled when it is shorter."""
+    target: str = "amp"
+    """The configuration the user trains with: amp (autocast fp16 + GradScaler), fp16 (pure half
+    weights and optimizer) or bf16 (autocast bf16, no scaler). The verdict is about it."""
+    stages: tuple[str, ...] | None = None
+    """Stages to run; None means fp32, fp16, amp, plus bf16 when it is the target."""
+    device: str = "auto"
+    """auto (cuda when available), cpu, cuda or cuda:N."""
+    seed: int = 0
+    """RNG seed set before every stage."""
+    max_norm: float | None = None
+    """Global L2 gradient clipping threshold, applied in every stage; None: no clipping."""
+    init_scale: float = 2.0**16
+    """GradScaler initial scale."""
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1 (got {self.steps})")
+        if self.target not in TARGETS:
+            raise UsageError(f"--target must be one of {', '.join(TARGETS)} (got {self.target!r})")
+        if self.stages is not None:
+            bad = [s for s in self.stages if s not in STAGES]
+            if bad:
+                raise UsageError(f"unknown stage {bad[0]!r}; stages are {', '.join(STAGES)}")
+        if self.init_scale <= 0:
+            raise UsageError("--init-scale must be positive, e.g. --init-scale 1024")
+        if not 0 < self.backoff_factor < 1:
+            raise UsageError("--backoff-factor must be in (0, 1), e.g. 0.5")
+        if self.growth_interval < 1:
+            raise UsageError("--growth-interval must be at least 1")
+        if self.max_norm is not None and self.max_norm <= 0:
+            raise UsageError("--max-norm must be positive, e.g. --max-norm 1.0")
+
+    def stage_list(self) -> tuple[str, ...]:
+        """Stages in run order; fp32 always runs first because every verdict compares with it."""
+        wanted = self.stages or ("fp32", "fp16", "amp") + (("bf16",) if self.target == "bf16" else ())
+        want = set(wanted) | {"fp32", self.target}
+        return tuple(s for s in STAGES if s in want)

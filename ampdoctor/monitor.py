@@ -1,0 +1,237 @@
+"""Hooks on every module, module output and parameter of a model; records statistics only.
+
+A step is bracketed by ``begin_step`` and ``end_step``. During it:
+- forward hooks queue every module's output tensors and note which tensors were its inputs;
+- a tensor hook on every recorded tensor that requires grad queues the gradient flowing back
+  through it (the gradient at a module's output is the module's *incoming* gradient in backward;
+  the gradient at its input is its *outgoing* gradient);
+- ``after_backward`` queues every parameter's gradient (call it after ``scaler.unscale_``);
+- ``after_step`` queues every parameter's value after the update.
+``end_step`` reduces what is queued and copies it to the host in one transfer: the only host
+synchronisation the monitor makes in a step. Hooks never synchronise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ampdoctor.formats import FP16, Format
+from ampdoctor.stats import NCOLS, Col, StatsBuffer
+
+
+def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside a tensor, tuple/list, dict or ModelOutput-like object (depth-limited)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 4:
+        return
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v, depth + 1)
+    elif hasattr(obj, "to_tuple"):  # transformers ModelOutput that is not a dict
+        yield from iter_tensors(obj.to_tuple(), depth + 1)
+
+
+@dataclass
+class Call:
+    """One forward call of a module in a step."""
+
+    module: str
+    inputs: list[int]
+    """Tensor ids (per step) of the floating inputs."""
+    outputs: list[int]
+    """Tensor ids (per step) of the floating outputs."""
+
+
+@dataclass
+class StepStats:
+    """What the monitor saw in one step, on the host. Rows are stats rows (see ``stats.Col``)."""
+
+    step: int
+    calls: list[Call] = field(default_factory=list)
+    act: dict[int, np.ndarray] = field(default_factory=dict)
+    """Forward value of each tensor id."""
+    grad: dict[int, np.ndarray] = field(default_factory=dict)
+    """Gradient w.r.t. each tensor id."""
+    grad_order: list[int] = field(default_factory=list)
+    """Tensor ids in the order their gradients arrived in backward."""
+    pgrad: dict[str, np.ndarray] = field(default_factory=dict)
+    param: dict[str, np.ndarray] = field(default_factory=dict)
+    model_inputs: list[int] = field(default_factory=list)
+    model_outputs: list[int] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Scalars the caller queued with ``Monitor.add_scalar`` (loss, norms, ...)."""
+
+
+def nonfinite(row: np.ndarray) -> float:
+    """Number of NaN/±Inf elements in a stats row."""
+    return float(row[Col.POSINF] + row[Col.NEGINF] + row[Col.NAN])
+
+
+class Monitor:
+    """Owns hooks on a model and turns each step into a ``StepStats``.
+
+    Use as a context manager (hooks are removed and the model's mode restored on exit, also on
+    error), or call ``attach``/``detach``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        fmt: Format = FP16,
+        *,
+        activations: bool = True,
+        grads: bool = True,
+        params: bool = True,
+        every: int = 1,
+    ) -> None:
+        self.model = model
+        self.fmt = fmt
+        self.activations = activations
+        self.grads = grads
+        self.params = params
+        self.every = max(1, every)
+        self._handles: list[Any] = []
+        self._names = {m: n or "<model>" for n, m in model.named_modules()}
+        self._param_names = [(n, p) for n, p in model.named_parameters()]
+        self._active = False
+        self._buf = StatsBuffer(fmt)
+        self._reset(0)
+
+    # lifecycle -----------------------------------------------------------------------------
+    def attach(self) -> Monitor:
+        if self._handles:
+            return self
+        for mod in self.model.modules():
+            self._handles.append(mod.register_forward_hook(self._on_forward, with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+
+    def __enter__(self) -> Monitor:
+        self._training = self.model.training
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+        self.model.train(self._training)
+
+    # per step --------------------------------------------------------------------------------
+    def _reset(self, step: int) -> None:
+        self._step = step
+        self._tids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._cur = StepStats(step)
+        self._keys_seen = 0
+        self._scalars: list[tuple[str, torch.Tensor]] = []
+
+    def begin_step(self, step: int) -> None:
+        """Start recording step ``step`` (statistics only every ``every``-th step)."""
+        self._reset(step)
+        self._active = step % self.every == 0
+
+    @property
+    def recording(self) -> bool:
+        return self._active
+
+    def _tid(self, t: torch.Tensor, *, is_output: bool) -> int:
+        key = id(t)
+        hit = self._tids.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        tid = len(self._tids)
+        self._tids[key] = (weakref.ref(t), tid)
+        if self.activations:
+            self._buf.add(("act", tid), t)
+        if self.grads and t.requires_grad and torch.is_grad_enabled():
+            t.register_hook(self._grad_hook(tid))
+        return tid
+
+    def _grad_hook(self, tid: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            if self._active and self._cur is not None and g is not None:
+                self._cur.grad_order.append(tid)
+                self._buf.add(("grad", tid), g)
+
+        return hook
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._active:
+            return
+        ins = [self._tid(t, is_output=False) for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
+        outs = [self._tid(t, is_output=True) for t in iter_tensors(output) if t.is_floating_point()]
+        name = self._names.get(module, type(module).__name__)
+        self._cur.calls.append(Call(name, ins, outs))
+        if module is self.model:
+            self._cur.model_inputs = ins
+            self._cur.model_outputs = outs
+
+    def add_scalar(self, name: str, value: torch.Tensor | float) -> None:
+        """Queue a scalar (a 0-d tensor stays on the device) to come back with this step's copy."""
+        if isinstance(value, torch.Tensor):
+            self._scalars.append((name, value.detach().reshape(()).to(torch.float64)))
+        else:
+            self._cur.extra[name] = float(value)
+
+    def after_backward(self) -> None:
+        """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used)."""
+        if not (self._active and self.grads):
+            return
+        for n, p in self._param_names:
+            if p.grad is not None:
+                self._buf.add(("pgrad", n), p.grad)
+
+    def after_step(self) -> None:
+        """Queue parameter values after the optimizer update."""
+        if not (self._active and self.params):
+            return
+        for n, p in self._param_names:
+            self._buf.add(("param", n), p)
+
+    def end_step(self) -> StepStats:
+        """Reduce everything queued this step and bring it to the host (one transfer)."""
+        st = self._cur
+        keys, rows = self._buf.collect()
+        if self._scalars:
+            sc = torch.stack([v.to(rows.device) for _, v in self._scalars])
+            host = torch.cat([rows, _scalar_rows(sc, rows.device)]).cpu().numpy()
+            nsc = len(self._scalars)
+            flat = host[len(keys):].reshape(-1)[:nsc]
+            for (name, _), v in zip(self._scalars, flat, strict=True):
+                st.extra[name] = float(v)
+            host = host[: len(keys)]
+        else:
+            host = rows.cpu().numpy()
+        for (kind, ident), row in zip(keys, host, strict=True):
+            if kind == "act":
+                st.act[ident] = row
+            elif kind == "grad":
+                st.grad[ident] = row
+            elif kind == "pgrad":
+                st.pgrad[ident] = row
+            elif kind == "param":
+                st.param[ident] = row
+        self._tids = {}
+        return st
+
+
+def _scalar_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pack scalars into whole stats-width rows so they travel in the same copy."""
+    n = values.numel()
+    nrows = -(-n // NCOLS)
+    out = torch.zeros(nrows * NCOLS, dtype=torch.float64, device=device)
+    out[:n] = values
+    return out.view(nrows, NCOLS)

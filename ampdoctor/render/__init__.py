@@ -1,0 +1,1 @@
+"""Renderers: one output format per module, all reading a Report."""

@@ -1,0 +1,180 @@
+"""The Report: plain data that every renderer reads. ``to_dict``/``from_dict`` round-trip."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+CAUSES = (
+    "healthy",
+    "data",
+    "model_bug",
+    "fp16_forward_overflow",
+    "fp16_grad_overflow",
+    "fp16_grad_underflow",
+    "fp16_update_swallowed",
+    "amp_misuse",
+    "inconclusive",
+)
+
+
+@dataclass
+class Verdict:
+    cause: str
+    """One of CAUSES."""
+    first_module: str | None
+    first_step: int | None
+    stage: str | None
+    summary: str
+    device: str = "cpu"
+
+
+@dataclass
+class Finding:
+    code: str
+    """A cause from CAUSES, or a warning code such as 'calibration_skips'."""
+    severity: str
+    """error | warning | info"""
+    title: str
+    stage: str | None = None
+    module: str | None = None
+    step: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+
+
+@dataclass
+class StageSummary:
+    name: str
+    steps_run: int
+    first_nonfinite_step: int | None
+    skipped_steps: list[int]
+    final_scale: float | None
+    final_loss: float | None
+    fp32_loss: float | None
+    """FP32's loss after as many applied updates, for comparison."""
+    losses: list[float]
+    scales: list[float | None]
+    grad_norms: list[float]
+    error: dict[str, Any] | None = None
+    stopped: str | None = None
+    master_weights: bool = True
+
+
+@dataclass
+class LayerRow:
+    module: str
+    kind: str
+    """activation | grad | param_grad"""
+    absmax_fp32: float
+    """Largest finite |x| seen in the FP32 stage."""
+    overflow_frac: float
+    """Share of elements that overflow in FP16 (cast of the FP32 values)."""
+    underflow_frac: float
+    """Share of FP32-non-zero elements that are zero in the target stage (flushed)."""
+    nonfinite_frac: float
+    """Share of NaN/Inf in the target stage."""
+    headroom_binades: float
+    """log2(65504 / absmax_fp32)."""
+    first_nonfinite_step: int | None = None
+
+
+@dataclass
+class ScaleEvent:
+    step: int
+    scale: float
+    reason: str
+
+
+@dataclass
+class ScalerStory:
+    init_scale: float
+    final_scale: float
+    min_scale: float
+    max_scale: float
+    calibration_skips: int
+    skips: list[ScaleEvent]
+    pattern: str
+    """calibrating | stable | climbing | saturated | oscillating | collapsed | never_growing"""
+    explanation: str
+
+
+@dataclass
+class Report:
+    verdict: Verdict
+    stages: list[StageSummary]
+    findings: list[Finding]
+    layers: list[LayerRow]
+    scaler: ScalerStory | None
+    fixes: list[str]
+    environment: dict[str, Any]
+    config: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    tool: str = "ampdoctor triage"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.verdict.cause == "healthy" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        return _build(cls, d)
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: NaN/Inf floats become strings 'nan', 'inf', '-inf'."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _unclean(x: Any) -> Any:
+    if x in ("nan", "inf", "-inf"):
+        return float(x)
+    if isinstance(x, list):
+        return [_unclean(v) for v in x]
+    return x
+
+
+_NESTED: dict[str, Any] = {}
+
+
+def _build(cls: Any, d: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    hints = {f.name: f for f in fields(cls)}
+    for name, f in hints.items():
+        if name not in d:
+            continue
+        v = d[name]
+        t = _NESTED.get(f"{cls.__name__}.{name}")
+        if t is not None and v is not None:
+            v = [_build(t, x) for x in v] if isinstance(v, list) else _build(t, v)
+        elif name in ("environment", "config", "evidence", "error"):
+            pass
+        else:
+            v = _unclean(v)
+        kwargs[name] = v
+    return cls(**kwargs)
+
+
+_NESTED.update({
+    "Report.verdict": Verdict,
+    "Report.stages": StageSummary,
+    "Report.findings": Finding,
+    "Report.layers": LayerRow,
+    "Report.scaler": ScalerStory,
+    "ScalerStory.skips": ScaleEvent,
+})
+
+assert all(is_dataclass(t) for t in _NESTED.values())

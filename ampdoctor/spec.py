@@ -1,0 +1,105 @@
+"""Load the user's spec file: a Python file with build_model, build_dataloader and friends."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampdoctor.errors import SpecError
+
+
+@dataclass(frozen=True)
+class SpecNames:
+    """Names of the functions to look up in the spec file."""
+
+    model: str = "build_model"
+    data: str = "build_dataloader"
+    loss: str = "loss_fn"
+    optimizer: str = "build_optimizer"
+
+
+@dataclass
+class Spec:
+    """What a spec file provides."""
+
+    path: Path
+    build_model: Callable[[], torch.nn.Module]
+    build_dataloader: Callable[[], Iterable[Any]]
+    loss_fn: Callable[..., Any] | None
+    build_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """'file:line' of the deepest frame inside the user's file, if any."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if Path(frame.filename).resolve() == path.resolve():
+            return f"{path.name}:{frame.lineno}"
+    return path.name
+
+
+def load_spec(path: str | Path, names: SpecNames | None = None) -> Spec:
+    """Import the spec file and return its functions; raise SpecError saying what to fix."""
+    names = names or SpecNames()
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(f"{p}: no such file; pass the path of a Python file that defines {names.model}() and {names.data}()")
+    if p.is_dir() or p.suffix != ".py":
+        raise SpecError(f"{p}: expected a .py spec file defining {names.model}() and {names.data}()")
+    mod_name = f"_ampdoctor_spec_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"{p}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    parent = str(p.resolve().parent)
+    added = parent not in sys.path
+    if added:
+        sys.path.insert(0, parent)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise SpecError(f"{p.name}:{e.lineno}: syntax error ({e.msg}); fix the file and rerun") from None
+    except ImportError as e:
+        raise SpecError(f"{_where(e, p)}: import failed ({e}); install the package or fix the import") from None
+    except Exception as e:
+        raise SpecError(f"{_where(e, p)}: the file raised {type(e).__name__} while loading: {e}") from None
+    finally:
+        if added and parent in sys.path:
+            sys.path.remove(parent)
+
+    def get(name: str, required: bool) -> Callable[..., Any] | None:
+        fn = getattr(module, name, None)
+        if fn is None:
+            if required:
+                found = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+                hint = f" (it defines: {', '.join(found)})" if found else ""
+                raise SpecError(f"{p.name} has no function {name}(){hint}; define it, or name another with --{_opt(name, names)}")
+            return None
+        if not callable(fn):
+            raise SpecError(f"{p.name}: {name} is a {type(fn).__name__}, not a function")
+        return fn
+
+    model = get(names.model, True)
+    data = get(names.data, True)
+    assert model is not None and data is not None
+    return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False))
+
+
+def _opt(name: str, names: SpecNames) -> str:
+    return {names.model: "model-fn", names.data: "data-fn", names.loss: "loss-fn"}.get(name, "optimizer-fn")
+
+
+def call_user(fn: Callable[..., Any], *args: Any, what: str, path: Path) -> Any:
+    """Call a spec function, turning its exceptions into SpecError with file:line."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise SpecError(f"{_where(e, path)}: {what} raised {type(e).__name__}: {e}") from None
