@@ -6,9 +6,20 @@ __version__ = "0.1.0"
 
 from ampdoctor.config import TriageConfig  # noqa: E402
 from ampdoctor.formats import FORMATS, Format, get_format  # noqa: E402
-from ampdoctor.monitor import Monitor, StepStats  # noqa: E402
+from ampdoctor.hooks import Hooks, StepStats  # noqa: E402
 from ampdoctor.report import Report  # noqa: E402
 from ampdoctor.spec import load_spec  # noqa: E402
 from ampdoctor.triage import triage  # noqa: E402
 
-__all__ = ["FORMATS", "Format", "Monitor", "Report", "StepStats", "TriageConfig", "get_format", "load_spec", "triage", "__version__"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "Hooks",
+    "Report",
+    "StepStats",
+    "TriageConfig",
+    "get_format",
+    "load_spec",
+    "triage",
+    "__version__",
+]

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ampdoctor import __version__
+from ampdoctor.cli_common import err, fail, out
 from ampdoctor.config import TriageConfig
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.io import check_writable, write_atomic
@@ -23,14 +23,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Tells you why mixed-precision (FP16/AMP) training goes NaN or Inf, and what to change.",
 )
-out = Console()
-err = Console(stderr=True)
-
-
-def fail(message: str, code: int = 2) -> None:
-    """One line on stderr, then exit (2 for bad input)."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _version(value: bool) -> None:
@@ -133,6 +125,14 @@ def triage(
         if json_path is not None:
             out.print(f"report written to {json_path}", style="dim")
     raise typer.Exit(report.exit_code)
+
+
+# Commands that live in their own modules (one job each) register here.
+from ampdoctor.cli_layers import layers as _layers  # noqa: E402
+from ampdoctor.cli_scaler import scaler as _scaler  # noqa: E402
+
+app.command("layers")(_layers)
+app.command("scaler")(_scaler)
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from ampdoctor import locate
 from ampdoctor.batches import Batches, check_batch, outlier_ratio
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
-from ampdoctor.monitor import StepStats, nonfinite
+from ampdoctor.hooks import StepStats, nonfinite
 from ampdoctor.report import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
 from ampdoctor.scaler import diagnose_scale
 from ampdoctor.stages import StageResult

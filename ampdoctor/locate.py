@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ampdoctor.monitor import Call, StepStats, nonfinite
+from ampdoctor.hooks import Call, StepStats, nonfinite
 from ampdoctor.stats import Col
 
 MODEL = "<model>"

@@ -1,4 +1,4 @@
-"""One training stage (fp32 | fp16 | amp | bf16) over the cached batches, under a Monitor.
+"""One training stage (fp32 | fp16 | amp | bf16) over the cached batches, under Hooks.
 
 Every stage follows the same recipe so that stages differ only in precision:
 zero_grad(set_to_none) → forward (+ loss) → loss finiteness check → backward →
@@ -20,7 +20,7 @@ from torch import nn
 from ampdoctor.batches import Batches, cast_floating, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
-from ampdoctor.monitor import Monitor, StepStats, nonfinite
+from ampdoctor.hooks import Hooks, StepStats, nonfinite
 from ampdoctor.spec import Spec
 
 ProgressFn = Callable[[str, int], None]
@@ -225,7 +225,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
         if name == "amp"
         else None
     )
-    mon = Monitor(run_model) if ctx.with_monitor else None
+    mon = Hooks(run_model) if ctx.with_monitor else None
     tracker = _Tracker(run_model)
     step = 0
     try:

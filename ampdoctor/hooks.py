@@ -70,7 +70,7 @@ class StepStats:
     model_inputs: list[int] = field(default_factory=list)
     model_outputs: list[int] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)
-    """Scalars the caller queued with ``Monitor.add_scalar`` (loss, norms, ...)."""
+    """Scalars the caller queued with ``Hooks.add_scalar`` (loss, norms, ...)."""
 
 
 def nonfinite(row: np.ndarray) -> float:
@@ -78,7 +78,7 @@ def nonfinite(row: np.ndarray) -> float:
     return float(row[Col.POSINF] + row[Col.NEGINF] + row[Col.NAN])
 
 
-class Monitor:
+class Hooks:
     """Owns hooks on a model and turns each step into a ``StepStats``.
 
     Use as a context manager (hooks are removed and the model's mode restored on exit, also on
@@ -109,7 +109,7 @@ class Monitor:
         self._reset(0)
 
     # lifecycle -----------------------------------------------------------------------------
-    def attach(self) -> Monitor:
+    def attach(self) -> Hooks:
         if self._handles:
             return self
         for mod in self.model.modules():
@@ -122,7 +122,7 @@ class Monitor:
         self._handles.clear()
         self._active = False
 
-    def __enter__(self) -> Monitor:
+    def __enter__(self) -> Hooks:
         self._training = self.model.training
         return self.attach()
 
