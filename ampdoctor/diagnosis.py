@@ -16,6 +16,7 @@ from ampdoctor.hooks import StepStats, nonfinite
 from ampdoctor.report import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
 from ampdoctor.scaler import diagnose_scale
 from ampdoctor.stages import StageResult
+from ampdoctor.opscan import OpRecord, first_overflowing_op
 from ampdoctor.stats import Col
 
 OUTLIER_RATIO = 1e3
@@ -36,6 +37,8 @@ class Recheck:
     finite: bool
     weights: str
     """'initial' or 'stage <name> before step <k>'."""
+    ops: Callable[[str], list[OpRecord]] | None = None
+    """Replays the same FP32 forward and lists the ops run inside a named module."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
@@ -62,15 +65,23 @@ def progress(losses: list[float]) -> float:
     return losses[0] - float(np.mean(losses[-k:]))
 
 
+MIN_STALL_STEPS = 8
+"""Fewer steps than this are too few to call a stall (per-batch noise dominates)."""
+
+
 def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
-    """Target's loss progress over FP32's after as many applied updates (None: FP32 made none)."""
-    applied = [r for r in target.records if not r.skipped]
-    n = len(target.records)
-    skipped = n - len(applied)
-    ref = [r.loss for r in fp32.records[: max(2, n - skipped)]]
-    tgt = [r.loss for r in target.records]
+    """Target's loss progress over FP32's on the same steps (same batches, same start weights).
+
+    None when FP32 made no meaningful progress (under 1% of its first loss) or there are too few
+    steps to tell.
+    """
+    n = min(len(target.records), len(fp32.records))
+    if n < MIN_STALL_STEPS:
+        return None
+    ref = [r.loss for r in fp32.records[:n]]
+    tgt = [r.loss for r in target.records[:n]]
     p32 = progress(ref)
-    if not math.isfinite(p32) or p32 <= 1e-2 * abs(ref[0]) or ref[0] == 0:
+    if not math.isfinite(p32) or ref[0] == 0 or p32 <= 1e-2 * abs(ref[0]):
         return None
     pt = progress(tgt)
     return pt / p32 if math.isfinite(pt) else 0.0
@@ -313,7 +324,13 @@ def diagnose(
                 module = locate.first_consumer_of_inputs(st)
             ref = _stats_at(fp32, bad)
             ev = dict(rc_ev)
-            if ref is not None and module is not None:
+            if rc is not None and rc.ops is not None and module is not None:
+                op = first_overflowing_op(rc.ops(module))
+                if op is not None:
+                    ev["op"] = op.op
+                    ev["fp32_absmax"] = op.absmax
+                    ev["fp16_max"] = FP16.max
+            if "fp32_absmax" not in ev and ref is not None and module is not None:
                 amax = _module_absmax(ref, module)
                 if amax is not None:
                     ev["fp32_absmax"] = amax
@@ -322,7 +339,9 @@ def diagnose(
                                     f"{module or 'the input'} overflows FP16 in the forward pass", tgt_name, module, bad, ev,
                                     _fix_forward(module, device)))
             fixes.extend(_fixes_forward(module, device, ev))
-            amax_s = f" (it reaches {_fmt(ev['fp32_absmax'])} in FP32, above FP16's max {FP16.max:g})" if "fp32_absmax" in ev else ""
+            op_s = f"its {ev['op']} op " if "op" in ev else ""
+            amax_s = (f" ({op_s}reaches {_fmt(float(ev['fp32_absmax']))} in FP32, above FP16's max {FP16.max:g})"  # type: ignore[arg-type]
+                      if "fp32_absmax" in ev and float(ev["fp32_absmax"]) > FP16.max else "")  # type: ignore[arg-type]
             return verdict("fp16_forward_overflow", module, bad, tgt_name,
                            f"In the {tgt_name} stage the output of {module or 'the input cast'} becomes non-finite at step "
                            f"{bad}{amax_s} while FP32 stays finite" + (" (FP32 re-check of that step from the same weights: "

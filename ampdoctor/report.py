@@ -55,7 +55,7 @@ class StageSummary:
     final_scale: float | None
     final_loss: float | None
     fp32_loss: float | None
-    """FP32's loss after as many applied updates, for comparison."""
+    """FP32's loss at this stage's last step (same batch), for comparison."""
     losses: list[float]
     scales: list[float | None]
     grad_norms: list[float]
@@ -80,6 +80,26 @@ class LayerRow:
     headroom_binades: float
     """log2(65504 / absmax_fp32)."""
     first_nonfinite_step: int | None = None
+
+
+@dataclass
+class LayerStep:
+    """One module (or parameter) at one step of the target stage: the cells of the layers × steps heatmap."""
+
+    module: str
+    kind: str
+    """activation | grad | param_grad"""
+    step: int
+    overflow_frac: float
+    """Share of the FP32 stage's values at this step that overflow when cast to FP16."""
+    underflow_frac: float
+    """Share of the FP32 stage's values at this step that are non-zero and cast to 0 in FP16."""
+    nonfinite_frac: float
+    """Share of NaN/Inf in the target stage at this step."""
+    flushed_frac: float
+    """Share of FP32-non-zero elements that are zero in the target stage at this step."""
+    absmax_fp32: float
+    """Largest finite |x| in the FP32 stage at this step."""
 
 
 @dataclass
@@ -113,6 +133,8 @@ class Report:
     environment: dict[str, Any]
     config: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    layer_steps: list[LayerStep] = field(default_factory=list)
+    """Per step and module of the target stage (optional; filled by ``report_build.layer_steps``)."""
     schema_version: int = SCHEMA_VERSION
     tool: str = "ampdoctor triage"
 
@@ -173,6 +195,7 @@ _NESTED.update({
     "Report.stages": StageSummary,
     "Report.findings": Finding,
     "Report.layers": LayerRow,
+    "Report.layer_steps": LayerStep,
     "Report.scaler": ScalerStory,
     "ScalerStory.skips": ScaleEvent,
 })

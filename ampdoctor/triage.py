@@ -15,6 +15,7 @@ from ampdoctor.config import TriageConfig
 from ampdoctor.diagnosis import Recheck, diagnose, stall_ratio
 from ampdoctor.env import environment, resolve_device
 from ampdoctor.errors import SpecError
+from ampdoctor.opscan import OpRecord, scan_module
 from ampdoctor.report import Report, StageSummary
 from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
 from ampdoctor.stages import ProgressFn, StageContext, StageResult, get_loss, run_stage
@@ -86,17 +87,21 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         lv = float(loss.detach())
         model.zero_grad(set_to_none=True)
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label)
+
+        def ops(module: str) -> list[OpRecord]:
+            model.load_state_dict(state)
+            return scan_module(model, module, lambda: model(*args, **kwargs))
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops)
 
     return run
 
 
 def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
     recs = res.records
-    applied = sum(not r.skipped for r in recs)
     fp32_loss = None
     if fp32 is not None and fp32.records and recs:
-        fp32_loss = fp32.records[min(len(fp32.records), max(applied, 1)) - 1].loss
+        fp32_loss = fp32.records[min(len(fp32.records), len(recs)) - 1].loss  # same step, same batch
     return StageSummary(
         name=res.name,
         steps_run=len(recs),

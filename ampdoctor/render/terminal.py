@@ -29,8 +29,8 @@ def render(report: Report, console: Console) -> None:
     console.print(Panel(Group(*lines), title=f"ampdoctor verdict: {v.cause}", border_style=color))
 
     t = Table(title="Stages", title_justify="left")
-    for col in ("stage", "steps", "first non-finite", "skipped", "final scale", "final loss", "fp32 loss", "note"):
-        t.add_column(col, justify="right" if col not in ("stage", "note") else "left")
+    for col in ("stage", "steps", "first inf/nan", "skips", "scale", "loss", "fp32 loss", "note"):
+        t.add_column(col, justify="right" if col not in ("stage", "note") else "left", no_wrap=col != "note")
     for s in report.stages:
         note = ""
         if s.error:
@@ -38,15 +38,15 @@ def render(report: Report, console: Console) -> None:
         elif s.stopped:
             note = s.stopped
         elif s.name == "fp16":
-            note = "FP32 master weights" if s.master_weights else "FP16 weights + optimizer"
+            note = "FP32 master" if s.master_weights else "FP16 weights"
         t.add_row(s.name, str(s.steps_run), num(s.first_nonfinite_step), str(len(s.skipped_steps)) if s.skipped_steps else "0",
                   scale(s.final_scale), num(s.final_loss), num(s.fp32_loss) if s.name != "fp32" else "", note)
     console.print(t)
 
     if report.layers:
-        lt = Table(title="Layers (FP32 values cast to FP16; flushed and non-finite from the target stage)", title_justify="left")
-        for col in ("module / parameter", "kind", "absmax fp32", "headroom", "overflow", "flushed", "non-finite", "first bad step"):
-            lt.add_column(col, justify="left" if col in ("module / parameter", "kind") else "right")
+        lt = Table(title="Layers: FP32 values cast to FP16; flushed / non-finite in the target stage", title_justify="left")
+        for col in ("module / parameter", "kind", "fp32 absmax", "headroom", "overflow", "flushed", "non-finite", "step"):
+            lt.add_column(col, justify="left" if col in ("module / parameter", "kind") else "right", no_wrap=True)
         for r in report.layers:
             style = "red" if r.nonfinite_frac > 0 or r.overflow_frac > 0 else "yellow" if r.underflow_frac > 0 else ""
             lt.add_row(r.module, r.kind, num(r.absmax_fp32), f"{r.headroom_binades:.1f}" if r.headroom_binades != float("inf") else "inf",
@@ -60,7 +60,7 @@ def render(report: Report, console: Console) -> None:
             f"min {scale(sc.min_scale)}; skipped {len(sc.skips)} step(s): {steps([e.step for e in sc.skips])}"))
         console.print(f"  {sc.explanation}")
 
-    other = [f for f in report.findings if f.severity != "error"]
+    other = [f for f in report.findings if f.severity == "warning"]
     if other:
         console.print(Text("Warnings", style="bold"))
         for f in other:

@@ -1,0 +1,170 @@
+"""PNG figures of a Report, drawn with matplotlib's Agg backend (the optional ``plots`` extra).
+
+``figures(report)`` returns ``{name: png_bytes}`` for every plot the report has data for:
+``loss`` (loss per stage against step, FP32 as the reference line), ``scale`` (GradScaler scale,
+log2, skipped steps marked), ``heatmap`` (layers × steps: overflow, non-finite and flushed shares)
+and ``headroom`` (binades of FP16 headroom per layer). Nothing here prints or touches files.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+from ampdoctor.report import Report
+
+INSTALL_HINT = "plots need matplotlib: pip install 'ampdoctor[plots]'"
+
+TITLES = {
+    "loss": "Loss per stage against step",
+    "scale": "GradScaler scale against step",
+    "heatmap": "Layers × steps: overflow, non-finite and flushed shares",
+    "headroom": "FP16 headroom per layer",
+}
+
+_COLORS = {"fp32": "#222222", "fp16": "#d62728", "amp": "#1f77b4", "bf16": "#2ca02c"}
+
+
+def available() -> bool:
+    """True when matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    # no Software/date metadata: the same report gives the same bytes
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def loss_figure(report: Report) -> bytes | None:
+    stages = [s for s in report.stages if s.losses]
+    if not stages:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    finite_all = [x for s in stages for x in s.losses if math.isfinite(x)]
+    top = max(finite_all) if finite_all else 1.0
+    for n, s in enumerate(sorted(stages, key=lambda s: s.name != "fp32")):
+        xs = list(range(len(s.losses)))
+        ys = [x if math.isfinite(x) else math.nan for x in s.losses]
+        ref = s.name == "fp32"
+        ax.plot(xs, ys, label=f"{s.name}{' (reference)' if ref else ''}", color=_COLORS.get(s.name),
+                linewidth=2.4 if ref else 1.4, linestyle="--" if ref else "-", zorder=3 if ref else 2)
+        bad = [i for i, x in enumerate(s.losses) if not math.isfinite(x)]
+        if bad:
+            ax.scatter(bad, [top * (1.02 + 0.04 * n)] * len(bad), marker="x", color=_COLORS.get(s.name, "red"), zorder=4,
+                       label=f"{s.name}: non-finite loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(TITLES["loss"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def scale_figure(report: Report) -> bytes | None:
+    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    if stage is None:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    pts = [(i, math.log2(x)) for i, x in enumerate(stage.scales) if x is not None and x > 0]
+    ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color=_COLORS["amp"], label=f"{stage.name}: log2(scale)")
+    skipped = [(i, math.log2(x)) for i, x in enumerate(stage.scales) if i in set(stage.skipped_steps) and x is not None and x > 0]
+    if skipped:
+        ax.scatter([p[0] for p in skipped], [p[1] for p in skipped], marker="v", color="#d62728", zorder=3,
+                   label=f"skipped step ({len(skipped)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2(scale)")
+    ax.set_title(TITLES["scale"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def heatmap_figure(report: Report) -> bytes | None:
+    cells = report.layer_steps
+    if not cells:
+        return None
+    import numpy as np
+
+    plt = _plt()
+    keys = list(dict.fromkeys((c.module, c.kind) for c in cells))
+    steps = sorted({c.step for c in cells})
+    col = {s: i for i, s in enumerate(steps)}
+    row = {k: i for i, k in enumerate(keys)}
+    panels = [("overflow_frac", "overflow (FP32 cast to FP16)"), ("nonfinite_frac", "non-finite (target stage)"),
+              ("flushed_frac", "flushed to 0 (target stage)")]
+    height = max(2.6, 0.28 * len(keys) + 1.4)
+    fig, axes = plt.subplots(1, 3, figsize=(12, height), sharey=True)
+    im = None
+    for ax, (field, title) in zip(axes, panels, strict=True):
+        grid = np.zeros((len(keys), len(steps)))
+        for c in cells:
+            grid[row[(c.module, c.kind)], col[c.step]] = getattr(c, field)
+        im = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0.0, vmax=1.0, interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        tick = max(1, len(steps) // 8)
+        ax.set_xticks(range(0, len(steps), tick))
+        ax.set_xticklabels([str(steps[i]) for i in range(0, len(steps), tick)], fontsize=7)
+    axes[0].set_yticks(range(len(keys)))
+    axes[0].set_yticklabels([f"{m} [{k}]" for m, k in keys], fontsize=7)
+    fig.colorbar(im, ax=list(axes), fraction=0.025, pad=0.01, label="share of elements")
+    fig.suptitle(TITLES["heatmap"], fontsize=10)
+    return _png(fig)
+
+
+def _headroom_rows(report: Report) -> list[tuple[str, float]]:
+    if report.layers:
+        return [(f"{r.module} [{r.kind}]", r.headroom_binades) for r in report.layers if not math.isnan(r.headroom_binades)]
+    best: dict[tuple[str, str], float] = {}
+    for c in report.layer_steps:
+        best[(c.module, c.kind)] = max(best.get((c.module, c.kind), 0.0), c.absmax_fp32)
+    out = []
+    for (m, k), a in best.items():
+        out.append((f"{m} [{k}]", math.log2(65504.0 / a) if a > 0 and math.isfinite(a) else math.inf))
+    return out
+
+
+def headroom_figure(report: Report) -> bytes | None:
+    rows = [(n, h) for n, h in _headroom_rows(report) if not math.isinf(h)]
+    if not rows:
+        return None
+    plt = _plt()
+    rows.sort(key=lambda r: r[1])
+    fig, ax = plt.subplots(figsize=(7.5, max(2.2, 0.3 * len(rows) + 1.0)))
+    colors = ["#d62728" if h < 0 else "#ff7f0e" if h < 2 else "#2ca02c" for _, h in rows]
+    ax.barh(range(len(rows)), [h for _, h in rows], color=colors)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([n for n, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=1)
+    ax.set_xlabel("headroom in binades: log2(65504 / FP32 absmax); below 0 overflows FP16")
+    ax.set_title(TITLES["headroom"])
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def figures(report: Report) -> dict[str, bytes]:
+    """Every plot the report has data for, as PNG bytes. Raises ImportError without matplotlib."""
+    _plt()
+    made = {"loss": loss_figure(report), "scale": scale_figure(report), "heatmap": heatmap_figure(report),
+            "headroom": headroom_figure(report)}
+    return {k: v for k, v in made.items() if v is not None}

@@ -1,0 +1,80 @@
+"""Every sample model gives its cause, first module and first step — through the library and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ampdoctor.cli import app
+from ampdoctor.config import TriageConfig
+from ampdoctor.triage import triage
+
+from .conftest import SAMPLES
+
+EXPECTED = {
+    # sample: (cause, first_module, first_step, stage, options)
+    "healthy.py": ("healthy", None, None, "amp", {}),
+    "data_nan.py": ("data", None, 7, "fp32", {}),
+    "model_bug.py": ("model_bug", "log_features", 0, "fp32", {}),
+    "forward_overflow.py": ("fp16_forward_overflow", "blocks.1.attn", 0, "amp", {}),
+    "grad_overflow.py": ("fp16_grad_overflow", "head", 0, "amp", {}),
+    "grad_underflow.py": ("fp16_grad_underflow", "head", None, "amp", {}),
+    "update_swallowed.py": ("fp16_update_swallowed", None, 0, "fp16", {"target": "fp16"}),
+    "amp_misuse.py": ("amp_misuse", None, 0, "amp", {}),
+    "lstm_cpu.py": ("inconclusive", "encoder", 0, "amp", {"device": "cpu"}),
+}
+
+
+@pytest.mark.parametrize("sample", sorted(EXPECTED))
+def test_sample_verdict(sample: str) -> None:
+    cause, module, step, stage, opts = EXPECTED[sample]
+    report, results = triage(SAMPLES / sample, TriageConfig(steps=30, **opts))
+    v = report.verdict
+    assert (v.cause, v.first_module, v.first_step, v.stage) == (cause, module, step, stage), v.summary
+    assert v.summary
+    if cause != "healthy":
+        assert report.fixes, "every problem comes with a fix"
+        assert report.findings[0].code == cause
+    assert {s.name for s in report.stages} >= {"fp32", stage}
+
+
+def test_every_cause_has_a_sample() -> None:
+    from ampdoctor.report import CAUSES
+
+    assert {c for c, *_ in EXPECTED.values()} == set(CAUSES)
+
+
+def test_cli_json_matches_verdict(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["triage", str(SAMPLES / "forward_overflow.py"), "--steps", "8", "--json", str(out), "--device", "cpu"])
+    assert res.exit_code == 1, res.output
+    assert "blocks.1.attn" in res.output
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1
+    assert data["verdict"]["cause"] == "fp16_forward_overflow"
+    assert data["verdict"]["first_module"] == "blocks.1.attn"
+    assert data["verdict"]["first_step"] == 0
+    assert data["verdict"]["stage"] == "amp"
+    assert {s["name"] for s in data["stages"]} == {"fp32", "fp16", "amp"}
+    assert data["environment"]["device"] == "cpu"
+    assert data["environment"]["torch"]
+    # the FP32 re-check and the FP32 magnitude are part of the evidence
+    ev = data["findings"][0]["evidence"]
+    assert ev["fp32_recheck_finite"] is True
+    assert ev["fp32_absmax"] > 65504
+
+
+def test_cli_healthy_exit_zero_and_quiet() -> None:
+    res = CliRunner().invoke(app, ["triage", str(SAMPLES / "healthy.py"), "--steps", "6", "-q"])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == "healthy module=None step=None stage=amp"
+
+
+def test_spec_triage_options_are_defaults_the_cli_overrides() -> None:
+    res = CliRunner().invoke(app, ["triage", str(SAMPLES / "update_swallowed.py"), "--steps", "4", "-q"])
+    assert "fp16_update_swallowed" in res.output
+    res = CliRunner().invoke(app, ["triage", str(SAMPLES / "update_swallowed.py"), "--steps", "4", "-q", "--target", "amp"])
+    assert res.output.startswith("healthy"), res.output
