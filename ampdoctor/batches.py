@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -101,6 +102,23 @@ def split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
             return (batch[0],), {}, None
         return tuple(batch[:-1]), {}, batch[-1]
     return (batch,), {}, batch
+
+
+def filter_kwargs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keep the batch keys that model.forward accepts (all of them if it takes **kwargs).
+
+    Hugging Face style batches often carry extra fields (ids, raw text) that the model never sees.
+    """
+    if not kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 @dataclass

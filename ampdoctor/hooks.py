@@ -134,6 +134,7 @@ class Hooks:
     def _reset(self, step: int) -> None:
         self._step = step
         self._tids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._next_tid = 0
         self._cur = StepStats(step)
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
@@ -152,7 +153,8 @@ class Hooks:
         hit = self._tids.get(key)
         if hit is not None and hit[0]() is t:
             return hit[1]
-        tid = len(self._tids)
+        tid = self._next_tid  # not len(_tids): a dead tensor's id can be reused and overwrite its entry
+        self._next_tid += 1
         self._tids[key] = (weakref.ref(t), tid)
         if self.activations:
             self._buf.add(("act", tid), t)

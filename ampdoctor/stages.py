@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, cast_floating, split, to_device
+from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import Hooks, StepStats, nonfinite
@@ -247,7 +247,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
             if name == "fp16" and not pure_fp16:
                 run_model.zero_grad(set_to_none=True)
             with _autocast(name, ctx.device):
-                out = run_model(*args, **kwargs)
+                out = run_model(*args, **filter_kwargs(run_model, kwargs))
                 loss = get_loss(out, target, ctx.spec.loss_fn)
             loss_finite = bool(torch.isfinite(loss))
             scale = float(scaler.get_scale()) if scaler else None

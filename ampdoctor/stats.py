@@ -181,3 +181,40 @@ class StatsBuffer:
             target = rows[0].device
             rows = [r.to(target, non_blocking=True) for r in rows]
         return keys, torch.cat(rows)
+
+
+# Binade histograms (added for `ampdoctor layers`) -------------------------------------------------
+
+BINADE_MIN = -149
+"""Smallest ceil(log2|x|) of a non-zero float32 (the smallest subnormal, 2^-149)."""
+BINADE_MAX = 128
+"""Largest ceil(log2|x|) of a finite float32 (just below 2^128)."""
+NBINADES = BINADE_MAX - BINADE_MIN + 1
+
+
+def binade_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, how many finite non-zero elements have ``ceil(log2|x|) == e``: ``[n, NBINADES]`` float64.
+
+    Column ``e - BINADE_MIN`` counts the elements with ``2^(e-1) < |x| <= 2^e``. Every format's
+    underflow threshold is a power of two (half its smallest subnormal), and multiplying by a
+    power-of-two scale is exact, so ``|x| * 2^k <= 2^u`` exactly when ``ceil(log2|x|) <= u - k``:
+    the underflow count at every power-of-two scale and every format is a prefix sum of this row.
+    Values are taken as float32 (as in ``tensor_stats``); zeros, NaN and ±inf are not counted.
+    Computed on the tensors' device with a fixed number of kernels; no host synchronisation.
+    """
+    if not tensors:
+        return torch.zeros((0, NBINADES), dtype=torch.float64)
+    device = tensors[0].device
+    sizes = [t.numel() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    n = len(tensors)
+    seg = torch.repeat_interleave(
+        torch.arange(n, device=device), torch.tensor(sizes, device=device), output_size=flat.numel()
+    )
+    mant, expo = torch.frexp(flat)  # |x| = |mant| * 2^expo with |mant| in [0.5, 1)
+    ceil_log2 = expo.to(torch.int64) - (mant.abs() == 0.5).to(torch.int64)  # exact powers of two: one lower
+    counted = torch.isfinite(flat) & (flat != 0)
+    # uncounted elements go to a spare bin per tensor, dropped below
+    idx = torch.where(counted, ceil_log2 - BINADE_MIN, torch.full_like(ceil_log2, NBINADES))
+    counts = torch.bincount(seg * (NBINADES + 1) + idx, minlength=n * (NBINADES + 1))
+    return counts.view(n, NBINADES + 1)[:, :NBINADES].to(torch.float64)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, materialise, split, to_device
+from ampdoctor.batches import Batches, filter_kwargs, materialise, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.diagnosis import Recheck, diagnose, stall_ratio
 from ampdoctor.env import environment, resolve_device
@@ -40,7 +40,7 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Mod
     args, kwargs, target = split(to_device(batches[0], device))
     try:
         with torch.no_grad():
-            out = model(*args, **kwargs)
+            out = model(*args, **filter_kwargs(model, kwargs))
             get_loss(out, target, spec.loss_fn)
     except Exception as e:
         raise SpecError(
@@ -80,7 +80,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         model.zero_grad(set_to_none=True)
         args, kwargs, target = split(to_device(batches[step], device))
         try:
-            loss = get_loss(model(*args, **kwargs), target, spec.loss_fn)
+            loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
             loss.backward()
         except Exception:
             return None
@@ -90,7 +90,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
 
         def ops(module: str) -> list[OpRecord]:
             model.load_state_dict(state)
-            return scan_module(model, module, lambda: model(*args, **kwargs))
+            return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
         return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops)
 

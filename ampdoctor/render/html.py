@@ -1,0 +1,198 @@
+"""The HTML report: one self-contained file (inline CSS, plots as base64 data URIs, no scripts, no network)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from ampdoctor.render.common import CAUSE_TITLES, evidence, num, pct, scale, steps
+from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _opt_value, _scale_runs, _stage_note, reproduce_command
+from ampdoctor.report import Report
+
+CSS = """
+body{font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
+main{max-width:1100px;margin:0 auto;padding:24px}
+h1{font-size:22px;margin:0 0 12px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+.verdict{background:#fff;border:1px solid #d0d7de;border-left:8px solid var(--c);border-radius:6px;padding:14px 18px}
+.verdict .cause{font-size:20px;font-weight:600;color:var(--c)}
+.facts{display:flex;flex-wrap:wrap;gap:8px 22px;margin-top:10px}.facts b{font-weight:600}
+table{border-collapse:collapse;background:#fff;margin:6px 0;font-size:13px}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}td.n{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#eef1f4}tr.bad td{background:#ffebe9}tr.warn td{background:#fff8c5}
+code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+pre{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:10px;overflow-x:auto;white-space:pre-wrap}
+.plots{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:12px}
+figure{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
+figure img{width:100%;height:auto;display:block}figcaption{font-size:12px;color:#57606a;margin-top:4px}
+figure.wide{grid-column:1/-1}
+.muted{color:#57606a}ol li,ul li{margin:3px 0}details{margin:6px 0}summary{cursor:pointer;color:#0969da}
+"""
+
+_COLOR = {"healthy": "#1a7f37", "inconclusive": "#9a6700"}
+
+
+def e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None, classes: list[str] | None = None) -> str:
+    """Cells are already-escaped HTML."""
+    right = right or set()
+    out = ["<table><thead><tr>", *[f"<th>{h}</th>" for h in head], "</tr></thead><tbody>"]
+    for i, r in enumerate(rows):
+        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
+        out.append(f"<tr{cls}>" + "".join(f'<td class="n">{c}</td>' if j in right else f"<td>{c}</td>"
+                                          for j, c in enumerate(r)) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _folded(head: list[str], rows: list[list[str]], what: str, right: set[int] | None = None,
+            classes: list[str] | None = None) -> str:
+    if len(rows) <= SHOW_ROWS:
+        return _table(head, rows, right, classes)
+    return (_table(head, rows[:SHOW_ROWS], right, classes[:SHOW_ROWS] if classes else None)
+            + f"<details><summary>All {len(rows)} {e(what)}</summary>{_table(head, rows, right, classes)}</details>")
+
+
+def _verdict(report: Report) -> str:
+    v = report.verdict
+    title = CAUSE_TITLES.get(v.cause, v.cause)
+    color = _COLOR.get(v.cause, "#cf222e")
+    facts = [("first module", f"<code>{e(v.first_module)}</code>" if v.first_module else "-"),
+             ("first bad batch" if v.cause == "data" else "first bad step", e(num(v.first_step))),
+             ("stage", e(v.stage or "-")), ("device", e(v.device))]
+    fx = "".join(f"<span>{k}: <b>{val}</b></span>" for k, val in facts)
+    return (f'<section class="verdict" style="--c:{color}"><div class="cause">{e(title)} '
+            f'<code class="muted">{e(v.cause)}</code></div><p>{e(v.summary)}</p><div class="facts">{fx}</div></section>')
+
+
+def _plots(images: Mapping[str, bytes] | None, missing: str | None) -> str:
+    from ampdoctor.render.plots import TITLES
+
+    if missing:
+        return f'<h2>Plots</h2><p class="muted">No plots: {e(missing)}.</p>'
+    if not images:
+        return ""
+    figs = []
+    for name, png in images.items():
+        data = base64.b64encode(png).decode("ascii")
+        wide = ' class="wide"' if name == "heatmap" else ""
+        figs.append(f'<figure{wide}><img alt="{e(TITLES.get(name, name))}" data-plot="{e(name)}" '
+                    f'src="data:image/png;base64,{data}"><figcaption>{e(TITLES.get(name, name))}</figcaption></figure>')
+    return '<h2>Plots</h2><div class="plots">' + "".join(figs) + "</div>"
+
+
+def _stages(report: Report) -> str:
+    if not report.stages:
+        return ""
+    head = ["stage", "steps", "first non-finite", "skipped", "final scale", "final loss", "FP32 loss", "note"]
+    rows, cls = [], []
+    for s in report.stages:
+        rows.append([e(s.name), str(s.steps_run), e(num(s.first_nonfinite_step)), str(len(s.skipped_steps)),
+                     e(scale(s.final_scale)), e(num(s.final_loss)), e(num(s.fp32_loss)) if s.name != "fp32" else "",
+                     e(_stage_note(s))])
+        cls.append("bad" if s.error or s.first_nonfinite_step is not None else "warn" if s.skipped_steps else "")
+    return "<h2>Stages</h2>" + _table(head, rows, {1, 2, 3, 4, 5, 6}, cls)
+
+
+def _layers(report: Report) -> str:
+    if not report.layers:
+        return ""
+    head = ["module / parameter", "kind", "absmax FP32", "headroom (binades)", "overflow", "flushed", "non-finite", "first bad step"]
+    rows, cls = [], []
+    for r in report.layers:
+        h = "inf" if math.isinf(r.headroom_binades) else f"{r.headroom_binades:.1f}"
+        rows.append([f"<code>{e(r.module)}</code>", e(r.kind), e(num(r.absmax_fp32)), h, e(pct(r.overflow_frac)),
+                     e(pct(r.underflow_frac)), e(pct(r.nonfinite_frac)), e(num(r.first_nonfinite_step))])
+        cls.append("bad" if r.nonfinite_frac > 0 or r.overflow_frac > 0 else "warn" if r.underflow_frac > 0 else "")
+    return ("<h2>Offending layers</h2><p class=\"muted\">FP32 values cast to FP16 (absmax, headroom, overflow); flushed and "
+            "non-finite shares from the target stage.</p>" + _folded(head, rows, "layers", {2, 3, 4, 5, 6, 7}, cls))
+
+
+def _scaler(report: Report) -> str:
+    sc = report.scaler
+    if sc is None:
+        return ""
+    reasons = Counter(x.reason or "unknown" for x in sc.skips)
+    why = ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"
+    parts = [f"<h2>GradScaler</h2><p><b>Pattern: {e(sc.pattern)}.</b> {e(sc.explanation)}</p><ul>",
+             f"<li>scale: init {e(scale(sc.init_scale))}, final {e(scale(sc.final_scale))}, min {e(scale(sc.min_scale))}, "
+             f"max {e(scale(sc.max_scale))}</li>",
+             f"<li>skipped steps ({len(sc.skips)}): {e(steps([x.step for x in sc.skips]))}; why: {e(why)}</li>",
+             f"<li>calibration skips: {sc.calibration_skips}</li></ul>"]
+    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    if stage is not None:
+        parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage)], "scale runs", {1, 2}))
+    return "".join(parts)
+
+
+def _findings(report: Report) -> str:
+    out = []
+    errors = [f for f in report.findings if f.severity == "error"]
+    other = [f for f in report.findings if f.severity != "error"]
+    if errors:
+        items = []
+        for f in errors:
+            ev = f"<br><span class=\"muted\">evidence: {e(evidence(f.evidence))}</span>" if f.evidence else ""
+            fx = f"<br>fix: {e(f.fix)}" if f.fix else ""
+            items.append(f"<li><b>{e(f.title)}</b>{ev}{fx}</li>")
+        out.append("<h2>Evidence</h2><ul>" + "".join(items) + "</ul>")
+    if other:
+        out.append("<h2>Warnings</h2><ul>" + "".join(
+            f"<li><b>{e(f.severity)}</b> <code>{e(f.code)}</code>: {e(f.title)}{(' — ' + e(f.fix)) if f.fix else ''}</li>"
+            for f in other) + "</ul>")
+    if report.notes:
+        out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report.notes) + "</ul>")
+    return "".join(out)
+
+
+def _reproduce(report: Report) -> str:
+    cmd, ran = reproduce_command(report), report.environment.get("command")
+    out = []
+    if cmd:
+        out.append(f"<p>With every option that shapes the run (same seed, same batches):</p><pre>{e(cmd)}</pre>")
+    if ran:
+        out.append(f"<p>The command that made this report:</p><pre>{e(ran)}</pre>")
+    return "<h2>Reproduce</h2>" + "".join(out) if out else ""
+
+
+def _environment(report: Report) -> str:
+    env = report.environment
+    if not env:
+        return ""
+    known = {k for k, _ in ENV_KEYS} | {"command"}
+    rows = [[e(label), e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
+    rows += [[e(k), e(num(v))] for k, v in env.items() if k not in known]
+    cfg = [[e(k), e(_opt_value(v) if v is not None else "-")] for k, v in report.config.items() if k != "spec"]
+    opts = f"<details><summary>Options</summary>{_table(['option', 'value'], cfg)}</details>" if cfg else ""
+    return "<h2>Environment</h2>" + _table(["", ""], rows) + opts
+
+
+def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing_plots: str | None = None) -> str:
+    """The HTML page. ``images`` maps plot names to PNG bytes; None draws them (with matplotlib) when possible."""
+    if images is None and missing_plots is None:
+        from ampdoctor.render import plots
+
+        if plots.available():
+            images = plots.figures(report)
+        else:
+            missing_plots = plots.INSTALL_HINT
+    v = report.verdict
+    title = f"ampdoctor: {CAUSE_TITLES.get(v.cause, v.cause)}"
+    fixes = ""
+    if report.fixes:
+        fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{e(f)}</li>" for f in report.fixes) + "</ol>"
+    body = "".join([
+        f"<h1>ampdoctor report <span class=\"muted\">{e(report.tool)}</span></h1>", _verdict(report), fixes,
+        _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
+        _reproduce(report), _environment(report),
+        f'<p class="muted"><small>report schema {report.schema_version}</small></p>',
+    ])
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+            f'content="width=device-width, initial-scale=1"><title>{e(title)}</title><style>{CSS}</style></head>'
+            f"<body><main>{body}</main></body></html>\n")

@@ -1,0 +1,271 @@
+"""The Markdown report (GitHub-flavoured): made to be pasted into an issue or a ticket.
+
+Verdict first, then what to change, the stage table, the offending layers, the GradScaler story,
+plots (PNG files beside the Markdown file, linked relatively), warnings, how to reproduce and the
+environment. Long tables fold into ``<details>``.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ampdoctor.render.common import CAUSE_TITLES, evidence, num, pct, scale, steps
+from ampdoctor.report import Report, StageSummary
+
+SHOW_ROWS = 6
+"""Rows of a long table shown before the rest folds into <details>."""
+
+ENV_KEYS = (
+    ("ampdoctor", "ampdoctor"), ("torch", "torch"), ("python", "Python"), ("cuda", "CUDA"), ("device", "device"),
+    ("device_name", "device name"), ("compute_capability", "compute capability"), ("fp16_supported", "FP16 supported"),
+    ("bf16_supported", "BF16 supported"), ("tf32_matmul", "TF32 matmul"), ("tf32_cudnn", "TF32 cuDNN"), ("os", "OS"),
+)
+
+_OPTIONS = (("steps", "--steps"), ("target", "--target"), ("seed", "--seed"), ("device", "--device"),
+            ("max_norm", "--max-norm"), ("init_scale", "--init-scale"), ("growth_interval", "--growth-interval"),
+            ("backoff_factor", "--backoff-factor"))
+
+
+def _opt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def reproduce_command(report: Report) -> str | None:
+    """The triage command with every option that shapes the run spelled out (seed included)."""
+    cfg = report.config
+    spec = cfg.get("spec")
+    if not spec:
+        return None
+    parts = ["ampdoctor", "triage", shlex.quote(str(spec))]
+    for key, flag in _OPTIONS:
+        v = cfg.get(key)
+        if key == "device" and v == "auto" and report.environment.get("device"):
+            v = report.environment["device"]  # where it actually ran
+        if v is not None:
+            parts += [flag, shlex.quote(_opt_value(v))]
+    if cfg.get("stages"):
+        parts += ["--stages", shlex.quote(_opt_value(cfg["stages"]))]
+    return " ".join(parts)
+
+
+def cell(x: Any) -> str:
+    """A table cell: pipes escaped, newlines folded."""
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def code(x: Any) -> str:
+    return f"`{x}`" if x not in (None, "") else "-"
+
+
+def table(head: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    right = right or set()
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i in right else "---" for i in range(len(head))) + "|"]
+    out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def folded(head: list[str], rows: list[list[str]], what: str, right: set[int] | None = None) -> list[str]:
+    """The first SHOW_ROWS rows as a table; all rows inside <details> when there are more."""
+    if len(rows) <= SHOW_ROWS:
+        return table(head, rows, right)
+    return [*table(head, rows[:SHOW_ROWS], right), "", f"<details><summary>All {len(rows)} {what}</summary>", "",
+            *table(head, rows, right), "", "</details>"]
+
+
+def _stage_note(s: StageSummary) -> str:
+    if s.error:
+        return f"{s.error.get('type')} at step {s.error.get('step')}: {s.error.get('message', '')}"
+    if s.stopped:
+        return s.stopped
+    if s.name == "fp16":
+        return "FP32 master weights" if s.master_weights else "FP16 weights + optimizer"
+    return ""
+
+
+def _headroom(h: float) -> str:
+    return "inf" if math.isinf(h) else f"{h:.1f}"
+
+
+def _verdict(report: Report) -> list[str]:
+    v = report.verdict
+    title = CAUSE_TITLES.get(v.cause, v.cause)
+    icon = "✅" if v.cause == "healthy" else "❓" if v.cause == "inconclusive" else "❌"
+    step_label = "First bad batch" if v.cause == "data" else "First bad step"
+    lines = [f"# ampdoctor report: {title}", "", f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">",
+             f"> {v.summary}", ""]
+    lines += table(["", ""], [["First module", code(v.first_module)], [step_label, num(v.first_step)],
+                              ["Stage", v.stage or "-"], ["Device", v.device],
+                              ["Spec", code(report.config.get("spec"))]])
+    return lines
+
+
+def _fixes(report: Report) -> list[str]:
+    if not report.fixes:
+        return []
+    return ["", "## What to change", "", *[f"{i}. {cell(f)}" for i, f in enumerate(report.fixes, 1)]]
+
+
+def _stages(report: Report) -> list[str]:
+    if not report.stages:
+        return []
+    head = ["stage", "steps", "first non-finite", "skipped", "final scale", "final loss", "FP32 loss", "note"]
+    rows = [[s.name, str(s.steps_run), num(s.first_nonfinite_step), str(len(s.skipped_steps)), scale(s.final_scale),
+             num(s.final_loss), num(s.fp32_loss) if s.name != "fp32" else "", _stage_note(s)] for s in report.stages]
+    lines = ["", "## Stages", "", "Every stage replays the same batches from the same initial weights and seed; "
+             "*FP32 loss* is FP32's loss after as many applied updates.", ""]
+    lines += table(head, rows, {1, 2, 3, 4, 5, 6})
+    return lines
+
+
+def _layers(report: Report) -> list[str]:
+    if not report.layers:
+        return []
+    head = ["module / parameter", "kind", "absmax FP32", "headroom (binades)", "overflow", "flushed", "non-finite",
+            "first bad step"]
+    rows = [[code(r.module), r.kind, num(r.absmax_fp32), _headroom(r.headroom_binades), pct(r.overflow_frac),
+             pct(r.underflow_frac), pct(r.nonfinite_frac), num(r.first_nonfinite_step)] for r in report.layers]
+    lines = ["", "## Offending layers", "", "FP32 values cast to FP16 (absmax, headroom, overflow); flushed and non-finite "
+             "shares from the target stage. Headroom below 0 means the values do not fit FP16 (max 65504).", ""]
+    lines += folded(head, rows, "layers", {2, 3, 4, 5, 6, 7})
+    return lines
+
+
+def _scale_runs(stage: StageSummary) -> list[list[str]]:
+    """Runs of steps with the same scale: steps, scale, skipped steps in the run."""
+    skipped = set(stage.skipped_steps)
+    runs: list[list[Any]] = []
+    for i, s in enumerate(stage.scales):
+        if runs and runs[-1][2] == s:
+            runs[-1][1] = i
+            runs[-1][3] += i in skipped
+        else:
+            runs.append([i, i, s, int(i in skipped)])
+    return [[f"{a}" if a == b else f"{a}-{b}", scale(s), str(k)] for a, b, s, k in runs]
+
+
+def _scaler(report: Report) -> list[str]:
+    sc = report.scaler
+    if sc is None:
+        return []
+    reasons = Counter(e.reason or "unknown" for e in sc.skips)
+    why = ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"
+    lines = ["", "## GradScaler", "",
+             f"**Pattern: {sc.pattern}.** {sc.explanation}", "",
+             f"- scale: init {scale(sc.init_scale)}, final {scale(sc.final_scale)}, min {scale(sc.min_scale)}, "
+             f"max {scale(sc.max_scale)}",
+             f"- skipped steps ({len(sc.skips)}): {steps([e.step for e in sc.skips])}; why: {why}",
+             f"- calibration skips (the scale finding its level at the start): {sc.calibration_skips}"]
+    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    if stage is not None:
+        lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage), "scale runs", {1, 2})]
+    if sc.skips:
+        rows = [[str(e.step), scale(e.scale), e.reason.replace("_", " ")] for e in sc.skips]
+        lines += ["", f"<details><summary>Skipped steps and why ({len(rows)})</summary>", "",
+                  *table(["step", "scale", "reason"], rows, {0, 1}), "", "</details>"]
+    return lines
+
+
+def _plots(images: Mapping[str, str] | None, missing: str | None) -> list[str]:
+    from ampdoctor.render.plots import TITLES
+
+    if missing:
+        return ["", "## Plots", "", f"_No plots: {missing}._"]
+    if not images:
+        return []
+    lines = ["", "## Plots", ""]
+    for name, href in images.items():
+        lines += [f"![{TITLES.get(name, name)}]({href})", ""]
+    return lines[:-1]
+
+
+def _findings(report: Report) -> list[str]:
+    errors = [f for f in report.findings if f.severity == "error"]
+    other = [f for f in report.findings if f.severity != "error"]
+    lines: list[str] = []
+    if errors:
+        lines += ["", "## Evidence", ""]
+        for f in errors:
+            where = ", ".join(x for x in (f"stage {f.stage}" if f.stage else "", f"module `{f.module}`" if f.module else "",
+                                          f"step {f.step}" if f.step is not None else "") if x)
+            lines.append(f"- **{cell(f.title)}**" + (f" ({where})" if where else ""))
+            if f.evidence:
+                lines.append(f"  - evidence: {cell(evidence(f.evidence))}")
+            if f.fix:
+                lines.append(f"  - fix: {cell(f.fix)}")
+    if other:
+        lines += ["", "## Warnings", ""]
+        for f in other:
+            lines.append(f"- **{f.severity}** `{f.code}`: {cell(f.title)}" + (f" — {cell(f.fix)}" if f.fix else ""))
+    if report.notes:
+        lines += ["", "## Notes", "", *[f"- {cell(n)}" for n in report.notes]]
+    return lines
+
+
+def _reproduce(report: Report) -> list[str]:
+    cmd = reproduce_command(report)
+    ran = report.environment.get("command")
+    if not cmd and not ran:
+        return []
+    lines = ["", "## Reproduce", ""]
+    if cmd:
+        lines += ["With every option that shapes the run (same seed, same batches):", "", "```sh", cmd, "```"]
+    if ran:
+        lines += ["", "The command that made this report:", "", "```sh", str(ran), "```"]
+    return lines
+
+
+def _environment(report: Report) -> list[str]:
+    env = report.environment
+    if not env:
+        return []
+    known = {k for k, _ in ENV_KEYS} | {"command"}
+    rows = [[label, num(env[k]) if env.get(k) is not None else "-"] for k, label in ENV_KEYS if k in env]
+    rows += [[k, num(v)] for k, v in env.items() if k not in known]
+    lines = ["", "## Environment", "", *table(["", ""], rows)]
+    cfg = {k: v for k, v in report.config.items() if k != "spec"}
+    if cfg:
+        lines += ["", "<details><summary>Options</summary>", "",
+                  *table(["option", "value"], [[k, _opt_value(v) if v is not None else "-"] for k, v in cfg.items()]),
+                  "", "</details>"]
+    return lines
+
+
+def render(report: Report, images: Mapping[str, str] | None = None, *, missing_plots: str | None = None) -> str:
+    """The Markdown text. ``images`` maps plot names to (relative) links; ``missing_plots`` says why there are none."""
+    lines = [*_verdict(report), *_fixes(report), *_stages(report), *_layers(report), *_scaler(report),
+             *_plots(images, missing_plots), *_findings(report), *_reproduce(report), *_environment(report),
+             "", f"<sub>{report.tool} · report schema {report.schema_version}</sub>", ""]
+    return "\n".join(lines)
+
+
+def assets_dir(path: Path) -> Path:
+    """Where the PNGs of ``report.md`` go: ``report_files/`` beside it."""
+    return path.with_name(f"{path.stem}_files")
+
+
+def outputs(report: Report, path: str | Path) -> dict[Path, str | bytes]:
+    """Every file of a Markdown report at ``path``: the text and, with matplotlib, the PNGs beside it."""
+    from ampdoctor.render import plots
+
+    p = Path(path)
+    files: dict[Path, str | bytes] = {}
+    if not plots.available():
+        files[p] = render(report, missing_plots=plots.INSTALL_HINT)
+        return files
+    figs = plots.figures(report)
+    folder = assets_dir(p)
+    links = {}
+    for name, png in figs.items():
+        files[folder / f"{name}.png"] = png
+        links[name] = f"{folder.name}/{name}.png"
+    files[p] = render(report, links)
+    return files
