@@ -13,10 +13,10 @@ from ampdoctor.batches import Batches, check_batch, outlier_ratio
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import StepStats, nonfinite
+from ampdoctor.opscan import OpRecord, first_overflowing_op
 from ampdoctor.report import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
 from ampdoctor.scaler import diagnose_scale
 from ampdoctor.stages import StageResult
-from ampdoctor.opscan import OpRecord, first_overflowing_op
 from ampdoctor.stats import Col
 
 OUTLIER_RATIO = 1e3
@@ -200,11 +200,11 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12) -
                     if frac > 0 and pr.first_nonfinite_step is None:
                         pr.first_nonfinite_step = st.step
                     pr.nonfinite_frac = max(pr.nonfinite_frac, frac)
-        for p, f in underflowing_params(tgt, fp32, steps=len(tgt.stats)) if target != "amp" or True else []:
+        for p, f in underflowing_params(tgt, fp32, steps=len(tgt.stats)):
             if (p, "param_grad") in rows:
                 rows[(p, "param_grad")].underflow_frac = f
-    for r in rows.values():
-        r.headroom_binades = FP16.headroom_binades(r.absmax_fp32)
+    for lrow in rows.values():
+        lrow.headroom_binades = FP16.headroom_binades(lrow.absmax_fp32)
     # keep the interesting rows: non-finite, overflow, flushed, or thin headroom
     def score(r: LayerRow) -> tuple[float, ...]:
         return (r.nonfinite_frac > 0, r.overflow_frac, r.underflow_frac, -r.headroom_binades)
@@ -480,9 +480,10 @@ def _fp32_failure(fp32: StageResult, s: int, batches: Batches, recheck: RecheckF
     diverged = rc is not None and rc.finite
     if diverged:
         norms = [r.grad_l2_pre_clip for r in fp32.records[:s] if math.isfinite(r.grad_l2_pre_clip)]
-        ev["max_grad_l2_before"] = max(norms) if norms else float("nan")
+        gmax = max(norms) if norms else float("nan")
+        ev["max_grad_l2_before"] = gmax
         detail = (f"batch {b} is finite and trains from the initial weights, so the weights diverged over {s} steps "
-                  f"(largest gradient norm before: {_fmt(float(ev['max_grad_l2_before']))})")
+                  f"(largest gradient norm before: {_fmt(gmax)})")
         fix = "Lower the learning rate or clip gradients (--max-norm 1.0 to check), then rerun triage."
     else:
         loc = f"{module} ({where})" if module else "the loss function" if st is not None and not locate.forward_fault(st) else "the model"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -217,7 +217,8 @@ class Hooks:
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()
-        for (kind, ident), row in zip(keys, host, strict=True):
+        for key, row in zip(keys, host, strict=True):
+            kind, ident = cast(tuple[str, Any], key)
             if kind == "act":
                 st.act[ident] = row
             elif kind == "grad":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,7 +170,7 @@ class StageContext:
     snapshot: bool = False
 
 
-def _grad_norm(params: list[torch.Tensor], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Global L2 norm before and after clipping (both device scalars, no sync)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -333,7 +333,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     return result
 
 
-def _swallowed_fraction(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+def _swallowed_fraction(before: list[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
     """Share of non-zero FP32 updates that would vanish if the weights were stored in FP16."""
     device = before[0].device if before else None
     lost = torch.zeros((), dtype=torch.float64, device=device)
@@ -348,7 +348,7 @@ def _swallowed_fraction(before: list[torch.Tensor], after: list[torch.Tensor]) -
     return lost / moved.clamp(min=1)
 
 
-def _lost_updates(before: list[torch.Tensor], after: list[torch.Tensor], grads: list[torch.Tensor | None]) -> torch.Tensor:
+def _lost_updates(before: list[torch.Tensor], after: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> torch.Tensor:
     """Pure FP16: share of weights with a non-zero gradient that the step left unchanged."""
     device = before[0].device if before else None
     lost = torch.zeros((), dtype=torch.float64, device=device)

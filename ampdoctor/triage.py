@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
