@@ -16,7 +16,7 @@ import numpy as np
 from ampdoctor import locate
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import StepStats
-from ampdoctor.report import LayerStep
+from ampdoctor.report import LayerStep, Report
 from ampdoctor.stages import StageResult
 from ampdoctor.stats import NCOLS, Col
 
@@ -114,3 +114,12 @@ def layer_steps(results: dict[str, StageResult], target: str, *, limit: int = 16
     chosen = sorted(candidates, key=score, reverse=True)[: max(0, limit)]
     chosen.sort(key=lambda k: (k[1] == "param_grad", order[k]))
     return [cells[k][s] for k in chosen for s in sorted(cells[k])]
+
+
+def enrich(report: Report, results: dict[str, StageResult]) -> Report:
+    """Fill ``report.layer_steps`` from the stages' statistics when it is empty (idempotent)."""
+    if not report.layer_steps:
+        target = str(report.config.get("target") or "amp")
+        include = [m for m in (report.verdict.first_module, *(r.module for r in report.layers)) if m]
+        report.layer_steps = layer_steps(results, target, include=include)
+    return report

@@ -132,15 +132,14 @@ def heatmap_figure(report: Report) -> bytes | None:
 
 
 def _headroom_rows(report: Report) -> list[tuple[str, float]]:
-    if report.layers:
-        return [(f"{r.module} [{r.kind}]", r.headroom_binades) for r in report.layers if not math.isnan(r.headroom_binades)]
+    """(label, headroom) per layer: the heatmap's layers (largest FP32 |x| over steps), then report.layers."""
     best: dict[tuple[str, str], float] = {}
     for c in report.layer_steps:
         best[(c.module, c.kind)] = max(best.get((c.module, c.kind), 0.0), c.absmax_fp32)
-    out = []
-    for (m, k), a in best.items():
-        out.append((f"{m} [{k}]", math.log2(65504.0 / a) if a > 0 and math.isfinite(a) else math.inf))
-    return out
+    out = {k: math.log2(65504.0 / a) if a > 0 and math.isfinite(a) else math.inf for k, a in best.items()}
+    for r in report.layers:
+        out.setdefault((r.module, r.kind), r.headroom_binades)
+    return [(f"{m} [{k}]", h) for (m, k), h in out.items() if not math.isnan(h)]
 
 
 def headroom_figure(report: Report) -> bytes | None:
