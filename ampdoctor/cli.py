@@ -73,6 +73,8 @@ def triage(
     loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
     optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path.")] = None,
+    report_path: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html.")] = None,
+    dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
 ) -> None:
@@ -80,6 +82,14 @@ def triage(
     try:
         if json_path is not None:
             check_writable(json_path, force)
+        if report_path is not None:
+            from ampdoctor.cli_report import check_report_path
+
+            check_report_path(report_path, force)
+        if dump_dir is not None:
+            from ampdoctor.dump import check_dump_dir
+
+            check_dump_dir(dump_dir, force)
         given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                  "growth_interval": growth_interval, "backoff_factor": backoff_factor,
                  "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
@@ -95,7 +105,7 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, _ = run_triage(spec, cfg, names=names, argv=argv)
+            report, results = run_triage(spec, cfg, names=names, argv=argv)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:
@@ -104,7 +114,20 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, _ = run_triage(spec, cfg, names=names, progress=progress, argv=argv)
+                report, results = run_triage(spec, cfg, names=names, progress=progress, argv=argv)
+        from ampdoctor.report_build import enrich
+
+        enrich(report, results)
+        written: list[Path] = []
+        if report_path is not None:
+            from ampdoctor.cli_report import write_report
+
+            written.append(write_report(report_path, report)[-1])
+        if dump_dir is not None:
+            from ampdoctor.dump import dump
+
+            dump(dump_dir, report, results, cfg, spec, names)
+            written.append(dump_dir)
     except AmpDoctorError as e:
         fail(str(e))
         return
@@ -122,8 +145,8 @@ def triage(
         from ampdoctor.render.terminal import render
 
         render(report, out)
-        if json_path is not None:
-            out.print(f"report written to {json_path}", style="dim")
+        for w in ([json_path] if json_path is not None else []) + written:
+            out.print(f"report written to {w}", style="dim", highlight=False)
     raise typer.Exit(report.exit_code)
 
 
