@@ -121,7 +121,7 @@ def _stages(report: Report) -> list[str]:
     rows = [[s.name, str(s.steps_run), num(s.first_nonfinite_step), str(len(s.skipped_steps)), scale(s.final_scale),
              num(s.final_loss), num(s.fp32_loss) if s.name != "fp32" else "", _stage_note(s)] for s in report.stages]
     lines = ["", "## Stages", "", "Every stage replays the same batches from the same initial weights and seed; "
-             "*FP32 loss* is FP32's loss after as many applied updates.", ""]
+             "*FP32 loss* is FP32's loss at that stage's last step (same batch).", ""]
     lines += table(head, rows, {1, 2, 3, 4, 5, 6})
     return lines
 
