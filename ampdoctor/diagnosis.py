@@ -146,7 +146,7 @@ def _hooks_in(model_hooks: list[str]) -> str:
     return ", ".join(model_hooks[:5])
 
 
-def layer_table(results: dict[str, StageResult], target: str, limit: int = 12) -> list[LayerRow]:
+def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, focus: str | None = None) -> list[LayerRow]:
     """Per module: FP32 absmax and FP16 overflow share of its output, flushed share of its
     parameter gradients, non-finite share in the target stage."""
     fp32, tgt = results.get("fp32"), results.get(target)
@@ -182,8 +182,6 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12) -
     if tgt is not None:
         calib = set(_calibration_steps(tgt)) if target == "amp" else set()
         for st in tgt.stats:
-            if st.step in calib:
-                continue
             for c in st.calls:
                 for t in c.outputs:
                     r = st.act.get(t)
@@ -194,6 +192,8 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12) -
                             lr.first_nonfinite_step = st.step
                         lr.nonfinite_frac = max(lr.nonfinite_frac, frac)
             for p, r in st.pgrad.items():
+                if st.step in calib:  # GradScaler's calibration skips are expected to hold inf gradients
+                    break
                 if r[Col.NUMEL] and (p, "param_grad") in rows:
                     pr = rows[(p, "param_grad")]
                     frac = nonfinite(r) / r[Col.NUMEL]
@@ -214,6 +214,9 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12) -
     names = locate.innermost(r.module for r in interesting if r.kind == "activation")
     interesting = [r for r in interesting if r.kind != "activation" or r.module in names]
     interesting.sort(key=score, reverse=True)
+    if focus is not None:  # the verdict's module always leads the table
+        lead = [r for r in rows.values() if r.module == focus and r.kind == "activation"]
+        interesting = lead + [r for r in interesting if r not in lead]
     return interesting[:limit]
 
 
@@ -251,7 +254,13 @@ def diagnose(
     hooks = model_hooks or []
 
     def verdict(cause: str, module: str | None, step: int | None, stage: str | None, summary: str) -> Diagnosis:
-        return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, layers, story, fixes)
+        table = layer_table(results, tgt_name, focus=module) if module else layers
+        ev = findings[0].evidence if findings else {}
+        if module and "op" in ev:
+            op_row = LayerRow(f"{module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
+                              0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), step)
+            table = [op_row, *table]
+        return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, table, story, fixes)
 
     # 1. FP32 itself fails: data or a model bug ---------------------------------------------------
     if fp32.error is not None:
@@ -328,6 +337,7 @@ def diagnose(
                 op = first_overflowing_op(rc.ops(module))
                 if op is not None:
                     ev["op"] = op.op
+                    ev["op_overflow_frac"] = op.overflow_frac
                     ev["fp32_absmax"] = op.absmax
                     ev["fp16_max"] = FP16.max
             if "fp32_absmax" not in ev and ref is not None and module is not None:

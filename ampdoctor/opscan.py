@@ -25,6 +25,9 @@ class OpRecord:
     index: int
     op: str
     absmax: float
+    overflow_frac: float
+    """Share of the output's elements at or beyond FP16's overflow threshold."""
+    numel: int
 
 
 class _Scan(TorchFunctionMode):
@@ -41,8 +44,11 @@ class _Scan(TorchFunctionMode):
                 vals = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
                 if vals:
                     with torch._C.DisableTorchFunction():
-                        amax = max(float(torch.nan_to_num(t.detach().float(), 0.0, 0.0, 0.0).abs().max()) for t in vals)
-                    self.ops.append(OpRecord(len(self.ops), name.strip("_"), amax))
+                        a = [torch.nan_to_num(t.detach().float(), 0.0, 0.0, 0.0).abs() for t in vals]
+                        amax = max(float(x.max()) for x in a)
+                        numel = sum(x.numel() for x in a)
+                        over = sum(int((x >= FP16.overflow_threshold).sum()) for x in a)
+                    self.ops.append(OpRecord(len(self.ops), name.strip("_"), amax, over / numel, numel))
         return out
 
 

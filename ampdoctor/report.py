@@ -68,7 +68,7 @@ class StageSummary:
 class LayerRow:
     module: str
     kind: str
-    """activation | grad | param_grad"""
+    """activation | grad | param_grad | op (an operation inside the module, found by the FP32 op scan)"""
     absmax_fp32: float
     """Largest finite |x| seen in the FP32 stage."""
     overflow_frac: float
@@ -88,7 +88,7 @@ class LayerStep:
 
     module: str
     kind: str
-    """activation | grad | param_grad"""
+    """activation | grad | param_grad | op (an operation inside the module, found by the FP32 op scan)"""
     step: int
     overflow_frac: float
     """Share of the FP32 stage's values at this step that overflow when cast to FP16."""

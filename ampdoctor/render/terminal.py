@@ -11,6 +11,9 @@ from ampdoctor.render.common import CAUSE_TITLES, num, pct, scale, steps
 from ampdoctor.report import Report
 
 
+KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": "op"}
+
+
 def render(report: Report, console: Console) -> None:
     v = report.verdict
     ok = v.cause == "healthy"
@@ -46,10 +49,11 @@ def render(report: Report, console: Console) -> None:
     if report.layers:
         lt = Table(title="Layers: FP32 values cast to FP16; flushed / non-finite in the target stage", title_justify="left")
         for col in ("module / parameter", "kind", "fp32 absmax", "headroom", "overflow", "flushed", "non-finite", "step"):
-            lt.add_column(col, justify="left" if col in ("module / parameter", "kind") else "right", no_wrap=True)
+            lt.add_column(col, justify="left" if col in ("module / parameter", "kind") else "right",
+                          no_wrap=col != "module / parameter", overflow="fold")
         for r in report.layers:
             style = "red" if r.nonfinite_frac > 0 or r.overflow_frac > 0 else "yellow" if r.underflow_frac > 0 else ""
-            lt.add_row(r.module, r.kind, num(r.absmax_fp32), f"{r.headroom_binades:.1f}" if r.headroom_binades != float("inf") else "inf",
+            lt.add_row(r.module, KIND.get(r.kind, r.kind), num(r.absmax_fp32), f"{r.headroom_binades:.1f}" if r.headroom_binades != float("inf") else "inf",
                        pct(r.overflow_frac), pct(r.underflow_frac), pct(r.nonfinite_frac), num(r.first_nonfinite_step), style=style)
         console.print(lt)
 

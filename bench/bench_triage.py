@@ -1,0 +1,67 @@
+"""Wall time of `ampdoctor triage` against the same stages' steps run bare (no hooks, no diagnosis).
+
+    python bench/bench_triage.py [--repeats 5] [--steps 50] [--device cpu]
+
+Interleaved (triage, bare, triage, bare, ...) in one process; medians and the ratio per sample.
+Spec loading and batch materialisation are done once and excluded from both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ampdoctor.config import TriageConfig
+from ampdoctor.diagnosis import diagnose
+from ampdoctor.env import resolve_device
+from ampdoctor.spec import load_spec
+from ampdoctor.stages import StageContext, run_stage
+from ampdoctor.triage import prepare, recheck_fn, user_hooks
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ["healthy.py", "forward_overflow.py", "grad_overflow.py", "amp_misuse.py", "grad_underflow.py"]
+
+
+def run(spec_path: Path, cfg: TriageConfig, monitored: bool) -> float:
+    device = resolve_device(cfg.device)
+    spec = load_spec(spec_path)
+    model, batches = prepare(spec, cfg, device)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    results = {}
+    for name in cfg.stage_list():
+        ctx = StageContext(spec, model, init, batches, cfg, device, with_monitor=monitored, snapshot=monitored and name == cfg.target)
+        results[name] = run_stage(name, ctx)
+    if monitored:
+        diagnose(results, batches, cfg, recheck_fn(model, spec, batches, init, results, device), str(device), user_hooks(model))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    cfg = TriageConfig(steps=a.steps, device=a.device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {a.device}, {a.steps} steps x stages {cfg.stage_list()}")
+    print(f"{'sample':24} {'bare s':>8} {'triage s':>9} {'ratio':>6}")
+    for name in SAMPLES:
+        path = ROOT / "sample_models" / name
+        run(path, cfg, True)  # warm-up
+        bare, full = [], []
+        for _ in range(a.repeats):
+            full.append(run(path, cfg, True))
+            bare.append(run(path, cfg, False))
+        b, f = statistics.median(bare), statistics.median(full)
+        print(f"{name:24} {b:8.3f} {f:9.3f} {f / b:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
