@@ -16,6 +16,7 @@ from ampdoctor.env import environment, resolve_device
 from ampdoctor.errors import SpecError
 from ampdoctor.opscan import OpRecord, scan_module
 from ampdoctor.report import Report, StageSummary
+from ampdoctor.report_build import enrich
 from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
 from ampdoctor.stages import ProgressFn, StageContext, StageResult, get_loss, run_stage
 
@@ -163,6 +164,7 @@ def triage(
         config=cfg_dict,
         notes=notes,
     )
+    enrich(report, results)
     return report, results
 
 
