@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from ampdoctor.config import TriageConfig  # noqa: E402
 from ampdoctor.formats import FORMATS, Format, get_format  # noqa: E402
 from ampdoctor.hooks import Hooks, StepStats  # noqa: E402
+from ampdoctor.layers import layer_stats  # noqa: E402
 from ampdoctor.report import Report  # noqa: E402
 from ampdoctor.spec import load_spec  # noqa: E402
 from ampdoctor.triage import triage  # noqa: E402
@@ -19,6 +20,7 @@ __all__ = [
     "StepStats",
     "TriageConfig",
     "get_format",
+    "layer_stats",
     "load_spec",
     "triage",
     "__version__",

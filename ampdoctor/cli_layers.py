@@ -1,15 +1,265 @@
-"""`ampdoctor layers` (placeholder until the layers issue lands)."""
+"""`ampdoctor layers`: per-layer numeric range picture for any format. Options → core → table + advice."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
+import pandas as pd
 import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
-from ampdoctor.cli_common import fail
+from ampdoctor.cli_common import fail, out
+from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.formats import BF16
+from ampdoctor.io import check_writable, write_atomic
+from ampdoctor.layers import tensor_name
+
+SORTS = ("risk", "order", "module", "numel", "absmax", "min_nonzero", "overflow_frac", "underflow_frac", "subnormal_frac",
+         "nonfinite_frac", "headroom_binades", "min_scale", "max_scale", "zero_frac")
+_ASCENDING = {"order", "module", "min_nonzero", "headroom_binades", "max_scale"}
+"""Sort keys whose worst values are the smallest (the table lists the worst first)."""
+_KIND_LABEL = {"act": "act", "act_grad": "∂act", "param": "param", "param_grad": "∂param"}
+NAME_WIDTH = 30
 
 
-def layers(spec: Annotated[Path, typer.Argument(help="Spec file.")]) -> None:
-    """Per-layer numeric range picture for a format (not built yet)."""
-    fail("ampdoctor layers is not built yet")
+def _parse_scale(text: str) -> float | str:
+    """'auto', a number, or a power of two written 2**16 / 2^16."""
+    t = text.strip().lower()
+    if t == "auto":
+        return "auto"
+    m = re.fullmatch(r"2\s*(?:\*\*|\^)\s*(-?\d+)", t)
+    try:
+        v = 2.0 ** int(m.group(1)) if m else float(t)
+    except (ValueError, OverflowError):
+        v = math.nan
+    if not (v > 0 and math.isfinite(v)):
+        raise UsageError(f"--scale {text!r}: give a positive number (e.g. 65536 or 2**16) or auto")
+    return v
+
+
+def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float, csv: Optional[Path],
+                  parquet: Optional[Path], force: bool) -> None:
+    """Everything that can be refused before the model is built."""
+    if sort not in SORTS:
+        raise UsageError(f"--sort {sort!r}: choose one of {', '.join(SORTS)}")
+    if top < 0:
+        raise UsageError("--top must be 0 (all rows) or a positive number of rows")
+    if not 0 <= tolerance < 1:
+        raise UsageError(f"--underflow-tolerance must be in [0, 1), e.g. 0.01 (got {tolerance})")
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UsageError(f"--filter {pattern!r} is not a valid regular expression ({e})") from None
+    if parquet is not None and importlib.util.find_spec("pyarrow") is None:
+        raise UsageError("--parquet needs pyarrow, which is not installed: pip install pyarrow (or use --csv)")
+    if csv is not None and parquet is not None and csv.resolve() == parquet.resolve():
+        raise UsageError("--csv and --parquet name the same file; give two paths")
+    for path in (csv, parquet):
+        if path is not None:
+            check_writable(path, force)
+
+
+# rendering ---------------------------------------------------------------------------------------
+
+
+def _short(name: str, width: int = NAME_WIDTH) -> str:
+    """Keep the tail of a long dotted name (the most specific part) and mark the cut."""
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def _num(x: float) -> str:
+    if isinstance(x, float) and math.isnan(x):
+        return "-"
+    if x == 0:
+        return "0"
+    if 1e-3 <= abs(x) < 1e5:
+        return f"{x:.3g}"
+    return f"{x:.1e}"
+
+
+def _pct(x: float) -> str:
+    if x == 0 or math.isnan(x):
+        return "0"
+    if x < 1e-4:
+        return "<.01%"
+    return f"{100 * x:.3g}%"
+
+
+def _pow2(x: float) -> str:
+    if x == 0:
+        return "0"
+    if math.isnan(x):
+        return "-"
+    if not math.isfinite(x):
+        return "inf"
+    return f"2^{round(math.log2(x))}"
+
+
+def _sort(summary: pd.DataFrame, sort: str) -> pd.DataFrame:
+    if sort == "order":
+        return summary
+    if sort == "risk":
+        cols = ["nonfinite_frac", "overflow_frac", "underflow_frac", "subnormal_frac"]
+        return summary.sort_values(cols, ascending=False, kind="stable")
+    return summary.sort_values(sort, ascending=sort in _ASCENDING, kind="stable", na_position="last")
+
+
+def _table(rows: pd.DataFrame, title: str) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+              padding=(0, 1))
+    t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=NAME_WIDTH)
+    t.add_column("kind", no_wrap=True)
+    for head in ("absmax", "min≠0", "ovf", "unf", "subn", "nan/inf", "head"):
+        t.add_column(head, justify="right", no_wrap=True)
+    t.add_column("window", justify="right", no_wrap=True)
+    for r in rows.itertuples(index=False):
+        name = tensor_name(r.module, r.kind, r.param)
+        bad = r.overflow_frac > 0 or r.nonfinite_frac > 0
+        window = ""
+        if r.kind in ("act_grad", "param_grad"):
+            window = f"{_pow2(r.min_scale)}..{_pow2(r.max_scale)}"
+            if r.min_scale > r.max_scale:  # no scale fits this gradient
+                window = f"[red]{window}[/]"
+        t.add_row(_short(name), _KIND_LABEL.get(r.kind, r.kind), _num(r.absmax), _num(r.min_nonzero),
+                  _pct(r.overflow_frac), _pct(r.underflow_frac), _pct(r.subnormal_frac), _pct(r.nonfinite_frac),
+                  _num(round(r.headroom_binades, 1)) if math.isfinite(r.headroom_binades) else "inf", window,
+                  style="red" if bad else None)
+    return t
+
+
+def _advice_lines(df: pd.DataFrame, dtype: str, tolerance: float, grads: bool) -> list[str]:
+    from ampdoctor.layers import advise
+
+    a = advise(df, dtype, tolerance)
+    c = a.scale
+    head = {
+        "safe": f"[bold green]{dtype}: safe for this model as is[/]: no overflow, underflow within {tolerance:.0%}",
+        "safe_with_scale": f"[bold yellow]{dtype}: safe with a loss scale[/]: activations and weights fit",
+        "unsafe": f"[bold red]{dtype}: not safe as is[/]",
+        "fp32_nonfinite": f"[bold red]{dtype}: cannot judge[/]: the FP32 reference itself has NaN/Inf",
+    }[a.verdict]
+    lines = [head]
+    lines += [f"  {n}" for n in a.notes]
+    if a.keep_high:
+        lines.append("  keep in higher precision (FP32, or autocast(enabled=False)):")
+        lines += [f"    {m}: {why}" for m, why in a.keep_high.items()]
+    if grads and dtype != BF16.name:
+        if c.overflow_limit is not None:
+            lines.append(f"  loss scale: GradScaler(init_scale={_pow2(c.scale).replace('^', '**')}), the largest power of two")
+            lines.append(f"    that overflows no gradient; limited by the {c.overflow_limit}")
+        else:
+            lines.append("  loss scale: no non-zero gradient; any init_scale works")
+        if c.fits and c.lo > 0:
+            lines.append(f"  window: {_pow2(c.lo)}..{_pow2(c.hi)} keeps every gradient's underflow within {tolerance:.0%}")
+            lines.append(f"    (lower end set by the {c.underflow_limit})")
+    elif grads and c.scale == 1.0:
+        lines.append("  loss scale: none needed (bf16 has FP32's exponent range)")
+    if a.bf16_fixes is not None:
+        lines.append("  bf16: removes the range problem (it keeps 8 bits of precision: check accuracy)" if a.bf16_fixes
+                     else "  bf16: does not remove the problem (run with --dtype bf16 to see where)")
+    return lines
+
+
+# the command -------------------------------------------------------------------------------------
+
+
+def layers(
+    spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
+    dtype: Annotated[str, typer.Option(help="Target format(s), comma-separated: fp16, bf16, fp8_e4m3, fp8_e5m2.")] = "fp16",
+    steps: Annotated[int, typer.Option(help="FP32 reference steps (an optimizer step between them).")] = 3,
+    scale: Annotated[str, typer.Option(help="Multiply gradients by this before the cast test (a GradScaler scale), "
+                                             "or auto: the largest power of two that overflows no gradient.")] = "1",
+    what: Annotated[str, typer.Option(help="Comma-separated: activations, grads, weights.")] = "activations,grads,weights",
+    sort: Annotated[str, typer.Option(help="risk (worst first) | order (forward order) | module | a column, e.g. "
+                                            "overflow_frac, headroom_binades.")] = "risk",
+    top: Annotated[int, typer.Option(help="Rows to show per format (0: all). Exports always hold every row.")] = 40,
+    filter: Annotated[Optional[str], typer.Option("--filter", help="Only modules whose name matches this regex (re.search).")] = None,
+    csv: Annotated[Optional[Path], typer.Option("--csv", help="Write the full table (every step) as CSV.")] = None,
+    parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write the full table as Parquet (needs pyarrow).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    underflow_tolerance: Annotated[float, typer.Option(help="Underflow fraction a gradient may lose at the smallest "
+                                                             "scale of its window.")] = 0.01,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option(help="RNG seed set before the model is built and before the steps.")] = 0,
+    model_fn: Annotated[str, typer.Option(help="Name of the model-building function in the spec.")] = "build_model",
+    data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
+    loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
+    optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
+) -> None:
+    """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
+    subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
+    try:
+        from ampdoctor.layers import GRAD_KINDS, filter_modules, layer_stats, parse_dtypes, parse_what, summarise
+
+        fmts = parse_dtypes(dtype)
+        what_t = parse_what(what)
+        scale_v = _parse_scale(scale)
+        _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force)
+        from ampdoctor.config import TriageConfig
+        from ampdoctor.env import resolve_device
+        from ampdoctor.spec import SpecNames, call_user, load_spec
+        from ampdoctor.triage import prepare
+
+        cfg = TriageConfig(steps=steps, device=device, seed=seed)
+        dev = resolve_device(device)
+        sp = load_spec(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn))
+        model, batches = prepare(sp, cfg, dev)
+        if filter is not None:
+            names = [n or "<model>" for n, _ in model.named_modules()]
+            if not any(re.search(filter, n) for n in names):
+                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+                raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
+        optimizer = (call_user(sp.build_optimizer, model.parameters(), what=f"{optimizer_fn}()", path=sp.path)
+                     if sp.build_optimizer is not None else None)
+        wanted = [f.name for f in fmts]
+        # bf16 is computed as well (not shown) to say whether it removes the problem
+        compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
+        df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
+                         optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed)
+    except AmpDoctorError as e:
+        fail(str(e))
+        return
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written", 130)
+        return
+    shown = df[df["dtype"].isin(wanted)]
+    if filter is not None:
+        shown = filter_modules(shown, filter)
+    if csv is not None:
+        write_atomic(csv, shown.to_csv(index=False))
+    if parquet is not None:
+        write_atomic(parquet, shown.to_parquet(index=False))
+    console: Console = out
+    grads = "grads" in what_t
+    for name in wanted:
+        from ampdoctor.layers import choose_scale
+
+        d = shown[shown["dtype"] == name]
+        if scale_v == "auto":
+            s = choose_scale(df, name).scale
+        else:
+            s = float(scale_v)
+        d = d[~d["kind"].isin(GRAD_KINDS) | (d["scale"] == s)]
+        summary = _sort(summarise(d), sort)
+        rows = summary if top == 0 else summary.head(top)
+        title = (f"[bold]{name}[/] — worst of {steps} FP32 step(s)"
+                 + ((f"; gradients x {_pow2(s) if math.log2(s).is_integer() else f'{s:g}'}" if s != 1.0
+                     else "; gradients unscaled") if grads else ""))
+        console.print(_table(rows, title))
+        if len(summary) > len(rows):
+            console.print(f"  ... {len(summary) - len(rows)} more rows (--top 0 shows all; --csv exports every step)",
+                          style="dim")
+    console.print()
+    for name in wanted:
+        for line in _advice_lines(df, name, underflow_tolerance, grads):
+            console.print(line, highlight=False)
+    for path in (csv, parquet):
+        if path is not None:
+            console.print(f"table written to {path}", style="dim")
