@@ -40,9 +40,12 @@ class Format:
 
     @property
     def overflow_threshold(self) -> float:
-        """Smallest |x| whose cast is ±inf (or clamped): max plus half an ulp at max.
+        """Smallest |x| whose cast is ±inf: max plus half an ulp at max.
 
-        ``max`` has an all-ones significand (odd), so the tie rounds away from it, to inf.
+        For FP16, BF16 and E5M2, ``max`` has an all-ones significand (odd), so the tie rounds away
+        from it, to inf. E4M3FN has no inf and torch's cast clamps everything from 448 up to ±448;
+        for it this threshold (464) is a convention: the values a round-to-nearest cast would take
+        beyond max.
         """
         ulp_at_max = 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits)
         return self.max + ulp_at_max / 2
