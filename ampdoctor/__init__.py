@@ -8,6 +8,7 @@ from ampdoctor.config import TriageConfig  # noqa: E402
 from ampdoctor.formats import FORMATS, Format, get_format  # noqa: E402
 from ampdoctor.hooks import Hooks, StepStats  # noqa: E402
 from ampdoctor.layers import layer_stats  # noqa: E402
+from ampdoctor.monitor import Monitor  # noqa: E402
 from ampdoctor.report import Report  # noqa: E402
 from ampdoctor.spec import load_spec  # noqa: E402
 from ampdoctor.triage import triage  # noqa: E402
@@ -16,6 +17,7 @@ __all__ = [
     "FORMATS",
     "Format",
     "Hooks",
+    "Monitor",
     "Report",
     "StepStats",
     "TriageConfig",
