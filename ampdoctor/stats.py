@@ -9,8 +9,8 @@ returns one device tensor, which the caller copies to the host once a step.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
