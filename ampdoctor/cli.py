@@ -74,6 +74,7 @@ def triage(
     optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path.")] = None,
     report_path: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html.")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
@@ -82,6 +83,8 @@ def triage(
     try:
         if json_path is not None:
             check_writable(json_path, force)
+        if log is not None:
+            check_writable(log, force)
         if report_path is not None:
             from ampdoctor.cli_report import check_report_path
 
@@ -105,7 +108,7 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, results = run_triage(spec, cfg, names=names, argv=argv)
+            report, results = run_triage(spec, cfg, names=names, argv=argv, log_path=log)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:
@@ -114,10 +117,7 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, results = run_triage(spec, cfg, names=names, progress=progress, argv=argv)
-        from ampdoctor.report_build import enrich
-
-        enrich(report, results)
+                report, results = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log)
         written: list[Path] = []
         if report_path is not None:
             from ampdoctor.cli_report import write_report
@@ -132,7 +132,8 @@ def triage(
         fail(str(e))
         return
     except KeyboardInterrupt:
-        fail("interrupted; nothing was written", 130)
+        kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
+        fail(f"interrupted; no report was written{kept}", 130)
         return
     if json_path is not None:
         from ampdoctor.render.json import render as render_json

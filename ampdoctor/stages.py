@@ -20,8 +20,10 @@ from torch import nn
 from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
+from ampdoctor import locate
 from ampdoctor.hooks import Hooks, StepStats, nonfinite
 from ampdoctor.spec import Spec
+from ampdoctor.steplog import StepLogWriter
 
 ProgressFn = Callable[[str, int], None]
 
@@ -168,6 +170,8 @@ class StageContext:
     progress: ProgressFn | None = None
     with_monitor: bool = True
     snapshot: bool = False
+    log: StepLogWriter | None = None
+    """Step log (the CSV of ``ampdoctor scaler``), written and flushed as each step finishes."""
 
 
 def _grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,10 +314,15 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 params_finite = all(bool(torch.isfinite(p).all()) for p in run_params)
                 pre_f, post_f = float(pre), float(post)
                 sw = float(swallowed) if swallowed is not None else None
-            result.records.append(
-                StepRecord(step, ctx.batches.index(step), lr, float(loss.detach().float()), pre_f, post_f,
-                           skipped, reason, scale, params_finite, sw)
-            )
+            if reason == "nonfinite_grad" and mon:
+                where = locate.locate_backward(st)
+                if where:
+                    reason = f"nonfinite_grad:{where}"
+            rec = StepRecord(step, ctx.batches.index(step), lr, float(loss.detach().float()), pre_f, post_f,
+                             skipped, reason, scale, params_finite, sw)
+            result.records.append(rec)
+            if ctx.log is not None:
+                ctx.log.write(rec)
             if ctx.snapshot and result.snapshot_step is None and (skipped or not params_finite or not loss_finite):
                 result.snapshot, result.snapshot_step = prev, step
             if not params_finite:

@@ -19,6 +19,7 @@ from ampdoctor.report import Report, StageSummary
 from ampdoctor.report_build import enrich
 from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
 from ampdoctor.stages import ProgressFn, StageContext, StageResult, get_loss, run_stage
+from ampdoctor.steplog import StepLogWriter
 
 
 def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:
@@ -126,8 +127,12 @@ def triage(
     names: SpecNames | None = None,
     progress: ProgressFn | None = None,
     argv: list[str] | None = None,
+    log_path: str | Path | None = None,
 ) -> tuple[Report, dict[str, StageResult]]:
-    """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input."""
+    """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
+
+    ``log_path``: write the target stage's per-step CSV there (overwriting: the caller checks it first).
+    """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
     spec = load_spec(spec_path, names)
@@ -136,8 +141,13 @@ def triage(
     hooks = user_hooks(model)
     results: dict[str, StageResult] = {}
     for name in cfg.stage_list():
-        ctx = StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=name == cfg.target)
-        results[name] = run_stage(name, ctx)
+        log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
+        try:
+            ctx = StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=name == cfg.target, log=log)
+            results[name] = run_stage(name, ctx)
+        finally:
+            if log is not None:
+                log.close()
     recheck = recheck_fn(model, spec, batches, init_state, results, device)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=hooks)
     model.load_state_dict(init_state)

@@ -126,3 +126,19 @@ def test_same_initial_weights_and_batches_in_every_stage() -> None:
     l32, l16, lamp = (results[s].records[0].loss for s in ("fp32", "fp16", "amp"))
     # step 0 sees the same weights and batch: losses agree to FP16 precision
     assert abs(l16 - l32) / l32 < 1e-2 and abs(lamp - l32) / l32 < 1e-2
+
+
+def test_triage_log_is_the_scaler_csv(tmp_path: Path) -> None:
+    from ampdoctor.steplog import COLUMNS, read_step_log
+
+    log = tmp_path / "steps.csv"
+    r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "6", "--log", str(log), "-q"])
+    assert r.exit_code == 1, r.output
+    header = log.read_text().splitlines()[0].split(",")
+    assert tuple(header[: len(COLUMNS)]) == COLUMNS
+    steps = read_step_log(log)
+    assert len(steps.frame) == 6
+    assert steps.frame["skip_reason"].iloc[0] == "nonfinite_grad:head"
+    assert list(steps.frame["scaler_scale"].iloc[:3]) == [65536.0, 32768.0, 16384.0]
+    r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "2", "--log", str(log)])
+    assert r.exit_code == 2 and "--force" in r.output
