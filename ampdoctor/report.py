@@ -174,8 +174,7 @@ _NESTED: dict[str, Any] = {}
 
 def _build(cls: Any, d: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
-    hints = {f.name: f for f in fields(cls)}
-    for name, f in hints.items():
+    for name in (f.name for f in fields(cls)):
         if name not in d:
             continue
         v = d[name]

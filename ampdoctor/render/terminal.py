@@ -10,7 +10,6 @@ from rich.text import Text
 from ampdoctor.render.common import CAUSE_TITLES, num, pct, scale, steps
 from ampdoctor.report import Report
 
-
 KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": "op"}
 
 
