@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor import locate
 from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
-from ampdoctor import locate
 from ampdoctor.hooks import Hooks, StepStats, nonfinite
 from ampdoctor.spec import Spec
 from ampdoctor.steplog import StepLogWriter
