@@ -232,6 +232,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     mon = Hooks(run_model) if ctx.with_monitor else None
     tracker = _Tracker(run_model)
     step = 0
+    prev: dict[str, torch.Tensor] | None = None
+    snap_src: list[tuple[str, torch.Tensor]] = []
     try:
         if mon:
             mon.attach()
@@ -243,8 +245,12 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 batch = cast_floating(batch, torch.float16)
             args, kwargs, target = split(batch)
             if ctx.snapshot and result.snapshot_step is None:
-                prev = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
-                        for k, v in run_model.state_dict().items()}
+                # weights before this step, for the FP32 re-check; copied into the same buffers each step
+                if prev is None:
+                    snap_src = list(run_model.state_dict().items())
+                    prev = {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in snap_src}
+                else:
+                    torch._foreach_copy_(list(prev.values()), [v.detach() for _, v in snap_src])
             if mon:
                 mon.begin_step(step)
             opt.zero_grad(set_to_none=True)
@@ -286,14 +292,14 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                     mon.after_backward()
                 pre, post = _grad_norm(master if not pure_fp16 else run_params, cfg.max_norm)
                 if name == "fp16" and not pure_fp16:
-                    before = [p.detach().clone() for p in master]
+                    before = _flat(master)
                     opt.step()
                     swallowed = _swallowed_fraction(before, master)
                     with torch.no_grad():
                         for p32, p16 in zip(master, run_params, strict=True):
                             p16.copy_(p32)
                 elif pure_fp16:
-                    before = [p.detach().clone() for p in run_params]
+                    before = _flat(run_params)
                     grads = [p.grad for p in run_params]
                     opt.step()
                     swallowed = _lost_updates(before, run_params, grads)
@@ -342,30 +348,28 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     return result
 
 
-def _swallowed_fraction(before: list[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Share of non-zero FP32 updates that would vanish if the weights were stored in FP16."""
-    device = before[0].device if before else None
-    lost = torch.zeros((), dtype=torch.float64, device=device)
-    moved = torch.zeros((), dtype=torch.float64, device=device)
-    for b, a in zip(before, after, strict=True):
-        delta = a.detach() - b
-        nz = delta != 0
-        w16 = b.half()
-        same = (w16.float() + delta).half() == w16
-        lost = lost + (same & nz).sum()
-        moved = moved + nz.sum()
-    return lost / moved.clamp(min=1)
+def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.zeros(0)
 
 
-def _lost_updates(before: list[torch.Tensor], after: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> torch.Tensor:
+def _swallowed_fraction(before: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Share of non-zero FP32 updates that would vanish if the weights were stored in FP16.
+
+    ``before`` is the flat FP32 weights before the step; a few kernels over all weights at once.
+    """
+    delta = _flat(after) - before
+    nz = delta != 0
+    w16 = before.half()
+    same = (w16.float() + delta).half() == w16
+    return (same & nz).sum().double() / nz.sum().clamp(min=1)
+
+
+def _lost_updates(before: torch.Tensor, after: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> torch.Tensor:
     """Pure FP16: share of weights with a non-zero gradient that the step left unchanged."""
-    device = before[0].device if before else None
-    lost = torch.zeros((), dtype=torch.float64, device=device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for b, a, g in zip(before, after, grads, strict=True):
-        if g is None:
-            continue
-        has = (g != 0) & torch.isfinite(g)
-        lost = lost + ((a.detach() == b) & has).sum()
-        total = total + has.sum()
-    return lost / total.clamp(min=1)
+    keep = [i for i, g in enumerate(grads) if g is not None]
+    sizes = [t.numel() for t in after]
+    b = torch.cat([part for i, part in enumerate(before.split(sizes)) if i in set(keep)]) if keep else before[:0]
+    a = _flat([after[i] for i in keep])
+    g = _flat([gi for gi in (grads[i] for i in keep) if gi is not None])
+    has = (g != 0) & torch.isfinite(g)
+    return ((a == b) & has).sum().double() / has.sum().clamp(min=1)

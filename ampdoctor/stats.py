@@ -9,8 +9,10 @@ returns one device tensor, which the caller copies to the host once a step.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -43,83 +45,93 @@ NCOLS = 11
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
 
 
-def _boundaries(fmt: Format, device: torch.device) -> torch.Tensor:
-    """Signed, sorted boundaries for ``torch.bucketize(x, b, right=True)``.
+_INF_BITS = 0x7F800000
+_NEG_INF_BITS = -8388608  # 0xFF800000 as int32
+_INT_MAX = 0x7FFFFFFF
 
-    Bucket i holds b[i-1] <= x < b[i]:
-      0 -inf | 1 neg overflow | 2 neg normal | 3 neg subnormal | 4 neg underflow | 5 zero |
-      6 pos underflow | 7 pos subnormal | 8 pos normal | 9 pos overflow | 10 +inf and NaN
-    """
-    tiny = torch.finfo(torch.float32).tiny * 2.0**-23  # smallest float32 subnormal
-    of, sub = fmt.overflow_threshold, fmt.subnormal_threshold
+
+def _f32_bits(x: float) -> int:
+    """The IEEE bit pattern of a float32 as an int (non-negative x: ordered like the values)."""
+    return int(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
+@lru_cache(maxsize=64)
+def _thresholds(fmt: Format) -> tuple[int, int, int]:
+    """Bit-pattern thresholds on |x| for the cast categories (exact: float32 |x| orders like its bits)."""
     uf_next = float(torch.nextafter(torch.tensor(fmt.underflow_threshold), torch.tensor(1.0)))
-    f32max = torch.finfo(torch.float32).max
-    vals = [-f32max, -of, -(sub - 0.0), -uf_next, -0.0, tiny, uf_next, sub, of, float("inf")]
-    # -(sub) must be an exclusive upper bound for neg subnormal; -uf_next inclusive for neg
-    # underflow ... with right=True, x in [b[i-1], b[i]); the negative side is mirrored below.
-    return torch.tensor(vals, dtype=torch.float32, device=device)
+    return (
+        _f32_bits(uf_next),  # |x| >= this: does not underflow
+        _f32_bits(fmt.subnormal_threshold),  # |x| >= this: normal
+        _f32_bits(fmt.overflow_threshold),  # |x| >= this: overflows
+    )
 
 
-def _fold(counts: torch.Tensor) -> torch.Tensor:
-    """Fold the 11 signed buckets into the unsigned columns ZERO..NAN (counts: [n, 11])."""
-    zero = counts[:, 5]
-    underflow = counts[:, 4] + counts[:, 6]
-    subnormal = counts[:, 3] + counts[:, 7]
-    normal = counts[:, 2] + counts[:, 8]
-    overflow = counts[:, 1] + counts[:, 9]
-    neginf = counts[:, 0]
-    last = counts[:, 10]  # +inf and NaN land together; NaN is counted apart and subtracted
-    return torch.stack([zero, underflow, subnormal, normal, overflow, last, neginf], dim=1)
+@lru_cache(maxsize=32)
+def _segments(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """8 x segment index of every element of the concatenated tensors (cached: sizes repeat every step)."""
+    n = len(sizes)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(n, dtype=torch.int32) * 8, counts).to(device)
 
 
-def _signed_buckets(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """Bucket index 0..10 of every element of x (float32), negatives mirrored exactly.
-
-    bucketize is half-open ``[lo, hi)`` on both sides; for negatives we want ``(-hi, -lo]`` so
-    that the thresholds act on |x| identically. Bucketizing -x and mirroring does that.
-    """
-    pos = torch.bucketize(x, bounds, right=True)
-    neg = 10 - torch.bucketize(-x, bounds, right=True)
-    return torch.where(x < 0, neg, pos)
+@lru_cache(maxsize=64)
+def _bounds(fmt: Format, device: torch.device) -> torch.Tensor:
+    uf, sub, of = _thresholds(fmt)
+    return torch.tensor([1, uf, sub, of, _INF_BITS, _INF_BITS + 1], dtype=torch.int32, device=device)
 
 
 def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float = 1.0) -> torch.Tensor:
     """Stats rows ``[len(tensors), NCOLS]`` (float64, on the tensors' device).
 
     ``scale`` multiplies every value before the cast test (what a loss scale does to gradients).
+
+    The categories come from the float32 bit patterns: for non-negative floats the integer order
+    of the bits is the order of the values, so "x overflows" is an integer comparison against the
+    bits of the threshold, exactly, and NaN (bits above +inf's) needs no separate test. Category per
+    element (0 zero, 1 underflow, 2 subnormal, 3 normal, 4 overflow, 5 +inf, 6 NaN, 7 -inf), plus
+    8 x segment, then one bincount for every tensor at once.
     """
     if not tensors:
         return torch.zeros((0, NCOLS), dtype=torch.float64)
     device = tensors[0].device
-    bounds = _boundaries(fmt, device)
-    sizes = [t.numel() for t in tensors]
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-    if scale != 1.0:
-        flat = flat * scale
-    n = len(tensors)
-    seg = torch.repeat_interleave(
-        torch.arange(n, device=device), torch.tensor(sizes, device=device), output_size=flat.numel()
-    )
-    buckets = _signed_buckets(flat, bounds)
-    counts = torch.bincount(seg * 11 + buckets, minlength=n * 11).view(n, 11).to(torch.float64)
-    isnan = torch.isnan(flat)
-    nan = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, isnan.to(torch.float64))
-    a = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0).abs_()
-    absmax = torch.zeros(n, dtype=torch.float32, device=device).scatter_reduce_(
-        0, seg, a, "amax", include_self=True
-    )
-    nz = torch.where(a > 0, a, torch.full_like(a, float("inf")))
-    minnz = torch.full((n,), float("inf"), dtype=torch.float32, device=device).scatter_reduce_(
-        0, seg, nz, "amin", include_self=True
-    )
-    folded = _fold(counts)
-    folded[:, 5] -= nan  # the last bucket held +inf and NaN
-    numel = torch.tensor(sizes, dtype=torch.float64, device=device)
-    return torch.cat(
-        [numel[:, None], folded[:, :5], folded[:, 5:6], folded[:, 6:7], nan[:, None],
-         absmax.double()[:, None], minnz.double()[:, None]],
-        dim=1,
-    )
+    sizes = tuple(t.numel() for t in tensors)
+    n = len(sizes)
+    with torch.no_grad():
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else tensors[0].reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.to(torch.float32)
+        if scale != 1.0:  # the cast test applies to the float32 product, as GradScaler computes it
+            flat = flat * scale
+        bits = flat.view(torch.int32)
+        ai = bits & _INT_MAX
+        cat = torch.bucketize(ai, _bounds(fmt, device), right=True, out_int32=True)
+        cat.add_(bits == _NEG_INF_BITS, alpha=2)  # -inf: 5 -> 7
+        finite = torch.where(ai < _INF_BITS, ai, 0).view(torch.float32)  # |x|, 0 where not finite
+        nonzero = torch.where(finite > 0, finite, float("inf"))
+        if n == 1:
+            counts = torch.bincount(cat, minlength=8)[None, :8]
+            absmax = finite.amax().reshape(1) if finite.numel() else torch.zeros(1, device=device)
+            minnz = nonzero.amin().reshape(1) if nonzero.numel() else torch.full((1,), float("inf"), device=device)
+        else:
+            counts = torch.bincount(cat.add_(_segments(sizes, device)), minlength=n * 8).view(n, 8)
+            live = [i for i, k in enumerate(sizes) if k]
+            absmax = torch.zeros(n, device=device)
+            minnz = torch.full((n,), float("inf"), device=device)
+            if live:
+                fin_parts = finite.split(sizes)
+                nz_parts = nonzero.split(sizes)
+                amax = torch.stack(torch._foreach_max([fin_parts[i] for i in live]))
+                amin = torch.stack(torch._foreach_max(torch._foreach_neg([nz_parts[i] for i in live])))
+                if len(live) == n:
+                    absmax, minnz = amax, -amin
+                else:
+                    where = torch.tensor(live, device=device)
+                    absmax[where] = amax
+                    minnz[where] = -amin
+        c = counts.to(torch.float64)
+        numel = c.sum(dim=1, keepdim=True)
+        # columns: NUMEL ZERO UNDERFLOW SUBNORMAL NORMAL OVERFLOW POSINF NEGINF NAN ABSMAX MIN_NONZERO
+        return torch.cat([numel, c[:, 0:6], c[:, 7:8], c[:, 6:7], absmax.double()[:, None], minnz.double()[:, None]], dim=1)
 
 
 @dataclass
