@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,20 +13,19 @@ import pandas as pd
 import typer
 from rich import box
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from ampdoctor.cli_common import fail, out
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.layers import tensor_name
+from ampdoctor.layers import SORTS, tensor_name
+from ampdoctor.layers_report import KIND_LABEL
 
-SORTS = ("risk", "order", "module", "numel", "absmax", "min_nonzero", "overflow_frac", "underflow_frac", "subnormal_frac",
-         "nonfinite_frac", "headroom_binades", "min_scale", "max_scale", "zero_frac")
-_ASCENDING = {"order", "module", "min_nonzero", "headroom_binades", "max_scale"}
-"""Sort keys whose worst values are the smallest (the table lists the worst first)."""
-_KIND_LABEL = {"act": "act", "act_grad": "∂act", "param": "param", "param_grad": "∂param"}
 NAME_WIDTH = 30
+_HEAD_STYLE = {"safe": "bold green", "safe_with_scale": "bold yellow", "unsafe": "bold red", "fp32_nonfinite": "bold red"}
 
 
 def _parse_scale(text: str) -> float | str:
@@ -44,7 +44,7 @@ def _parse_scale(text: str) -> float | str:
 
 
 def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float, csv: Optional[Path],
-                  parquet: Optional[Path], force: bool) -> None:
+                  parquet: Optional[Path], force: bool, report: Optional[Path] = None) -> None:
     """Everything that can be refused before the model is built."""
     if sort not in SORTS:
         raise UsageError(f"--sort {sort!r}: choose one of {', '.join(SORTS)}")
@@ -64,6 +64,12 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
     for path in (csv, parquet):
         if path is not None:
             check_writable(path, force)
+    if report is not None:
+        from ampdoctor.cli_report import check_report_path
+
+        if any(p is not None and p.resolve() == report.resolve() for p in (csv, parquet)):
+            raise UsageError("--report names the same file as --csv or --parquet; give another path")
+        check_report_path(report, force)  # the extension, an existing file, and the PNG folder beside a .md
 
 
 # rendering ---------------------------------------------------------------------------------------
@@ -102,15 +108,6 @@ def _pow2(x: float) -> str:
     return f"2^{round(math.log2(x))}"
 
 
-def _sort(summary: pd.DataFrame, sort: str) -> pd.DataFrame:
-    if sort == "order":
-        return summary
-    if sort == "risk":
-        cols = ["nonfinite_frac", "overflow_frac", "underflow_frac", "subnormal_frac"]
-        return summary.sort_values(cols, ascending=False, kind="stable")
-    return summary.sort_values(sort, ascending=sort in _ASCENDING, kind="stable", na_position="last")
-
-
 def _table(rows: pd.DataFrame, title: str) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
               padding=(0, 1))
@@ -127,44 +124,24 @@ def _table(rows: pd.DataFrame, title: str) -> Table:
             window = f"{_pow2(r.min_scale)}..{_pow2(r.max_scale)}"
             if r.min_scale > r.max_scale:  # no scale fits this gradient
                 window = f"[red]{window}[/]"
-        t.add_row(_short(name), _KIND_LABEL.get(r.kind, r.kind), _num(r.absmax), _num(r.min_nonzero),
+        t.add_row(_short(name), KIND_LABEL.get(r.kind, r.kind), _num(r.absmax), _num(r.min_nonzero),
                   _pct(r.overflow_frac), _pct(r.underflow_frac), _pct(r.subnormal_frac), _pct(r.nonfinite_frac),
                   _num(round(r.headroom_binades, 1)) if math.isfinite(r.headroom_binades) else "inf", window,
                   style="red" if bad else None)
     return t
 
 
-def _advice_lines(df: pd.DataFrame, dtype: str, tolerance: float, grads: bool) -> list[str]:
-    from ampdoctor.layers import advise
+def _print_advice(console: Console, df: pd.DataFrame, dtype: str, tolerance: float, grads: bool) -> None:
+    """The recommendation block of one format (``layers_report.recommendation``, the same words as the reports)."""
+    from ampdoctor.layers_report import recommendation
 
-    a = advise(df, dtype, tolerance)
-    c = a.scale
-    head = {
-        "safe": f"[bold green]{dtype}: safe for this model as is[/]: no overflow, underflow within {tolerance:.0%}",
-        "safe_with_scale": f"[bold yellow]{dtype}: safe with a loss scale[/]: activations and weights fit",
-        "unsafe": f"[bold red]{dtype}: not safe as is[/]",
-        "fp32_nonfinite": f"[bold red]{dtype}: cannot judge[/]: the FP32 reference itself has NaN/Inf",
-    }[a.verdict]
-    lines = [head]
-    lines += [f"  {n}" for n in a.notes]
-    if a.keep_high:
-        lines.append("  keep in higher precision (FP32, or autocast(enabled=False)):")
-        lines += [f"    {m}: {why}" for m, why in a.keep_high.items()]
-    if grads and dtype != BF16.name:
-        if c.overflow_limit is not None:
-            lines.append(f"  loss scale: GradScaler(init_scale={_pow2(c.scale).replace('^', '**')}), the largest power of two")
-            lines.append(f"    that overflows no gradient; limited by the {c.overflow_limit}")
-        else:
-            lines.append("  loss scale: no non-zero gradient; any init_scale works")
-        if c.fits and c.lo > 0:
-            lines.append(f"  window: {_pow2(c.lo)}..{_pow2(c.hi)} keeps every gradient's underflow within {tolerance:.0%}")
-            lines.append(f"    (lower end set by the {c.underflow_limit})")
-    elif grads and c.scale == 1.0:
-        lines.append("  loss scale: none needed (bf16 has FP32's exponent range)")
-    if a.bf16_fixes is not None:
-        lines.append("  bf16: removes the range problem (it keeps 8 bits of precision: check accuracy)" if a.bf16_fixes
-                     else "  bf16: does not remove the problem (run with --dtype bf16 to see where)")
-    return lines
+    rec = recommendation(df, dtype, tolerance, grads)
+    head = Text(rec["headline"], style=_HEAD_STYLE.get(rec["verdict"], "bold"))
+    if rec["detail"]:
+        head.append(f": {rec['detail']}")
+    console.print(head)
+    for item in rec["advice"]:
+        console.print(Padding(Text(item["text"]), (0, 0, 0, 2 + 2 * int(item["level"])), expand=False))
 
 
 # the command -------------------------------------------------------------------------------------
@@ -183,6 +160,8 @@ def layers(
     filter: Annotated[Optional[str], typer.Option("--filter", help="Only modules whose name matches this regex (re.search).")] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Write the full table (every step) as CSV.")] = None,
     parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write the full table as Parquet (needs pyarrow).")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots "
+                                                   "beside it), .json (schema: ampdoctor/schema/layers.schema.json) or .html.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
     underflow_tolerance: Annotated[float, typer.Option(help="Underflow fraction a gradient may lose at the smallest "
                                                              "scale of its window.")] = 0.01,
@@ -196,12 +175,12 @@ def layers(
     """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
     subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
     try:
-        from ampdoctor.layers import GRAD_KINDS, filter_modules, layer_stats, parse_dtypes, parse_what, summarise
+        from ampdoctor.layers import filter_modules, layer_stats, parse_dtypes, parse_what
 
         fmts = parse_dtypes(dtype)
         what_t = parse_what(what)
         scale_v = _parse_scale(scale)
-        _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force)
+        _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
         from ampdoctor.config import TriageConfig
         from ampdoctor.env import resolve_device
         from ampdoctor.spec import SpecNames, call_user, load_spec
@@ -238,16 +217,11 @@ def layers(
         write_atomic(parquet, shown.to_parquet(index=False))
     console: Console = out
     grads = "grads" in what_t
-    for name in wanted:
-        from ampdoctor.layers import choose_scale
+    from ampdoctor.layers import format_table, sort_summary
 
-        d = shown[shown["dtype"] == name]
-        if scale_v == "auto":
-            s = choose_scale(df, name).scale
-        else:
-            s = float(scale_v)
-        d = d[~d["kind"].isin(GRAD_KINDS) | (d["scale"] == s)]
-        summary = _sort(summarise(d), sort)
+    for name in wanted:
+        s, summary = format_table(df, name, scale_v, filter)
+        summary = sort_summary(summary, sort)
         rows = summary if top == 0 else summary.head(top)
         title = (f"[bold]{name}[/] — worst of {steps} FP32 step(s)"
                  + ((f"; gradients x {_pow2(s) if math.log2(s).is_integer() else f'{s:g}'}" if s != 1.0
@@ -258,8 +232,18 @@ def layers(
                           style="dim")
     console.print()
     for name in wanted:
-        for line in _advice_lines(df, name, underflow_tolerance, grads):
-            console.print(line, highlight=False)
-    for path in (csv, parquet):
+        _print_advice(console, df, name, underflow_tolerance, grads)
+    if report is not None:
+        from ampdoctor.cli_report import write_layers_report
+        from ampdoctor.env import environment
+        from ampdoctor.layers_report import build
+
+        config = {"spec": str(spec), "dtype": wanted, "steps": steps, "scale": scale_v, "what": list(what_t), "sort": sort,
+                  "top": top, "filter": filter, "underflow_tolerance": underflow_tolerance, "device": device, "seed": seed,
+                  "model_fn": model_fn, "data_fn": data_fn, "loss_fn": loss_fn, "optimizer_fn": optimizer_fn,
+                  "csv": str(csv) if csv is not None else None, "parquet": str(parquet) if parquet is not None else None}
+        doc = build(df, config, environment(dev, ["ampdoctor", *sys.argv[1:]]))
+        write_layers_report(report, doc)
+    for path in (csv, parquet, report):
         if path is not None:
-            console.print(f"table written to {path}", style="dim")
+            console.print(f"{'report' if path is report else 'table'} written to {path}", style="dim", highlight=False)

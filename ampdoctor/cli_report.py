@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ampdoctor.errors import OutputExistsError, UsageError
 from ampdoctor.io import check_writable, write_atomic
@@ -48,7 +49,11 @@ def write_report(path: Path, report: Report) -> list[Path]:
         return [path]
     from ampdoctor.render.markdown import outputs
 
-    files = outputs(report, path)
+    return write_files(path, outputs(report, path))
+
+
+def write_files(path: Path, files: dict[Path, str | bytes]) -> list[Path]:
+    """Write a report at ``path`` and its images (``files``) atomically, images first; return them, report last."""
     written = []
     # images first, the Markdown last: a reader never finds a report whose images are missing
     for p, data in sorted(files.items(), key=lambda kv: kv[0] == path):
@@ -57,3 +62,21 @@ def write_report(path: Path, report: Report) -> list[Path]:
         write_atomic(p, data)
         written.append(p)
     return written
+
+
+def write_layers_report(path: Path, doc: dict[str, Any]) -> list[Path]:
+    """Write an ``ampdoctor layers`` report document (``layers_report.build``) by extension, like ``write_report``."""
+    fmt = report_format(path)
+    if fmt == "json":
+        from ampdoctor.layers_report import to_json
+
+        write_atomic(path, to_json(doc))
+        return [path]
+    if fmt == "html":
+        from ampdoctor.render.layers_html import render as render_html
+
+        write_atomic(path, render_html(doc))
+        return [path]
+    from ampdoctor.render.layers_markdown import outputs
+
+    return write_files(path, outputs(doc, path))

@@ -535,6 +535,39 @@ def _pow2(x: float) -> str:
     return f"2^{round(math.log2(x))}"
 
 
+SORTS = ("risk", "order", "module", "numel", "absmax", "min_nonzero", "overflow_frac", "underflow_frac", "subnormal_frac",
+         "nonfinite_frac", "headroom_binades", "min_scale", "max_scale", "zero_frac")
+"""What ``sort_summary`` accepts: risk (NaN/Inf, overflow, underflow, subnormal; worst first), forward order, or a column."""
+_ASCENDING = {"order", "module", "min_nonzero", "headroom_binades", "max_scale"}
+"""Sort keys whose worst values are the smallest (tables list the worst first)."""
+
+
+def sort_summary(summary: pd.DataFrame, sort: str) -> pd.DataFrame:
+    """``summary`` rows worst first by ``sort`` (one of SORTS; 'order' keeps the forward order)."""
+    if sort not in SORTS:
+        raise UsageError(f"--sort {sort!r}: choose one of {', '.join(SORTS)}")
+    if sort == "order":
+        return summary
+    if sort == "risk":
+        cols = ["nonfinite_frac", "overflow_frac", "underflow_frac", "subnormal_frac"]
+        return summary.sort_values(cols, ascending=False, kind="stable")
+    return summary.sort_values(sort, ascending=sort in _ASCENDING, kind="stable", na_position="last")
+
+
+def format_table(df: pd.DataFrame, dtype: str, scale: float | str = 1.0, pattern: str | None = None) -> tuple[float, pd.DataFrame]:
+    """(gradient scale, worst-over-steps summary) of one format: what the table of ``dtype`` shows.
+
+    Gradient rows are those at ``scale`` (``"auto"``: the scale ``choose_scale`` picks); ``pattern``
+    keeps only the modules it matches (``filter_modules``). The summary is in forward order.
+    """
+    d = df[df["dtype"] == dtype]
+    if pattern is not None:
+        d = filter_modules(d, pattern)
+    s = choose_scale(df, dtype).scale if isinstance(scale, str) else float(scale)
+    d = d[~d["kind"].isin(GRAD_KINDS) | (d["scale"] == s)]
+    return s, summarise(d)
+
+
 def summarise(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (module, kind, param, dtype, scale): the worst value over the steps."""
     keys = ["module", "kind", "param", "dtype", "scale"]

@@ -78,13 +78,16 @@ def _plots(images: Mapping[str, bytes] | None, missing: str | None) -> str:
         return f'<h2>Plots</h2><p class="muted">No plots: {e(missing)}.</p>'
     if not images:
         return ""
-    figs = []
-    for name, png in images.items():
-        data = base64.b64encode(png).decode("ascii")
-        wide = ' class="wide"' if name == "heatmap" else ""
-        figs.append(f'<figure{wide}><img alt="{e(TITLES.get(name, name))}" data-plot="{e(name)}" '
-                    f'src="data:image/png;base64,{data}"><figcaption>{e(TITLES.get(name, name))}</figcaption></figure>')
+    figs = [figure(name, png, TITLES.get(name, name), wide=name == "heatmap") for name, png in images.items()]
     return '<h2>Plots</h2><div class="plots">' + "".join(figs) + "</div>"
+
+
+def figure(name: str, png: bytes, title: str, wide: bool = False) -> str:
+    """A plot inline: the PNG as a base64 data: URI, captioned."""
+    data = base64.b64encode(png).decode("ascii")
+    cls = ' class="wide"' if wide else ""
+    return (f'<figure{cls}><img alt="{e(title)}" data-plot="{e(name)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{e(title)}</figcaption></figure>')
 
 
 def _stages(report: Report) -> str:
@@ -152,7 +155,10 @@ def _findings(report: Report) -> str:
 
 
 def _reproduce(report: Report) -> str:
-    cmd, ran = reproduce_command(report), report.environment.get("command")
+    return reproduce_section(reproduce_command(report), report.environment.get("command"))
+
+
+def reproduce_section(cmd: str | None, ran: Any) -> str:
     out = []
     if cmd:
         out.append(f"<p>With every option that shapes the run (same seed, same batches):</p><pre>{e(cmd)}</pre>")
@@ -162,13 +168,16 @@ def _reproduce(report: Report) -> str:
 
 
 def _environment(report: Report) -> str:
-    env = report.environment
+    return environment_section(report.environment, report.config)
+
+
+def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> str:
     if not env:
         return ""
     known = {k for k, _ in ENV_KEYS} | {"command"}
     rows = [[e(label), e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
     rows += [[e(k), e(num(v))] for k, v in env.items() if k not in known]
-    cfg = [[e(k), e(_opt_value(v) if v is not None else "-")] for k, v in report.config.items() if k != "spec"]
+    cfg = [[e(k), e(_opt_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
     opts = f"<details><summary>Options</summary>{_table(['option', 'value'], cfg)}</details>" if cfg else ""
     return "<h2>Environment</h2>" + _table(["", ""], rows) + opts
 

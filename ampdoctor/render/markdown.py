@@ -181,9 +181,14 @@ def _plots(images: Mapping[str, str] | None, missing: str | None) -> list[str]:
         return ["", "## Plots", "", f"_No plots: {missing}._"]
     if not images:
         return []
-    lines = ["", "## Plots", ""]
+    return ["", "## Plots", "", *image_lines(images, TITLES)]
+
+
+def image_lines(images: Mapping[str, str], titles: Mapping[str, str]) -> list[str]:
+    """One relative image link per plot, a blank line between them."""
+    lines: list[str] = []
     for name, href in images.items():
-        lines += [f"![{TITLES.get(name, name)}]({href})", ""]
+        lines += [f"![{titles.get(name, name)}]({href})", ""]
     return lines[:-1]
 
 
@@ -211,8 +216,11 @@ def _findings(report: Report) -> list[str]:
 
 
 def _reproduce(report: Report) -> list[str]:
-    cmd = reproduce_command(report)
-    ran = report.environment.get("command")
+    return reproduce_section(reproduce_command(report), report.environment.get("command"))
+
+
+def reproduce_section(cmd: str | None, ran: Any) -> list[str]:
+    """'## Reproduce': the rebuilt command (every option spelled out) and the command line as typed."""
     if not cmd and not ran:
         return []
     lines = ["", "## Reproduce", ""]
@@ -224,14 +232,18 @@ def _reproduce(report: Report) -> list[str]:
 
 
 def _environment(report: Report) -> list[str]:
-    env = report.environment
+    return environment_section(report.environment, report.config)
+
+
+def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """'## Environment': versions, device and TF32 flags, then the options (``spec`` left out) folded."""
     if not env:
         return []
     known = {k for k, _ in ENV_KEYS} | {"command"}
     rows = [[label, num(env[k]) if env.get(k) is not None else "-"] for k, label in ENV_KEYS if k in env]
     rows += [[k, num(v)] for k, v in env.items() if k not in known]
     lines = ["", "## Environment", "", *table(["", ""], rows)]
-    cfg = {k: v for k, v in report.config.items() if k != "spec"}
+    cfg = {k: v for k, v in config.items() if k != "spec"}
     if cfg:
         lines += ["", "<details><summary>Options</summary>", "",
                   *table(["option", "value"], [[k, _opt_value(v) if v is not None else "-"] for k, v in cfg.items()]),
