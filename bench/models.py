@@ -1,0 +1,89 @@
+"""The three bench models of issue 6: a deep MLP, a small GPT-style transformer, a wide model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def deep_mlp() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """128 blocks of Linear(64,64) -> LayerNorm -> GELU, batch 32."""
+    layers: list[nn.Module] = []
+    for _ in range(128):
+        layers += [nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(64, 1))
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)
+
+    return model, batch
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 256, d: int = 128, layers: int = 4, heads: int = 4, seq: int = 64) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList([_Block(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def gpt() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """4 layers, d=128, seq 64, batch 8."""
+    model = GPT()
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 256, (8, 65), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    return model, batch
+
+
+def wide() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """Few big layers: 3 x Linear(2048, 2048), batch 256 — tensor size dominates."""
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048))
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(256, 2048, generator=g), torch.randn(256, 2048, generator=g)
+
+    return model, batch
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if y.dtype == torch.long:
+        return nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
+    return nn.functional.mse_loss(out.float(), y)
+
+
+MODELS = {"deep_mlp": deep_mlp, "gpt": gpt, "wide": wide}
