@@ -14,6 +14,7 @@ synchronisation the monitor makes in a step. Hooks never synchronise.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -135,6 +136,7 @@ class Hooks:
         self._step = step
         self._tids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._next_tid = 0
+        self._grad_enabled = True
         self._cur = StepStats(step)
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
@@ -148,7 +150,7 @@ class Hooks:
     def recording(self) -> bool:
         return self._active
 
-    def _tid(self, t: torch.Tensor, *, is_output: bool) -> int:
+    def _tid(self, t: torch.Tensor) -> int:
         key = id(t)
         hit = self._tids.get(key)
         if hit is not None and hit[0]() is t:
@@ -158,23 +160,29 @@ class Hooks:
         self._tids[key] = (weakref.ref(t), tid)
         if self.activations:
             self._buf.add(("act", tid), t)
-        if self.grads and t.requires_grad and torch.is_grad_enabled():
-            t.register_hook(self._grad_hook(tid))
+        if self.grads and t.requires_grad and self._grad_enabled:
+            t.register_hook(partial(self._on_grad, tid))
         return tid
 
-    def _grad_hook(self, tid: int) -> Any:
-        def hook(g: torch.Tensor) -> None:
-            if self._active and self._cur is not None and g is not None:
-                self._cur.grad_order.append(tid)
-                self._buf.add(("grad", tid), g)
+    def _on_grad(self, tid: int, g: torch.Tensor) -> None:
+        if self._active and g is not None:
+            self._cur.grad_order.append(tid)
+            self._buf.add(("grad", tid), g)
 
-        return hook
+    def _tids_of(self, obj: Any) -> list[int]:
+        # fast paths for the common shapes: one tensor, or a tuple of tensors
+        if type(obj) is torch.Tensor:
+            return [self._tid(obj)] if obj.is_floating_point() else []
+        if type(obj) is tuple and all(type(t) is torch.Tensor for t in obj):
+            return [self._tid(t) for t in obj if t.is_floating_point()]
+        return [self._tid(t) for t in iter_tensors(obj) if t.is_floating_point()]
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._active:
             return
-        ins = [self._tid(t, is_output=False) for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
-        outs = [self._tid(t, is_output=True) for t in iter_tensors(output) if t.is_floating_point()]
+        self._grad_enabled = torch.is_grad_enabled()
+        ins = self._tids_of(args if not kwargs else (args, kwargs))
+        outs = self._tids_of(output)
         name = self._names.get(module, type(module).__name__)
         self._cur.calls.append(Call(name, ins, outs))
         if module is self.model:

@@ -169,6 +169,9 @@ class Monitor:
             skip decision are taken every step regardless.
         activations: also record module outputs and the gradients at them (the expensive part);
             without them a skip is named from the parameter gradients alone.
+        weights: also record every parameter's values each recorded step (off by default: a
+            full extra pass over the weights; non-finite weights are caught through the
+            gradients and the loss anyway).
         amp_dtype: the autocast dtype of ``autocast()``; default float16 with an enabled scaler,
             else no autocast.
         inject_inf_at: step(s) at which an Inf is written into a gradient (before ``unscale_``).
@@ -194,6 +197,7 @@ class Monitor:
         patience: int = 100,
         every: int = 1,
         activations: bool = True,
+        weights: bool = False,
         amp_dtype: torch.dtype | None = None,
         inject_inf_at: int | Iterable[int] | None = None,
         inject_param: str | None = None,
@@ -238,7 +242,8 @@ class Monitor:
         if inject_param is not None and inject_param not in {n for n, _ in model.named_parameters()}:
             raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
         self._modules = [n or locate.MODEL for n, _ in model.named_modules()]
-        self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, every=every)
+        self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
+                           every=every)
         self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
         # counters and history (state_dict)
         self.step_num = 0

@@ -98,6 +98,8 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
     n = len(sizes)
     with torch.no_grad():
         flat = torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else tensors[0].reshape(-1)
+        if fmt is FP16 and scale == 1.0 and flat.dtype in (torch.float32, torch.float16):
+            return _fp16_stats(flat, sizes)
         if flat.dtype != torch.float32:
             flat = flat.to(torch.float32)
         if scale != 1.0:  # the cast test applies to the float32 product, as GradScaler computes it
@@ -134,6 +136,96 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
         return torch.cat([numel, c[:, 0:6], c[:, 7:8], c[:, 6:7], absmax.double()[:, None], minnz.double()[:, None]], dim=1)
 
 
+def _fp16_stats(flat: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The FP16 fast path: categories read from the cast itself.
+
+    ``flat.half()`` *is* the cast the definitions refer to, and it is one fast vectorised pass.
+    Its bit pattern says zero / subnormal / normal / inf / NaN; comparing with the source says
+    which zeros were underflows and which infs were overflows. One bincount over
+    key + 20 x segment gives every count of every tensor. An FP16 source is read as is: it can
+    no longer underflow or overflow, and all its arithmetic runs on 16-bit integers.
+    """
+    n = len(sizes)
+    device = flat.device
+    half_in = flat.dtype == torch.float16
+    hb = (flat if half_in else flat.to(torch.float16)).view(torch.int16)
+    h = hb & 0x7FFF
+    # fp16 class: 0 zero, 1 subnormal, 2 normal, 3 inf, 4 NaN
+    key = (h > 0).to(torch.uint8)
+    key += h >= 0x0400
+    key += h >= 0x7C00
+    key += h > 0x7C00
+    if half_in:
+        key.add_(hb == -1024, alpha=15)  # 0xFC00: -inf, 3 -> 18
+    else:
+        key.add_(flat == 0, alpha=5)  # a true zero: 0 -> 5 (a zero class without it is an underflow)
+        isinf = key == 3
+        key.add_(isinf & (flat == float("inf")), alpha=10)  # 3 -> 13
+        key.add_(isinf & (flat == float("-inf")), alpha=15)  # 3 -> 18; a class-3 left is an overflow
+    # |x| as ordered integer bits with non-finite values at 0: max is the finite absmax
+    if half_in:
+        fin = torch.where(h < 0x7C00, h, 0)
+        absmax_bits, minnz_bits = _segment_max_min_bits(fin, sizes, device, 0x7C00)
+        absmax = absmax_bits.view(torch.float16).float() if absmax_bits.dtype == torch.int16 else absmax_bits
+        minnz = minnz_bits.view(torch.float16).float() if minnz_bits.dtype == torch.int16 else minnz_bits
+    else:
+        ai = flat.view(torch.int32) & _INT_MAX
+        fin = torch.where(ai < _INF_BITS, ai, 0)
+        absmax_bits, minnz_bits = _segment_max_min_bits(fin, sizes, device, _INF_BITS)
+        absmax = absmax_bits.view(torch.float32)
+        minnz = minnz_bits.view(torch.float32)
+    if n == 1:
+        counts = torch.bincount(key.to(torch.int32), minlength=20)[None, :20]
+    else:
+        counts = torch.bincount(key.to(torch.int32).add_(_segments20(sizes, device)), minlength=n * 20).view(n, 20)
+    c = counts.to(torch.float64)
+    numel = c.sum(dim=1, keepdim=True)
+    nan = c[:, 4:5] + c[:, 9:10] + c[:, 14:15] + c[:, 19:20]
+    zero = torch.zeros_like(numel)
+    if half_in:  # key 0 zero, 1 subnormal, 2 normal, 3 +inf, 18 -inf, 4 NaN
+        cols = [numel, c[:, 0:1], zero, c[:, 1:2], c[:, 2:3], zero, c[:, 3:4], c[:, 18:19], nan]
+    else:  # key 5 zero, 0 underflow, 1 subnormal, 2 normal, 3 overflow, 13 +inf, 18 -inf, 4 NaN
+        cols = [numel, c[:, 5:6], c[:, 0:1], c[:, 1:2], c[:, 2:3], c[:, 3:4], c[:, 13:14], c[:, 18:19], nan]
+    return torch.cat([*cols, absmax.double()[:, None], minnz.double()[:, None]], dim=1)
+
+
+def _segment_max_min_bits(fin: torch.Tensor, sizes: tuple[int, ...], device: torch.device,
+                          none: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment: max of ``fin`` (|x| bits, 0 where not finite) and min of its non-zero entries
+    (``none``, the bits of +inf, when a segment has none). Integer bits of non-negative floats order
+    like the values, so no float conversion is needed."""
+    n = len(sizes)
+    # non-zero minimum as a maximum: -(bits) where non-zero, -none elsewhere
+    neg = torch.where(fin > 0, fin, none).neg_()
+    if n == 1:
+        return fin.amax().reshape(1) if fin.numel() else torch.zeros(1, dtype=fin.dtype, device=device), \
+            (-neg.amax()).reshape(1) if neg.numel() else torch.full((1,), none, dtype=fin.dtype, device=device)
+    live = [i for i, k in enumerate(sizes) if k]
+    absmax = torch.zeros(n, dtype=fin.dtype, device=device)
+    minnz = torch.full((n,), none, dtype=fin.dtype, device=device)
+    if not live:
+        return absmax, minnz
+    fparts = fin.split(sizes)
+    nparts = neg.split(sizes)
+    both = torch._foreach_max([fparts[i] for i in live] + [nparts[i] for i in live])
+    k = len(live)
+    amax = torch.stack(both[:k])
+    amin = -torch.stack(both[k:])
+    if k == n:
+        return amax, amin
+    where = torch.tensor(live, device=device)
+    absmax[where] = amax
+    minnz[where] = amin
+    return absmax, minnz
+
+
+@lru_cache(maxsize=32)
+def _segments20(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """20 x segment index of every element (int32; cached, sizes repeat every step)."""
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32) * 20, counts).to(device)
+
+
 @dataclass
 class _Pending:
     keys: list[Hashable]
@@ -152,26 +244,33 @@ class StatsBuffer:
         self.fmt = fmt
         self.flush_numel = flush_numel
         self.big_numel = big_numel
-        self._pending: dict[torch.device, _Pending] = {}
+        self._pending: dict[tuple[torch.device, torch.dtype], _Pending] = {}
         self._keys: list[Hashable] = []
         self._rows: list[torch.Tensor] = []
 
     def add(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Queue a tensor under ``key``; its row will appear in ``collect`` in queue order."""
-        t = tensor.detach()
-        if t.numel() >= self.big_numel:
-            self._keys.append(key)
-            self._rows.append(tensor_stats([t], self.fmt))
-            return
-        p = self._pending.setdefault(t.device, _Pending([], []))
-        p.keys.append(key)
-        p.tensors.append(t)
-        p.numel += t.numel()
-        if p.numel >= self.flush_numel:
-            self._flush(t.device)
+        """Queue a tensor under ``key``; ``collect`` returns its row aligned with the key.
 
-    def _flush(self, device: torch.device) -> None:
-        p = self._pending.pop(device, None)
+        Hot path (called for every watched tensor): a reference is kept, nothing is computed;
+        the reduction runs under no_grad, so the tensor need not be detached here.
+        """
+        numel = tensor.numel()
+        if numel >= self.big_numel:
+            self._keys.append(key)
+            self._rows.append(tensor_stats([tensor], self.fmt))
+            return
+        group = (tensor.device, tensor.dtype)  # one batch per dtype: no conversion when concatenating
+        p = self._pending.get(group)
+        if p is None:
+            p = self._pending[group] = _Pending([], [])
+        p.keys.append(key)
+        p.tensors.append(tensor)
+        p.numel += numel
+        if p.numel >= self.flush_numel:
+            self._flush(group)
+
+    def _flush(self, group: tuple[torch.device, torch.dtype]) -> None:
+        p = self._pending.pop(group, None)
         if p is None or not p.tensors:
             return
         self._keys.extend(p.keys)
@@ -182,8 +281,8 @@ class StatsBuffer:
 
     def collect(self) -> tuple[list[Hashable], torch.Tensor]:
         """Reduce what is pending and return (keys, rows) with rows still on the device."""
-        for device in list(self._pending):
-            self._flush(device)
+        for group in list(self._pending):
+            self._flush(group)
         keys, rows = self._keys, self._rows
         self._keys, self._rows = [], []
         if not rows:
