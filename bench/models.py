@@ -71,11 +71,11 @@ def gpt() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, to
 
 
 def wide() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
-    """Few big layers: 3 x Linear(2048, 2048), batch 256 — tensor size dominates."""
-    model = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048))
+    """Few big layers: 3 x Linear(1024, 1024), batch 256 — tensor size dominates."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024))
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(256, 2048, generator=g), torch.randn(256, 2048, generator=g)
+        return torch.randn(256, 1024, generator=g), torch.randn(256, 1024, generator=g)
 
     return model, batch
 
