@@ -14,9 +14,9 @@ synchronisation the monitor makes in a step. Hooks never synchronise.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import numpy as np

@@ -240,11 +240,13 @@ class StatsBuffer:
     pending; then the batch is reduced and the reference dropped, which bounds the extra memory.
     """
 
-    def __init__(self, fmt: Format = FP16, flush_numel: int = 1 << 22, big_numel: int = 1 << 20):
+    def __init__(self, fmt: Format = FP16, flush_numel: int = 1 << 22, big_numel: int = 1 << 20,
+                 split_numel: int = 1 << 18):
         self.fmt = fmt
+        self.split_numel = split_numel
         self.flush_numel = flush_numel
         self.big_numel = big_numel
-        self._pending: dict[tuple[torch.device, torch.dtype], _Pending] = {}
+        self._pending: dict[torch.device, _Pending] = {}
         self._keys: list[Hashable] = []
         self._rows: list[torch.Tensor] = []
 
@@ -259,30 +261,38 @@ class StatsBuffer:
             self._keys.append(key)
             self._rows.append(tensor_stats([tensor], self.fmt))
             return
-        group = (tensor.device, tensor.dtype)  # one batch per dtype: no conversion when concatenating
-        p = self._pending.get(group)
+        device = tensor.device
+        p = self._pending.get(device)
         if p is None:
-            p = self._pending[group] = _Pending([], [])
+            p = self._pending[device] = _Pending([], [])
         p.keys.append(key)
         p.tensors.append(tensor)
         p.numel += numel
         if p.numel >= self.flush_numel:
-            self._flush(group)
+            self._flush(device)
 
-    def _flush(self, group: tuple[torch.device, torch.dtype]) -> None:
-        p = self._pending.pop(group, None)
+    def _flush(self, device: torch.device) -> None:
+        p = self._pending.pop(device, None)
         if p is None or not p.tensors:
             return
-        self._keys.extend(p.keys)
-        self._rows.append(tensor_stats(p.tensors, self.fmt))
+        dtypes = {t.dtype for t in p.tensors}
+        if len(dtypes) == 1 or p.numel < self.split_numel:
+            # small batches: one reduction (fixed kernel cost dominates; mixed dtypes promote to float32)
+            self._keys.extend(p.keys)
+            self._rows.append(tensor_stats(p.tensors, self.fmt))
+            return
+        for dtype in dtypes:  # large batches: one per dtype, so FP16 tensors are read as FP16, not converted
+            pairs = [(k, t) for k, t in zip(p.keys, p.tensors, strict=True) if t.dtype == dtype]
+            self._keys.extend(k for k, _ in pairs)
+            self._rows.append(tensor_stats([t for _, t in pairs], self.fmt))
 
     def __len__(self) -> int:
         return len(self._keys) + sum(len(p.keys) for p in self._pending.values())
 
     def collect(self) -> tuple[list[Hashable], torch.Tensor]:
         """Reduce what is pending and return (keys, rows) with rows still on the device."""
-        for group in list(self._pending):
-            self._flush(group)
+        for device in list(self._pending):
+            self._flush(device)
         keys, rows = self._keys, self._rows
         self._keys, self._rows = [], []
         if not rows:

@@ -1,6 +1,6 @@
 """Wall time of `ampdoctor triage` against the same stages' steps run bare (no hooks, no diagnosis).
 
-    python bench/bench_triage.py [--repeats 5] [--steps 50] [--device cpu]
+    python bench/bench_triage.py [--repeats 5] [--steps 50] [--device cpu] [--specs a.py,b.py]
 
 Interleaved (triage, bare, triage, bare, ...) in one process; medians and the ratio per sample.
 Spec loading and batch materialisation are done once and excluded from both sides.
@@ -48,12 +48,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--specs", default=",".join(SAMPLES), help="comma-separated sample names or spec paths")
     a = ap.parse_args()
     cfg = TriageConfig(steps=a.steps, device=a.device)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {a.device}, {a.steps} steps x stages {cfg.stage_list()}")
     print(f"{'sample':24} {'bare s':>8} {'triage s':>9} {'ratio':>6}")
-    for name in SAMPLES:
-        path = ROOT / "sample_models" / name
+    for name in a.specs.split(","):
+        path = Path(name) if Path(name).exists() else ROOT / "sample_models" / name
         run(path, cfg, True)  # warm-up
         bare, full = [], []
         for _ in range(a.repeats):
