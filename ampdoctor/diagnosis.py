@@ -260,6 +260,8 @@ def diagnose(
             op_row = LayerRow(f"{module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
                               0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), step)
             table = [op_row, *table]
+        if cause.startswith("fp16_") and "bf16" in results and target != "bf16":
+            fixes.append(_bf16_check(results["bf16"], fp32))
         return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, table, story, fixes)
 
     # 1. FP32 itself fails: data or a model bug ---------------------------------------------------
@@ -420,6 +422,18 @@ def diagnose(
     if story and story.calibration_skips:
         summary += f" {story.calibration_skips} GradScaler skip(s) while the scale calibrated are normal."
     return verdict("healthy", None, None, tgt_name, summary)
+
+
+def _bf16_check(bf16: StageResult, fp32: StageResult) -> str:
+    """What the bf16 stage of this very run says about switching to bf16."""
+    if bf16.error is not None:
+        return f"bf16 was tried in this run and raised {bf16.error.type} at step {bf16.error.step}: {bf16.error.message[:120]}"
+    bad = _first_bad_step(bf16, amp=False)
+    if bad is not None:
+        return f"bf16 was tried in this run and also goes non-finite (step {bad}): the range is not the only problem."
+    ratio = stall_ratio(bf16, fp32)
+    how = f", {ratio:.0%} of FP32's loss progress" if ratio is not None else ""
+    return f"bf16 was tried in this run: no non-finite values in {len(bf16.records)} steps{how}. Switching to bf16 autocast fixes this."
 
 
 def _calibration_steps(res: StageResult) -> list[int]:

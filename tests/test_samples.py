@@ -78,3 +78,12 @@ def test_spec_triage_options_are_defaults_the_cli_overrides() -> None:
     assert "fp16_update_swallowed" in res.output
     res = CliRunner().invoke(app, ["triage", str(SAMPLES / "update_swallowed.py"), "--steps", "4", "-q", "--target", "amp"])
     assert res.output.startswith("healthy"), res.output
+
+
+def test_bf16_stage_when_asked_says_whether_bf16_fixes_it() -> None:
+    report, results = triage(SAMPLES / "forward_overflow.py", TriageConfig(steps=12, stages=("fp32", "fp16", "amp", "bf16")))
+    assert report.verdict.cause == "fp16_forward_overflow"
+    assert results["bf16"].first_nonfinite_step is None
+    assert any(f.startswith("bf16 was tried in this run: no non-finite values in 12 steps") for f in report.fixes)
+    bf16_report, _ = triage(SAMPLES / "forward_overflow.py", TriageConfig(steps=12, target="bf16"))
+    assert bf16_report.verdict.cause == "healthy" and bf16_report.verdict.stage == "bf16"
