@@ -316,7 +316,7 @@ def diagnose(
                                     f"Fix batch {b} ({field_}, samples {samples[:10]}): normalise or drop it in build_dataloader()."))
             fixes.append(f"Fix batch {b}: {field_} samples {samples[:10]} are {ratio_o:.3g}x larger than a typical batch")
             return verdict("data", None, b, tgt_name,
-                           f"Step {s} of the {tgt_name} stage fails on batch {b}, whose {field_} is {ratio_o:.3g}x larger "
+                           f"Step {s} of the {tgt_name} stage fails on batch {b}, whose field {field_!r} is {ratio_o:.3g}x larger "
                            "than the median batch: the failure follows the data.")
 
     if bad is not None:
@@ -489,7 +489,7 @@ def _fp32_failure(fp32: StageResult, s: int, batches: Batches, recheck: RecheckF
                                 None, b, {"field": field_, "ratio_to_median": ratio, "samples": samples}, ""))
         fixes.append(f"Fix batch {b}: {field_} samples {samples[:10]} are {ratio:.3g}x larger than a typical batch")
         return verdict("data", None, b, "fp32",
-                       f"FP32 fails at step {s} on batch {b}, whose {field_} is {ratio:.3g}x larger than the median batch.")
+                       f"FP32 fails at step {s} on batch {b}, whose field {field_!r} is {ratio:.3g}x larger than the median batch.")
     st = _stats_at(fp32, s)
     module = locate.locate_forward(st) if st is not None else None
     where = "forward"

@@ -142,3 +142,28 @@ def test_triage_log_is_the_scaler_csv(tmp_path: Path) -> None:
     assert list(steps.frame["scaler_scale"].iloc[:3]) == [65536.0, 32768.0, 16384.0]
     r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "2", "--log", str(log)])
     assert r.exit_code == 2 and "--force" in r.output
+
+
+def test_outlier_batch_is_data(tmp_path: Path) -> None:
+    """Targets x1e8 in one batch (the seed articles' loss-spike injection): finite in FP32, a skip in AMP."""
+    spec = write_spec(tmp_path, """
+import torch
+from torch import nn
+def build_model():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+def build_dataloader():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(12):
+        x = torch.randn(32, 16, generator=g)
+        y = x.sum(1, keepdim=True)
+        out.append((x, y * 1e8 if i == 9 else y))
+    return out
+def loss_fn(o, y):
+    return nn.functional.mse_loss(o.float(), y)
+""")
+    report, _ = triage(spec, TriageConfig(steps=20))
+    v = report.verdict
+    assert (v.cause, v.first_module, v.first_step, v.stage) == ("data", None, 9, "amp"), v.summary
+    ev = report.findings[0].evidence
+    assert ev["field"] == "targets" and ev["ratio_to_median"] > 1e7
