@@ -57,34 +57,33 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
-def progress(losses: list[float]) -> float:
-    """Loss drop from the first step to the mean of the last tenth."""
-    if len(losses) < 2 or not all(math.isfinite(v) for v in losses):
-        return float("nan")
-    k = max(1, len(losses) // 10)
-    return losses[0] - float(np.mean(losses[-k:]))
-
-
 MIN_STALL_STEPS = 8
 """Fewer steps than this are too few to call a stall (per-batch noise dominates)."""
 
 
 def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
-    """Target's loss progress over FP32's on the same steps (same batches, same start weights).
+    """How much of FP32's loss progress the target makes over the same steps (1: as much, 0: none).
 
-    None when FP32 made no meaningful progress (under 1% of its first loss) or there are too few
-    steps to tell.
+    Both stages start from the same weights and see the same batch at every step, so the
+    comparison is step by step: ``(head32 - tail_t) / (head32 - tail32)``, where head is the mean
+    loss over the first quarter of the steps and tail over the last quarter (means over a window
+    damp the batch-to-batch noise). None when FP32 made no meaningful progress (under 1% of its
+    head) or there are too few steps to tell.
     """
     n = min(len(target.records), len(fp32.records))
     if n < MIN_STALL_STEPS:
         return None
     ref = [r.loss for r in fp32.records[:n]]
     tgt = [r.loss for r in target.records[:n]]
-    p32 = progress(ref)
-    if not math.isfinite(p32) or ref[0] == 0 or p32 <= 1e-2 * abs(ref[0]):
+    if not all(math.isfinite(v) for v in ref):
         return None
-    pt = progress(tgt)
-    return pt / p32 if math.isfinite(pt) else 0.0
+    k = max(2, n // 4)
+    head32 = float(np.mean(ref[:k]))
+    d32 = head32 - float(np.mean(ref[-k:]))
+    if head32 == 0 or d32 <= 1e-2 * abs(head32):
+        return None
+    tail_t = float(np.mean(tgt[-k:]))
+    return (head32 - tail_t) / d32 if math.isfinite(tail_t) else 0.0
 
 
 def _stats_at(res: StageResult, step: int) -> StepStats | None:

@@ -31,7 +31,7 @@ EXPECTED = {
 @pytest.mark.parametrize("sample", sorted(EXPECTED))
 def test_sample_verdict(sample: str) -> None:
     cause, module, step, stage, opts = EXPECTED[sample]
-    report, results = triage(SAMPLES / sample, TriageConfig(steps=30, **opts))
+    report, results = triage(SAMPLES / sample, TriageConfig(**opts))  # the default 50 steps, as a user runs it
     v = report.verdict
     assert (v.cause, v.first_module, v.first_step, v.stage) == (cause, module, step, stage), v.summary
     assert v.summary
@@ -87,3 +87,11 @@ def test_bf16_stage_when_asked_says_whether_bf16_fixes_it() -> None:
     assert any(f.startswith("bf16 was tried in this run: no non-finite values in 12 steps") for f in report.fixes)
     bf16_report, _ = triage(SAMPLES / "forward_overflow.py", TriageConfig(steps=12, target="bf16"))
     assert bf16_report.verdict.cause == "healthy" and bf16_report.verdict.stage == "bf16"
+
+
+@pytest.mark.parametrize("steps", [8, 20, 100])
+def test_verdicts_do_not_depend_on_the_step_count(steps: int) -> None:
+    for sample in ("healthy.py", "grad_underflow.py", "amp_misuse.py"):
+        cause, module, step, stage, opts = EXPECTED[sample]
+        report, _ = triage(SAMPLES / sample, TriageConfig(steps=steps, **opts))
+        assert (report.verdict.cause, report.verdict.first_module) == (cause, module), (sample, steps, report.verdict.summary)
