@@ -196,7 +196,13 @@ def _segment_max_min_bits(fin: torch.Tensor, sizes: tuple[int, ...], device: tor
     like the values, so no float conversion is needed."""
     n = len(sizes)
     # non-zero minimum as a maximum: -(bits) where non-zero, -none elsewhere
-    neg = torch.where(fin > 0, fin, none).neg_()
+    neg = fin.masked_fill(fin == 0, none).neg_()
+    if n > 1 and fin.numel() <= SMALL_NUMEL:
+        # small batches: two scatter reductions beat a launch per tensor
+        idx = _segment_index(sizes, device)
+        absmax = torch.zeros(n, dtype=fin.dtype, device=device).scatter_reduce_(0, idx, fin, "amax")
+        minnz = torch.full((n,), -none, dtype=fin.dtype, device=device).scatter_reduce_(0, idx, neg, "amax").neg_()
+        return absmax, minnz
     if n == 1:
         return fin.amax().reshape(1) if fin.numel() else torch.zeros(1, dtype=fin.dtype, device=device), \
             (-neg.amax()).reshape(1) if neg.numel() else torch.full((1,), none, dtype=fin.dtype, device=device)
@@ -217,6 +223,17 @@ def _segment_max_min_bits(fin: torch.Tensor, sizes: tuple[int, ...], device: tor
     absmax[where] = amax
     minnz[where] = amin
     return absmax, minnz
+
+
+SMALL_NUMEL = 1 << 16
+"""Batches up to this many elements take the few-kernel path (launch cost dominates there)."""
+
+
+@lru_cache(maxsize=32)
+def _segment_index(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Segment index (int64) of every element of the concatenated tensors (cached)."""
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int64), counts).to(device)
 
 
 @lru_cache(maxsize=32)
