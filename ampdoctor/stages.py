@@ -22,6 +22,7 @@ from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_d
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import Hooks, StepStats, nonfinite
+from ampdoctor.monitor import Monitor
 from ampdoctor.spec import Spec
 from ampdoctor.steplog import StepLogWriter
 
@@ -229,7 +230,11 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
         if name == "amp"
         else None
     )
-    mon = Hooks(run_model) if ctx.with_monitor else None
+    # the amp stage runs through the same Monitor users put in their own loops (its step order, skip
+    # decision and GradScaler handling); the other stages record with the bare Hooks
+    amp_mon = (Monitor(run_model, opt, scaler, max_norm=cfg.max_norm, weights=True, alert_min_steps=1 << 62)
+               if scaler is not None and ctx.with_monitor else None)
+    mon = Hooks(run_model) if ctx.with_monitor and amp_mon is None else None
     tracker = _Tracker(run_model)
     step = 0
     prev: dict[str, torch.Tensor] | None = None
@@ -264,7 +269,11 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
             lr = float(opt.param_groups[0].get("lr", float("nan")))
             skipped, reason = False, ""
             swallowed: torch.Tensor | None = None
-            if scaler is not None:
+            if amp_mon is not None:
+                mrec = amp_mon.step(loss)
+                pre = post = torch.zeros(())
+                skipped, reason, scale = mrec.skipped, mrec.skip_reason, mrec.scaler_scale
+            elif scaler is not None:
                 # GradScaler sees the same non-finite gradients a user's loop would, so its
                 # scale history is exactly what the user gets; the loss check names the reason.
                 scaler.scale(loss).backward()
@@ -305,7 +314,14 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                     swallowed = _lost_updates(before, run_params, grads)
                 else:
                     opt.step()
-            if mon:
+            if amp_mon is not None:
+                assert mrec.stats is not None
+                st = mrec.stats
+                result.stats.append(st)
+                # weights after the update (the Monitor's rows hold the ones this step's forward used)
+                params_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm([p.detach() for p in master]))).all())
+                pre_f, post_f, sw = mrec.grad_l2_pre_clip, mrec.grad_l2_post_clip, None
+            elif mon:
                 mon.after_step()
                 mon.add_scalar("grad_l2_pre_clip", pre)
                 mon.add_scalar("grad_l2_post_clip", post)
@@ -343,6 +359,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                                   step, module, _error_hint(e, name, ctx.device))
     finally:
         tracker.remove()
+        if amp_mon is not None:
+            amp_mon.close()
         if mon:
             mon.detach()
     return result
