@@ -18,12 +18,12 @@ from pathlib import Path
 
 CHILD = r"""
 import json, resource, sys, torch
+sys.path.insert(0, sys.argv[5])
+from bench_triage import run_stages
 from ampdoctor.config import TriageConfig
 from ampdoctor.env import resolve_device
 from ampdoctor.spec import load_spec
-from ampdoctor.stages import StageContext, run_stage
-from ampdoctor.triage import prepare, recheck_fn, user_hooks
-from ampdoctor.diagnosis import diagnose
+from ampdoctor.triage import prepare
 spec_path, steps, dev, monitored = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 cfg = TriageConfig(steps=steps, device=dev)
 device = resolve_device(dev)
@@ -37,18 +37,14 @@ def peak():
 if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats(device)
 base = peak() if device.type != "cuda" else torch.cuda.memory_allocated(device)
-results = {}
-for name in cfg.stage_list():
-    ctx = StageContext(spec, model, init, batches, cfg, device, with_monitor=monitored, snapshot=monitored and name == cfg.target)
-    results[name] = run_stage(name, ctx)
-if monitored:
-    diagnose(results, batches, cfg, recheck_fn(model, spec, batches, init, results, device), str(device), user_hooks(model))
+run_stages(spec, model, batches, init, cfg, device, monitored)
 print(json.dumps({"base": base, "peak": peak()}))
 """
 
 
 def run(spec: str, steps: int, device: str, monitored: bool) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-c", CHILD, spec, str(steps), device, "1" if monitored else "0"],
+    out = subprocess.run([sys.executable, "-c", CHILD, spec, str(steps), device, "1" if monitored else "0",
+                          str(Path(__file__).resolve().parent)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

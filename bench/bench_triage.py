@@ -15,15 +15,27 @@ from pathlib import Path
 
 import torch
 
+from ampdoctor.batches import Batches
 from ampdoctor.config import TriageConfig
 from ampdoctor.diagnosis import diagnose
 from ampdoctor.env import resolve_device
-from ampdoctor.spec import load_spec
+from ampdoctor.spec import Spec, load_spec
 from ampdoctor.stages import StageContext, run_stage
 from ampdoctor.triage import prepare, recheck_fn, user_hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ["healthy.py", "forward_overflow.py", "grad_overflow.py", "amp_misuse.py", "grad_underflow.py"]
+
+
+def run_stages(spec: Spec, model: torch.nn.Module, batches: Batches, init: dict[str, torch.Tensor], cfg: TriageConfig,
+               device: torch.device, monitored: bool) -> None:
+    """The stages as triage runs them (monitored: hooks, statistics, re-check, diagnosis) or bare."""
+    results = {}
+    for name in cfg.stage_list():
+        ctx = StageContext(spec, model, init, batches, cfg, device, with_monitor=monitored, snapshot=monitored and name == cfg.target)
+        results[name] = run_stage(name, ctx)
+    if monitored:
+        diagnose(results, batches, cfg, recheck_fn(model, spec, batches, init, results, device), str(device), user_hooks(model))
 
 
 def run(spec_path: Path, cfg: TriageConfig, monitored: bool) -> float:
@@ -32,12 +44,7 @@ def run(spec_path: Path, cfg: TriageConfig, monitored: bool) -> float:
     model, batches = prepare(spec, cfg, device)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     t0 = time.perf_counter()
-    results = {}
-    for name in cfg.stage_list():
-        ctx = StageContext(spec, model, init, batches, cfg, device, with_monitor=monitored, snapshot=monitored and name == cfg.target)
-        results[name] = run_stage(name, ctx)
-    if monitored:
-        diagnose(results, batches, cfg, recheck_fn(model, spec, batches, init, results, device), str(device), user_hooks(model))
+    run_stages(spec, model, batches, init, cfg, device, monitored)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0

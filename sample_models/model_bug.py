@@ -12,13 +12,6 @@ class LogFeatures(nn.Module):
         return torch.log(torch.relu(x))  # bug: log(0) for every non-positive input
 
 
-def build_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), LogFeatures(), nn.Linear(16, 1))
-
-
-build_model_named = build_model
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -30,7 +23,7 @@ class Net(nn.Module):
         return self.head(self.log_features(self.proj(x)))
 
 
-def build_model() -> nn.Module:  # noqa: F811 - named modules read better in the report
+def build_model() -> nn.Module:
     return Net()
 
 
