@@ -45,34 +45,7 @@ CONFIG: dict[str, Any] = {
 IMAGES = {"fp16_headroom": "bug_files/fp16_headroom.png", "fp16_fractions": "bug_files/fp16_fractions.png",
           "bf16_headroom": "bug_files/bf16_headroom.png"}
 
-SPEC = '''
-import torch
-from torch import nn
-
-class Gain(nn.Module):
-    def forward(self, x):
-        return x * 2e5
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.big = Gain()
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.out(self.big(self.inp(x)) * 1e-5)
-
-def build_model():
-    return Net()
-
-def build_dataloader():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(2)]
-
-def loss_fn(o, t):
-    return nn.functional.mse_loss(o, t)
-'''
+SPEC = (Path(__file__).parent / "assets" / "gain_spec.py").read_text()
 
 
 def _row(module: str, kind: str, param: str, dtype: str, step: int, order: int, absmax: float, *, over: float = 0.0,
