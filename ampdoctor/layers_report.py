@@ -22,6 +22,7 @@ import pandas as pd
 
 from ampdoctor.formats import BF16
 from ampdoctor.layers import DEFAULT_TOLERANCE, GRAD_KINDS, advise, format_table, sort_summary, tensor_name
+from ampdoctor.render.common import option_value
 from ampdoctor.render.common import scale as pow2
 from ampdoctor.report import _clean
 
@@ -115,14 +116,6 @@ def rows(summary: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def _opt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v)
-    return str(v)
-
-
 def reproduce_command(config: dict[str, Any], environment: dict[str, Any] | None = None) -> str | None:
     """The layers command with every option that shapes the run and its tables (``--device auto`` → where it ran)."""
     spec = config.get("spec")
@@ -134,7 +127,7 @@ def reproduce_command(config: dict[str, Any], environment: dict[str, Any] | None
         if key == "device" and v == "auto" and environment and environment.get("device"):
             v = environment["device"]
         if v is not None:
-            parts += [flag, shlex.quote(_opt(v))]
+            parts += [flag, shlex.quote(option_value(v))]
     for key, flag in _NAMES:
         v = config.get(key)
         if v is not None and v != DEFAULTS[key]:

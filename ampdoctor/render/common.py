@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 CAUSE_TITLES = {
@@ -74,3 +75,23 @@ def steps(xs: list[int], limit: int = 12) -> str:
 
 def evidence(ev: dict[str, Any]) -> str:
     return "; ".join(f"{k}={num(v) if not isinstance(v, (list, dict)) else v}" for k, v in ev.items())
+
+
+def option_value(v: Any) -> str:
+    """An option's value as typed on the command line: 0.5, fp16,bf16, auto."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def scaled_stage(report: Any) -> Any:
+    """The stage that ran a GradScaler (the one with scales), or None."""
+    return next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+
+
+def skip_reasons(skips: list[Any]) -> str:
+    """'18 × nonfinite grad:head, 2 × nonfinite loss' for a list of ScaleEvents."""
+    reasons = Counter(x.reason or "unknown" for x in skips)
+    return ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"

@@ -5,12 +5,11 @@ from __future__ import annotations
 import base64
 import html
 import math
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ampdoctor.render.common import CAUSE_TITLES, evidence, num, pct, scale, steps
-from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _opt_value, _scale_runs, _stage_note, reproduce_command
+from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
+from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
 from ampdoctor.report import Report
 
 CSS = """
@@ -121,14 +120,13 @@ def _scaler(report: Report) -> str:
     sc = report.scaler
     if sc is None:
         return ""
-    reasons = Counter(x.reason or "unknown" for x in sc.skips)
-    why = ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"
+    why = skip_reasons(sc.skips)
     parts = [f"<h2>GradScaler</h2><p><b>Pattern: {e(sc.pattern)}.</b> {e(sc.explanation)}</p><ul>",
              f"<li>scale: init {e(scale(sc.init_scale))}, final {e(scale(sc.final_scale))}, min {e(scale(sc.min_scale))}, "
              f"max {e(scale(sc.max_scale))}</li>",
              f"<li>skipped steps ({len(sc.skips)}): {e(steps([x.step for x in sc.skips]))}; why: {e(why)}</li>",
              f"<li>calibration skips: {sc.calibration_skips}</li></ul>"]
-    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    stage = scaled_stage(report)
     if stage is not None:
         parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage)], "scale runs", {1, 2}))
     return "".join(parts)
@@ -177,7 +175,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> st
     known = {k for k, _ in ENV_KEYS} | {"command"}
     rows = [[e(label), e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
     rows += [[e(k), e(num(v))] for k, v in env.items() if k not in known]
-    cfg = [[e(k), e(_opt_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
+    cfg = [[e(k), e(option_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
     opts = f"<details><summary>Options</summary>{_table(['option', 'value'], cfg)}</details>" if cfg else ""
     return "<h2>Environment</h2>" + _table(["", ""], rows) + opts
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampdoctor.render.common import CAUSE_TITLES, evidence, num, pct, scale, steps
+from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
 from ampdoctor.report import Report, StageSummary
 
 SHOW_ROWS = 6
@@ -31,14 +30,6 @@ _OPTIONS = (("steps", "--steps"), ("target", "--target"), ("seed", "--seed"), ("
             ("backoff_factor", "--backoff-factor"))
 
 
-def _opt_value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v)
-    return str(v)
-
-
 def reproduce_command(report: Report) -> str | None:
     """The triage command with every option that shapes the run spelled out (seed included)."""
     cfg = report.config
@@ -51,9 +42,9 @@ def reproduce_command(report: Report) -> str | None:
         if key == "device" and v == "auto" and report.environment.get("device"):
             v = report.environment["device"]  # where it actually ran
         if v is not None:
-            parts += [flag, shlex.quote(_opt_value(v))]
+            parts += [flag, shlex.quote(option_value(v))]
     if cfg.get("stages"):
-        parts += ["--stages", shlex.quote(_opt_value(cfg["stages"]))]
+        parts += ["--stages", shlex.quote(option_value(cfg["stages"]))]
     return " ".join(parts)
 
 
@@ -156,15 +147,14 @@ def _scaler(report: Report) -> list[str]:
     sc = report.scaler
     if sc is None:
         return []
-    reasons = Counter(e.reason or "unknown" for e in sc.skips)
-    why = ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"
+    why = skip_reasons(sc.skips)
     lines = ["", "## GradScaler", "",
              f"**Pattern: {sc.pattern}.** {sc.explanation}", "",
              f"- scale: init {scale(sc.init_scale)}, final {scale(sc.final_scale)}, min {scale(sc.min_scale)}, "
              f"max {scale(sc.max_scale)}",
              f"- skipped steps ({len(sc.skips)}): {steps([e.step for e in sc.skips])}; why: {why}",
              f"- calibration skips (the scale finding its level at the start): {sc.calibration_skips}"]
-    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    stage = scaled_stage(report)
     if stage is not None:
         lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage), "scale runs", {1, 2})]
     if sc.skips:
@@ -246,7 +236,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> li
     cfg = {k: v for k, v in config.items() if k != "spec"}
     if cfg:
         lines += ["", "<details><summary>Options</summary>", "",
-                  *table(["option", "value"], [[k, _opt_value(v) if v is not None else "-"] for k, v in cfg.items()]),
+                  *table(["option", "value"], [[k, option_value(v) if v is not None else "-"] for k, v in cfg.items()]),
                   "", "</details>"]
     return lines
 

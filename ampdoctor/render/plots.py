@@ -12,6 +12,7 @@ import io
 import math
 from typing import Any
 
+from ampdoctor.render.common import scaled_stage
 from ampdoctor.report import Report
 
 INSTALL_HINT = "plots need matplotlib: pip install 'ampdoctor[plots]'"
@@ -79,7 +80,7 @@ def loss_figure(report: Report) -> bytes | None:
 
 
 def scale_figure(report: Report) -> bytes | None:
-    stage = next((s for s in report.stages if any(x is not None for x in s.scales)), None)
+    stage = scaled_stage(report)
     if stage is None:
         return None
     plt = _plt()
