@@ -259,6 +259,10 @@ def diagnose(
             op_row = LayerRow(f"{module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
                               0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), step)
             table = [op_row, *table]
+        if cause == "amp_misuse" and story is not None and not story.skips:
+            # the history looks healthy only because the overflows never reached GradScaler
+            story.explanation = ("the scale never backed off, but not because the gradients fit: the overflows were "
+                                 "hidden from GradScaler before unscale_ (see the verdict)")
         if cause.startswith("fp16_") and "bf16" in results and target != "bf16":
             fixes.append(_bf16_check(results["bf16"], fp32))
         return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, table, story, fixes)

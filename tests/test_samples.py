@@ -95,3 +95,9 @@ def test_verdicts_do_not_depend_on_the_step_count(steps: int) -> None:
         cause, module, step, stage, opts = EXPECTED[sample]
         report, _ = triage(SAMPLES / sample, TriageConfig(steps=steps, **opts))
         assert (report.verdict.cause, report.verdict.first_module) == (cause, module), (sample, steps, report.verdict.summary)
+
+
+def test_amp_misuse_scaler_story_does_not_call_the_history_healthy() -> None:
+    report, _ = triage(SAMPLES / "amp_misuse.py", TriageConfig(steps=12))
+    assert report.scaler is not None and "hidden from GradScaler" in report.scaler.explanation
+    assert "healthy" not in report.scaler.explanation
