@@ -552,7 +552,8 @@ def _fixes_grad_overflow(module: str | None, sd: ScalerStory | None, fp32: Stage
                "gradients scale with it.")
     out.append("Or switch to bf16 autocast (no overflow below 3.4e38, no scaler): rerun with --target bf16 to check.")
     if sd is not None and sd.min_scale < 1:
-        out.append(f"GradScaler went down to {sd.min_scale:g}; a scale below 1 means no loss scaling can save FP16 here.")
+        out.append(f"GradScaler went down to {sd.min_scale:g}: below 1, it shrinks the gradients to fit FP16, so FP16 has no "
+                   "headroom for them; any growth or a larger batch overflows again.")
     return out
 
 

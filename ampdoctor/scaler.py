@@ -9,7 +9,8 @@ Patterns (``ScaleDiagnosis.pattern``), each with its meaning:
 
 - ``collapsed``: the scale fell below 1, no step was ever applied, or it ended at its minimum
   after falling 8+ binades with most of the last steps skipped. The gradients overflow even
-  unscaled; no loss scale can help (bf16, or keep the overflowing layer in FP32).
+  unscaled; only a scale below 1 fits them, so FP16 has no headroom left for them (bf16, or keep
+  the overflowing layer in FP32).
 - ``never_growing``: more clean steps in a row than ``growth_interval`` and the scale never grew:
   ``scaler.update()`` is not called every step.
 - ``oscillating``: skips after calibration with growth in between: the gradients sit at the
@@ -262,7 +263,8 @@ def diagnose_scale(
             parts.append("and no step was ever applied")
         else:
             parts.append(f"and {tail_rate:.0%} of the last {len(tail)} steps were skipped")
-        expl = ", ".join(parts) + ": the gradients overflow FP16 even unscaled, so no loss scale can help"
+        expl = (", ".join(parts) + ": the gradients overflow FP16 even unscaled; only a scale below 1 fits them, "
+                "so FP16 has no headroom for them and every growth overflows again")
         recs.append("use bf16 autocast (no scaler needed) if the device supports it")
         recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
         if longest_skip_run >= 2:
