@@ -4,14 +4,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ampdoctor.config import TriageConfig  # noqa: E402
+from ampdoctor.engine.layers import layer_stats  # noqa: E402
+from ampdoctor.engine.monitor import Monitor  # noqa: E402
+from ampdoctor.engine.triage import triage  # noqa: E402
 from ampdoctor.formats import FORMATS, Format, get_format  # noqa: E402
-from ampdoctor.hooks import Hooks, StepStats  # noqa: E402
-from ampdoctor.layers import layer_stats  # noqa: E402
-from ampdoctor.monitor import Monitor  # noqa: E402
-from ampdoctor.report import Report  # noqa: E402
-from ampdoctor.spec import load_spec  # noqa: E402
-from ampdoctor.triage import triage  # noqa: E402
+from ampdoctor.input.config import TriageConfig  # noqa: E402
+from ampdoctor.input.spec import load_spec  # noqa: E402
+from ampdoctor.records import StepStats
+from ampdoctor.report.model import Report  # noqa: E402
+from ampdoctor.watch.hooks import Hooks  # noqa: E402
 
 __all__ = [
     "FORMATS",

@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from ampdoctor.monitor import Monitor, MonitorRecord
+from ampdoctor.engine.monitor import Monitor, MonitorRecord
 
 
 def make_model() -> nn.Module:

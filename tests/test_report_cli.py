@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.config import TriageConfig
-from ampdoctor.report_build import enrich
-from ampdoctor.triage import triage
+from ampdoctor.cli.main import app
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.report.build import enrich
 
 jsonschema = pytest.importorskip("jsonschema")
 runner = CliRunner()
@@ -80,7 +80,7 @@ def test_unknown_extension_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_force_overwrites_and_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ampdoctor import cli_report
+    from ampdoctor.cli import reports as cli_report
     from tests.report_fixtures import make_report
 
     path = tmp_path / "r.json"

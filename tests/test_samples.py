@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.config import TriageConfig
-from ampdoctor.triage import triage
+from ampdoctor.cli.main import app
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
 
 from .conftest import SAMPLES
 
@@ -42,7 +42,7 @@ def test_sample_verdict(sample: str) -> None:
 
 
 def test_every_cause_has_a_sample() -> None:
-    from ampdoctor.report import CAUSES
+    from ampdoctor.report.model import CAUSES
 
     assert {c for c, *_ in EXPECTED.values()} == set(CAUSES)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.config import TriageConfig
-from ampdoctor.triage import triage
+from ampdoctor.cli.main import app
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
 
 from .conftest import SAMPLES, write_spec
 
@@ -129,7 +129,7 @@ def test_same_initial_weights_and_batches_in_every_stage() -> None:
 
 
 def test_triage_log_is_the_scaler_csv(tmp_path: Path) -> None:
-    from ampdoctor.steplog import COLUMNS, read_step_log
+    from ampdoctor.watch.steplog import COLUMNS, read_step_log
 
     log = tmp_path / "steps.csv"
     r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "6", "--log", str(log), "-q"])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
-from ampdoctor.report import Report, StageSummary
+from ampdoctor.report.model import Report, StageSummary
 
 SHOW_ROWS = 6
 """Rows of a long table shown before the rest folds into <details>."""

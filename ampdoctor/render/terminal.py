@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.render.common import CAUSE_TITLES, num, pct, scale, steps
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": "op"}
 

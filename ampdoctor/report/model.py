@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from ampdoctor.records import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
+
 SCHEMA_VERSION = 1
 
 CAUSES = (
@@ -21,29 +23,8 @@ CAUSES = (
 )
 
 
-@dataclass
-class Verdict:
-    cause: str
-    """One of CAUSES."""
-    first_module: str | None
-    first_step: int | None
-    stage: str | None
-    summary: str
-    device: str = "cpu"
 
 
-@dataclass
-class Finding:
-    code: str
-    """A cause from CAUSES, or a warning code such as 'calibration_skips'."""
-    severity: str
-    """error | warning | info"""
-    title: str
-    stage: str | None = None
-    module: str | None = None
-    step: int | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-    fix: str = ""
 
 
 @dataclass
@@ -64,22 +45,6 @@ class StageSummary:
     master_weights: bool = True
 
 
-@dataclass
-class LayerRow:
-    module: str
-    kind: str
-    """activation | grad | param_grad | op (an operation inside the module, found by the FP32 op scan)"""
-    absmax_fp32: float
-    """Largest finite |x| seen in the FP32 stage."""
-    overflow_frac: float
-    """Share of elements that overflow in FP16 (cast of the FP32 values)."""
-    underflow_frac: float
-    """Share of FP32-non-zero elements that are zero in the target stage (flushed)."""
-    nonfinite_frac: float
-    """Share of NaN/Inf in the target stage."""
-    headroom_binades: float
-    """log2(65504 / absmax_fp32)."""
-    first_nonfinite_step: int | None = None
 
 
 @dataclass
@@ -102,24 +67,8 @@ class LayerStep:
     """Largest finite |x| in the FP32 stage at this step."""
 
 
-@dataclass
-class ScaleEvent:
-    step: int
-    scale: float
-    reason: str
 
 
-@dataclass
-class ScalerStory:
-    init_scale: float
-    final_scale: float
-    min_scale: float
-    max_scale: float
-    calibration_skips: int
-    skips: list[ScaleEvent]
-    pattern: str
-    """calibrating | stable | climbing | saturated | oscillating | collapsed | never_growing"""
-    explanation: str
 
 
 @dataclass

@@ -14,69 +14,16 @@ synchronisation the monitor makes in a step. Hooks never synchronise.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
 from ampdoctor.formats import FP16, Format
-from ampdoctor.stats import NCOLS, Col, StatsBuffer
-
-
-def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors inside a tensor, tuple/list, dict or ModelOutput-like object (depth-limited)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v, depth + 1)
-    elif hasattr(obj, "to_tuple"):  # transformers ModelOutput that is not a dict
-        yield from iter_tensors(obj.to_tuple(), depth + 1)
-
-
-@dataclass
-class Call:
-    """One forward call of a module in a step."""
-
-    module: str
-    inputs: list[int]
-    """Tensor ids (per step) of the floating inputs."""
-    outputs: list[int]
-    """Tensor ids (per step) of the floating outputs."""
-
-
-@dataclass
-class StepStats:
-    """What the monitor saw in one step, on the host. Rows are stats rows (see ``stats.Col``)."""
-
-    step: int
-    calls: list[Call] = field(default_factory=list)
-    act: dict[int, np.ndarray] = field(default_factory=dict)
-    """Forward value of each tensor id."""
-    grad: dict[int, np.ndarray] = field(default_factory=dict)
-    """Gradient w.r.t. each tensor id."""
-    grad_order: list[int] = field(default_factory=list)
-    """Tensor ids in the order their gradients arrived in backward."""
-    pgrad: dict[str, np.ndarray] = field(default_factory=dict)
-    param: dict[str, np.ndarray] = field(default_factory=dict)
-    model_inputs: list[int] = field(default_factory=list)
-    model_outputs: list[int] = field(default_factory=list)
-    extra: dict[str, float] = field(default_factory=dict)
-    """Scalars the caller queued with ``Hooks.add_scalar`` (loss, norms, ...)."""
-
-
-def nonfinite(row: np.ndarray) -> float:
-    """Number of NaN/±Inf elements in a stats row."""
-    return float(row[Col.POSINF] + row[Col.NEGINF] + row[Col.NAN])
+from ampdoctor.records import NCOLS, Call, StepStats
+from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch.stats import StatsBuffer
 
 
 class Hooks:

@@ -13,12 +13,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ampdoctor import locate
 from ampdoctor.formats import FP16
-from ampdoctor.hooks import StepStats
-from ampdoctor.report import LayerStep, Report
-from ampdoctor.stages import StageResult
-from ampdoctor.stats import NCOLS, Col
+from ampdoctor.judge import locate
+from ampdoctor.records import NCOLS, Col, StageResult, StepStats
+from ampdoctor.report.model import LayerStep, Report
 
 Key = tuple[str, str]
 """(module or parameter name, kind)"""

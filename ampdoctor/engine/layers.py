@@ -36,12 +36,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, materialise, split, to_device
+from ampdoctor.engine.stages import default_optimizer, get_loss
 from ampdoctor.errors import BatchError, SpecError, UsageError
 from ampdoctor.formats import BF16, Format, get_format
-from ampdoctor.hooks import Hooks, StepStats
-from ampdoctor.stages import default_optimizer, get_loss
-from ampdoctor.stats import BINADE_MIN, NBINADES, NCOLS, Col, StatsBuffer, binade_histogram, tensor_stats
+from ampdoctor.input.batches import Batches, materialise, split, to_device
+from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS, Col, StepStats
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.stats import StatsBuffer, binade_histogram, tensor_stats
 
 KINDS = ("act", "act_grad", "param", "param_grad")
 """Tensor kinds, in table order: module output, gradient at it, parameter value, parameter gradient."""

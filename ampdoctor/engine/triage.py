@@ -9,17 +9,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, filter_kwargs, materialise, split, to_device
-from ampdoctor.config import TriageConfig
-from ampdoctor.diagnosis import Recheck, diagnose, stall_ratio
-from ampdoctor.env import environment, resolve_device
+from ampdoctor.engine.stages import ProgressFn, StageContext, get_loss, run_stage
 from ampdoctor.errors import SpecError
-from ampdoctor.opscan import OpRecord, scan_module
-from ampdoctor.report import Report, StageSummary
-from ampdoctor.report_build import enrich
-from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
-from ampdoctor.stages import ProgressFn, StageContext, StageResult, get_loss, run_stage
-from ampdoctor.steplog import StepLogWriter
+from ampdoctor.input.batches import Batches, filter_kwargs, materialise, split, to_device
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.env import environment, resolve_device
+from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec
+from ampdoctor.judge.opscan import OpRecord, scan_module
+from ampdoctor.judge.rules import Recheck, diagnose, stall_ratio
+from ampdoctor.records import StageResult
+from ampdoctor.report.build import enrich
+from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.watch.steplog import StepLogWriter
 
 
 def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:

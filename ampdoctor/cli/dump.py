@@ -17,14 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampdoctor.config import TriageConfig
 from ampdoctor.errors import OutputExistsError, UsageError
-from ampdoctor.hooks import StepStats
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import SpecNames
 from ampdoctor.io import write_atomic
-from ampdoctor.report import Report, _clean
-from ampdoctor.spec import SpecNames
-from ampdoctor.stages import StageResult
-from ampdoctor.stats import Col
+from ampdoctor.records import Col, StageResult, StepStats
+from ampdoctor.report.model import Report, _clean
 
 FILES = ("batch.pt", "weights.pt", "failure.json", "report.json", "repro.py")
 
@@ -90,9 +88,9 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.batches import cast_floating, split, to_device
-from ampdoctor.spec import SpecNames, load_spec
-from ampdoctor.stages import get_loss
+from ampdoctor.input.batches import cast_floating, split, to_device
+from ampdoctor.input.spec import SpecNames, load_spec
+from ampdoctor.engine.stages import get_loss
 
 HERE = Path(__file__).resolve().parent
 SPEC = {spec!r}
@@ -187,9 +185,9 @@ def write_dump(folder: str | Path, files: dict[str, bytes | str]) -> list[Path]:
 def dump(folder: str | Path, report: Report, results: dict[str, StageResult], cfg: TriageConfig, spec_path: str | Path,
          names: SpecNames | None = None) -> list[Path]:
     """Rebuild the batches exactly as triage did (same seed, same order), then write the dump folder."""
-    from ampdoctor.env import resolve_device
-    from ampdoctor.spec import load_spec
-    from ampdoctor.triage import prepare
+    from ampdoctor.engine.triage import prepare
+    from ampdoctor.input.env import resolve_device
+    from ampdoctor.input.spec import load_spec
 
     device = resolve_device(cfg.device)
     spec = load_spec(spec_path, names)

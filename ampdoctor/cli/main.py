@@ -10,12 +10,12 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ampdoctor import __version__
-from ampdoctor.cli_common import err, fail, out
-from ampdoctor.config import TriageConfig
+from ampdoctor._version import __version__
+from ampdoctor.cli.common import err, fail, out
 from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import SpecNames
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.spec import SpecNames
 
 app = typer.Typer(
     add_completion=False,
@@ -86,11 +86,11 @@ def triage(
         if log is not None:
             check_writable(log, force)
         if report_path is not None:
-            from ampdoctor.cli_report import check_report_path
+            from ampdoctor.cli.reports import check_report_path
 
             check_report_path(report_path, force)
         if dump_dir is not None:
-            from ampdoctor.dump import check_dump_dir
+            from ampdoctor.cli.dump import check_dump_dir
 
             check_dump_dir(dump_dir, force)
         given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
@@ -104,7 +104,7 @@ def triage(
         opts["device"] = device
         cfg = TriageConfig(**opts)
         names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
-        from ampdoctor.triage import triage as run_triage
+        from ampdoctor.engine.triage import triage as run_triage
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
@@ -120,11 +120,11 @@ def triage(
                 report, results = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log)
         written: list[Path] = []
         if report_path is not None:
-            from ampdoctor.cli_report import write_report
+            from ampdoctor.cli.reports import write_report
 
             written.append(write_report(report_path, report)[-1])
         if dump_dir is not None:
-            from ampdoctor.dump import dump
+            from ampdoctor.cli.dump import dump
 
             dump(dump_dir, report, results, cfg, spec, names)
             written.append(dump_dir)
@@ -152,8 +152,8 @@ def triage(
 
 
 # Commands that live in their own modules (one job each) register here.
-from ampdoctor.cli_layers import layers as _layers  # noqa: E402
-from ampdoctor.cli_scaler import scaler as _scaler  # noqa: E402
+from ampdoctor.cli.layers import layers as _layers  # noqa: E402
+from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
 
 app.command("layers")(_layers)
 app.command("scaler")(_scaler)

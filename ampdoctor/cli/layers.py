@@ -17,12 +17,12 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ampdoctor.cli_common import fail, out
+from ampdoctor.cli.common import fail, out
+from ampdoctor.engine.layers import SORTS, tensor_name
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.layers import SORTS, tensor_name
-from ampdoctor.layers_report import KIND_LABEL
+from ampdoctor.report.layers_doc import KIND_LABEL
 
 NAME_WIDTH = 30
 _HEAD_STYLE = {"safe": "bold green", "safe_with_scale": "bold yellow", "unsafe": "bold red", "fp32_nonfinite": "bold red"}
@@ -65,7 +65,7 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
         if path is not None:
             check_writable(path, force)
     if report is not None:
-        from ampdoctor.cli_report import check_report_path
+        from ampdoctor.cli.reports import check_report_path
 
         if any(p is not None and p.resolve() == report.resolve() for p in (csv, parquet)):
             raise UsageError("--report names the same file as --csv or --parquet; give another path")
@@ -133,7 +133,7 @@ def _table(rows: pd.DataFrame, title: str) -> Table:
 
 def _print_advice(console: Console, df: pd.DataFrame, dtype: str, tolerance: float, grads: bool) -> None:
     """The recommendation block of one format (``layers_report.recommendation``, the same words as the reports)."""
-    from ampdoctor.layers_report import recommendation
+    from ampdoctor.report.layers_doc import recommendation
 
     rec = recommendation(df, dtype, tolerance, grads)
     head = Text(rec["headline"], style=_HEAD_STYLE.get(rec["verdict"], "bold"))
@@ -175,16 +175,16 @@ def layers(
     """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
     subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
     try:
-        from ampdoctor.layers import filter_modules, layer_stats, parse_dtypes, parse_what
+        from ampdoctor.engine.layers import filter_modules, layer_stats, parse_dtypes, parse_what
 
         fmts = parse_dtypes(dtype)
         what_t = parse_what(what)
         scale_v = _parse_scale(scale)
         _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
-        from ampdoctor.config import TriageConfig
-        from ampdoctor.env import resolve_device
-        from ampdoctor.spec import SpecNames, call_user, load_spec
-        from ampdoctor.triage import prepare
+        from ampdoctor.engine.triage import prepare
+        from ampdoctor.input.config import TriageConfig
+        from ampdoctor.input.env import resolve_device
+        from ampdoctor.input.spec import SpecNames, call_user, load_spec
 
         cfg = TriageConfig(steps=steps, device=device, seed=seed)
         dev = resolve_device(device)
@@ -217,7 +217,7 @@ def layers(
         write_atomic(parquet, shown.to_parquet(index=False))
     console: Console = out
     grads = "grads" in what_t
-    from ampdoctor.layers import format_table, sort_summary
+    from ampdoctor.engine.layers import format_table, sort_summary
 
     for name in wanted:
         s, summary = format_table(df, name, scale_v, filter)
@@ -234,9 +234,9 @@ def layers(
     for name in wanted:
         _print_advice(console, df, name, underflow_tolerance, grads)
     if report is not None:
-        from ampdoctor.cli_report import write_layers_report
-        from ampdoctor.env import environment
-        from ampdoctor.layers_report import build
+        from ampdoctor.cli.reports import write_layers_report
+        from ampdoctor.input.env import environment
+        from ampdoctor.report.layers_doc import build
 
         config = {"spec": str(spec), "dtype": wanted, "steps": steps, "scale": scale_v, "what": list(what_t), "sort": sort,
                   "top": top, "filter": filter, "underflow_tolerance": underflow_tolerance, "device": device, "seed": seed,

@@ -32,7 +32,7 @@ def resolve_device(name: str) -> torch.device:
 
 def environment(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
     """Versions, device, dtype support and TF32 flags, for reports."""
-    from ampdoctor import __version__
+    from ampdoctor._version import __version__
 
     info: dict[str, Any] = {
         "ampdoctor": __version__,

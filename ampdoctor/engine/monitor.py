@@ -57,12 +57,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor import locate
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.hooks import Hooks, StepStats, nonfinite
-from ampdoctor.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
-from ampdoctor.steplog import Mode, StepLogWriter
+from ampdoctor.judge import locate
+from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
+from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.steplog import Mode, StepLogWriter
 
 log = logging.getLogger("ampdoctor")
 log.addHandler(logging.NullHandler())  # a library: no output unless the application configures logging
@@ -156,7 +157,7 @@ class Monitor:
         log: path of the step-log CSV (None: no file). Written line by line, flushed each line.
         log_mode: ``"append"`` (default: a resumed run appends; a fresh run refuses a log that
             already has rows), ``"new"`` (refuse an existing file) or ``"overwrite"``.
-            See ``ampdoctor.steplog``.
+            See ``ampdoctor.watch.steplog``.
         max_norm: clip the global L2 gradient norm to this (None: measure only).
         window: steps in the rolling skip rate.
         alert_rate: warn (``SkipRateWarning`` and the ``ampdoctor`` logger) when the rolling skip

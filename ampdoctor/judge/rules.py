@@ -8,16 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ampdoctor import locate
-from ampdoctor.batches import Batches, check_batch, outlier_ratio
-from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
-from ampdoctor.hooks import StepStats, nonfinite
-from ampdoctor.opscan import OpRecord, first_overflowing_op
-from ampdoctor.report import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
-from ampdoctor.scaler import diagnose_scale
-from ampdoctor.stages import StageResult
-from ampdoctor.stats import Col
+from ampdoctor.input.batches import Batches, check_batch, outlier_ratio
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.judge import locate
+from ampdoctor.judge.opscan import OpRecord, first_overflowing_op
+from ampdoctor.judge.scaler import diagnose_scale
+from ampdoctor.records import Col, Finding, LayerRow, ScaleEvent, ScalerStory, StageResult, StepStats, Verdict, nonfinite
 
 OUTLIER_RATIO = 1e3
 """A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""

@@ -9,79 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ampdoctor import locate
-from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_device
-from ampdoctor.config import TriageConfig
+from ampdoctor.engine.monitor import Monitor
 from ampdoctor.formats import FP16
-from ampdoctor.hooks import Hooks, StepStats, nonfinite
-from ampdoctor.monitor import Monitor
-from ampdoctor.spec import Spec
-from ampdoctor.steplog import StepLogWriter
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, split, to_device
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import Spec
+from ampdoctor.judge import locate
+from ampdoctor.records import StageError, StageResult, StepRecord, nonfinite
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.steplog import StepLogWriter
 
 ProgressFn = Callable[[str, int], None]
 
 
-@dataclass
-class StepRecord:
-    """One step of one stage: the step-log columns, plus what the stage measured."""
-
-    step: int
-    batch: int
-    lr: float
-    loss: float
-    grad_l2_pre_clip: float
-    grad_l2_post_clip: float
-    skipped: bool
-    skip_reason: str
-    scaler_scale: float | None
-    params_finite: bool = True
-    update_swallowed_frac: float | None = None
-    """fp16 stage: share of non-zero updates that FP16 weights would round away."""
 
 
-@dataclass
-class StageError:
-    """An exception raised by user code (or an unsupported kernel) during a stage."""
-
-    type: str
-    message: str
-    step: int
-    module: str | None
-    hint: str
 
 
-@dataclass
-class StageResult:
-    name: str
-    records: list[StepRecord] = field(default_factory=list)
-    stats: list[StepStats] = field(default_factory=list)
-    error: StageError | None = None
-    stopped: str | None = None
-    optimizer_underflow: list[str] = field(default_factory=list)
-    """Optimizer constants that round to 0 in FP16 (e.g. 'eps=1e-08')."""
-    master_weights: bool = True
-    snapshot: dict[str, torch.Tensor] | None = None
-    """FP32 weights before the first faulty step (target stage only), for the FP32 re-check."""
-    snapshot_step: int | None = None
-
-    @property
-    def first_nonfinite_step(self) -> int | None:
-        for r in self.records:
-            if not math.isfinite(r.loss) or not math.isfinite(r.grad_l2_pre_clip) or not r.params_finite:
-                return r.step
-        return None
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        return [r.step for r in self.records if r.skipped]
 
 
 def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:

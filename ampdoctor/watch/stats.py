@@ -17,31 +17,8 @@ from functools import lru_cache
 import torch
 
 from ampdoctor.formats import FP16, Format
+from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS
 
-
-class Col:
-    """Column indices of a stats row."""
-
-    NUMEL = 0
-    ZERO = 1
-    """Exactly zero already."""
-    UNDERFLOW = 2
-    """Non-zero, casts to 0."""
-    SUBNORMAL = 3
-    """Casts to a non-zero subnormal."""
-    NORMAL = 4
-    OVERFLOW = 5
-    """Finite, casts to ±inf (or is clamped)."""
-    POSINF = 6
-    NEGINF = 7
-    NAN = 8
-    ABSMAX = 9
-    """Largest finite |x| (0 when there is none)."""
-    MIN_NONZERO = 10
-    """Smallest finite non-zero |x| (inf when there is none)."""
-
-
-NCOLS = 11
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
 
 
@@ -323,11 +300,6 @@ class StatsBuffer:
 
 # Binade histograms (added for `ampdoctor layers`) -------------------------------------------------
 
-BINADE_MIN = -149
-"""Smallest ceil(log2|x|) of a non-zero float32 (the smallest subnormal, 2^-149)."""
-BINADE_MAX = 128
-"""Largest ceil(log2|x|) of a finite float32 (just below 2^128)."""
-NBINADES = BINADE_MAX - BINADE_MIN + 1
 
 
 def binade_histogram(tensors: list[torch.Tensor]) -> torch.Tensor:

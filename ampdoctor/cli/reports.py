@@ -7,7 +7,7 @@ from typing import Any
 
 from ampdoctor.errors import OutputExistsError, UsageError
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 FORMATS = {".md": "markdown", ".markdown": "markdown", ".json": "json", ".html": "html", ".htm": "html"}
 
@@ -68,7 +68,7 @@ def write_layers_report(path: Path, doc: dict[str, Any]) -> list[Path]:
     """Write an ``ampdoctor layers`` report document (``layers_report.build``) by extension, like ``write_report``."""
     fmt = report_format(path)
     if fmt == "json":
-        from ampdoctor.layers_report import to_json
+        from ampdoctor.report.layers_doc import to_json
 
         write_atomic(path, to_json(doc))
         return [path]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.formats import FP16, Format
-from ampdoctor.hooks import iter_tensors
+from ampdoctor.tensors import iter_tensors
 
 
 @dataclass

@@ -10,11 +10,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ampdoctor.cli_common import fail, out
+from ampdoctor.cli.common import fail, out
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
-from ampdoctor.steplog import COLUMNS, StepLog, read_step_log
+from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
+from ampdoctor.watch.steplog import COLUMNS, StepLog, read_step_log
 
 MAX_LEDGER_ROWS = 20
 

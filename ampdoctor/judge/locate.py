@@ -16,8 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ampdoctor.hooks import Call, StepStats, nonfinite
-from ampdoctor.stats import Col
+from ampdoctor.records import Call, Col, StepStats, nonfinite
 
 MODEL = "<model>"
 
