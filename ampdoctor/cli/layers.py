@@ -18,10 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.cli.common import fail, out
-from ampdoctor.engine.layers import SORTS, tensor_name
 from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.fmt import pct_short as _pct
+from ampdoctor.fmt import pow2 as _pow2
+from ampdoctor.fmt import short as _num
 from ampdoctor.formats import BF16
 from ampdoctor.io import check_writable, write_atomic
+from ampdoctor.judge.ranges import SORTS, tensor_name
 from ampdoctor.report.layers_doc import KIND_LABEL
 
 NAME_WIDTH = 30
@@ -78,34 +81,6 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
 def _short(name: str, width: int = NAME_WIDTH) -> str:
     """Keep the tail of a long dotted name (the most specific part) and mark the cut."""
     return name if len(name) <= width else "…" + name[-(width - 1):]
-
-
-def _num(x: float) -> str:
-    if isinstance(x, float) and math.isnan(x):
-        return "-"
-    if x == 0:
-        return "0"
-    if 1e-3 <= abs(x) < 1e5:
-        return f"{x:.3g}"
-    return f"{x:.1e}"
-
-
-def _pct(x: float) -> str:
-    if x == 0 or math.isnan(x):
-        return "0"
-    if x < 1e-4:
-        return "<.01%"
-    return f"{100 * x:.3g}%"
-
-
-def _pow2(x: float) -> str:
-    if x == 0:
-        return "0"
-    if math.isnan(x):
-        return "-"
-    if not math.isfinite(x):
-        return "inf"
-    return f"2^{round(math.log2(x))}"
 
 
 def _table(rows: pd.DataFrame, title: str) -> Table:
@@ -217,7 +192,7 @@ def layers(
         write_atomic(parquet, shown.to_parquet(index=False))
     console: Console = out
     grads = "grads" in what_t
-    from ampdoctor.engine.layers import format_table, sort_summary
+    from ampdoctor.judge.ranges import format_table, sort_summary
 
     for name in wanted:
         s, summary = format_table(df, name, scale_v, filter)

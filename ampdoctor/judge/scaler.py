@@ -34,6 +34,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ampdoctor.fmt import pow2 as _fmt_pow2
+
 SATURATION = 2.0**16
 """Scales at or above 2^16 (up to about 2^24) mean the gradients are small and far from FP16's max."""
 CEILING = 2.0**24
@@ -135,14 +137,8 @@ class ScaleDiagnosis:
 
 
 def pow2(x: float) -> str:
-    """2**k for exact powers of two, else the number."""
-    if x <= 0 or not math.isfinite(x):
-        return repr(x)
-    k = math.log2(x)
-    return f"2**{int(k)}" if k == int(k) else f"{x:g}"
-
-
-_pow2 = pow2  # older name
+    """2**k for exact powers of two, else the number (Python syntax, for settings)."""
+    return _fmt_pow2(x, "**")
 
 
 def floor_pow2(x: float) -> float:

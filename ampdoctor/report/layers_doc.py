@@ -20,10 +20,9 @@ from typing import Any
 
 import pandas as pd
 
-from ampdoctor.engine.layers import DEFAULT_TOLERANCE, GRAD_KINDS, advise, format_table, sort_summary, tensor_name
+from ampdoctor.fmt import option_value, pow2
 from ampdoctor.formats import BF16
-from ampdoctor.render.common import option_value
-from ampdoctor.render.common import scale as pow2
+from ampdoctor.judge.ranges import DEFAULT_TOLERANCE, GRAD_KINDS, advise, format_table, sort_summary, tensor_name
 from ampdoctor.report.model import _clean
 
 SCHEMA_VERSION = 1
