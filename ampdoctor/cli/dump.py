@@ -90,7 +90,7 @@ import torch
 
 from ampdoctor.input.batches import cast_floating, split, to_device
 from ampdoctor.input.spec import SpecNames, load_spec
-from ampdoctor.engine.stages import get_loss
+from ampdoctor.engine.step import get_loss
 
 HERE = Path(__file__).resolve().parent
 SPEC = {spec!r}

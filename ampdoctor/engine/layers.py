@@ -6,7 +6,7 @@ on every module and parameter, and records, per step and per tensor:
 - ``act``: each module's forward output (``param`` is ``output``, or ``output[i]`` for several);
 - ``act_grad``: the gradient at that output (what flows into the module in backward);
 - ``param_grad``: each parameter's gradient;
-- ``param``: each parameter's value after the optimizer step.
+- ``param``: each parameter's value as the step's forward used it (before that step's update).
 
 Every tensor is reduced on its device for all requested formats at once (``stats.tensor_stats``
 per format, plus one ``stats.binade_histogram`` per gradient), the rows of a step are stacked and
@@ -35,10 +35,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ampdoctor.engine.stages import default_optimizer, get_loss
+from ampdoctor.engine.step import FP32, TrainStep, default_optimizer
 from ampdoctor.errors import BatchError, SpecError, UsageError
 from ampdoctor.formats import Format, get_format
-from ampdoctor.input.batches import Batches, materialise, split, to_device
+from ampdoctor.input.batches import Batches, materialise, to_device
 from ampdoctor.judge.ranges import (  # noqa: F401 - re-exported: the layers API reads as one module
     COLUMNS,
     DEFAULT_TOLERANCE,
@@ -253,23 +253,22 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
     hooks = _LayerHooks(model, fmts, scales, **flags)
     records: list[dict[str, Any]] = []
     torch.manual_seed(seed)
+    # the one step recipe, FP32; a plain loop applies whatever its gradients hold
+    recipe = TrainStep(model, opt, None, precision=FP32, hooks=hooks, skip_nonfinite=False)
     try:
         with hooks:
             model.train()
             for step in range(steps):
-                args, kwargs, target = split(to_device(batches[step], device))
                 hooks.begin_step(step)
-                opt.zero_grad(set_to_none=True)
                 try:
-                    loss = get_loss(model(*args, **kwargs), target, loss_fn)
-                    loss.backward()
+                    loss = recipe.forward(to_device(batches[step], device), loss_fn)
+                    recipe.backward(loss)
                 except Exception as e:  # user code: say where, keep the original as the cause
                     raise SpecError(f"the FP32 reference step {step} raised {type(e).__name__}: {str(e).strip()[:200]}") from e
-                hooks.after_backward()
-                opt.step()
-                hooks.after_step()
-                st = hooks.end_step()  # the one host copy of this step
-                records.extend(_records(_step_tensors(st, len(fmts), owner), step, fmts, scales, tolerance))
+                m, _ = recipe.measure(loss)  # the one host copy of this step
+                recipe.apply(m)
+                assert m.stats is not None
+                records.extend(_records(_step_tensors(m.stats, len(fmts), owner), step, fmts, scales, tolerance))
     finally:
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)

@@ -57,11 +57,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.judge import locate
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
-from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.records import StepStats
 from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 
@@ -132,19 +132,8 @@ class _Pending:
     """What ``after_backward`` learned, waiting for ``after_step``."""
 
     step: int
-    loss: float
-    pre: float
-    post: float
-    found_inf: bool
-    scale: float | None
-    scale_after_if_applied: float | None
-    scale_after_if_skipped: float | None
-    lr: float | None
-    bad_params: list[str]
-    bad_count: int
-    reason: str
+    m: Measured
     injected: str
-    stats: StepStats | None
 
 
 class Monitor:
@@ -233,18 +222,15 @@ class Monitor:
         if amp_dtype is None and self.scaler is not None:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
-        self._names = {id(p): n for n, p in model.named_parameters()}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._params: list[torch.nn.Parameter] = params
-        unknown = [p for p in params if id(p) not in self._names]
-        if unknown:
-            for i, p in enumerate(unknown):
-                self._names[id(p)] = f"<optimizer param {i}>"
         if inject_param is not None and inject_param not in {n for n, _ in model.named_parameters()}:
             raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
-        self._modules = [n or locate.MODEL for n, _ in model.named_modules()]
         self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
                            every=every)
+        self.recipe = TrainStep(model, optimizer, self.scaler, hooks=self.hooks, max_norm=max_norm,
+                                precision=Precision("monitor", autocast=amp_dtype, loss_scaling=self.scaler is not None))
+        """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
+        self._params = self.recipe.params
+        self._names = self.recipe.names
         self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
         # counters and history (state_dict)
         self.step_num = 0
@@ -259,7 +245,6 @@ class Monitor:
         self.skips: list[tuple[int, str]] = []
         """(step, reason) of every skipped step."""
         self._pending: _Pending | None = None
-        self._loss_ok: torch.Tensor | None = None
         self._spiked = False
         self.last: MonitorRecord | None = None
         self._closed = False
@@ -290,9 +275,9 @@ class Monitor:
             self.hooks.attach()
             self.hooks.begin_step(self.step_num)
 
-    def autocast(self) -> torch.autocast:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` on the model's device type with ``amp_dtype`` (disabled when None)."""
-        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
+        return self.recipe.autocast()
 
     @property
     def skip_rate(self) -> float:
@@ -304,7 +289,7 @@ class Monitor:
         """After ``after_backward``: whether this step must be skipped (non-finite loss or gradient)."""
         if self._pending is None:
             raise UsageError("should_skip is known after monitor.after_backward(loss)")
-        return self._pending.found_inf
+        return self._pending.m.skip
 
     # fault injection ---------------------------------------------------------------------------
     def spike(self, target: torch.Tensor) -> torch.Tensor:
@@ -344,18 +329,9 @@ class Monitor:
         Returns the step's record; raises ``SkipRateError`` (after logging the step) when the skip
         rate has stayed above ``max_skip_rate`` for ``patience`` steps.
         """
-        self._loss_ok = torch.isfinite(loss.detach())  # checked before backward, acted on at the one copy
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        self.recipe.backward(loss)  # the loss check (on the device), then the scaled backward
         pend = self._after_backward(loss)
-        if self.scaler is not None:
-            if not pend.found_inf:
-                self.scaler.step(self.optimizer)  # GradScaler's own sync (found_inf.item())
-            self.scaler.update()  # on the skip path too: that is what backs the scale off
-        elif not pend.found_inf:
-            self.optimizer.step()
+        self.recipe.apply(pend.m)  # step or skip, scaler.update() on both paths
         self.optimizer.zero_grad(set_to_none=True)
         return self._after_step(None, stacklevel=4)
 
@@ -367,117 +343,17 @@ class Monitor:
         Then ``should_skip`` says whether the step must be skipped (GradScaler will skip it itself).
         """
         if loss is not None:
-            self._loss_ok = torch.isfinite(loss.detach())
+            self.recipe.note_loss(loss)
         self._after_backward(loss)
-
-    def _scaler_found(self) -> dict[Any, torch.Tensor]:
-        assert self.scaler is not None
-        try:
-            return dict(self.scaler._found_inf_per_device(self.optimizer))
-        except (AttributeError, KeyError):  # pragma: no cover - future PyTorch
-            return {}
 
     def _after_backward(self, loss: torch.Tensor | None) -> _Pending:
         if self._pending is not None:
             raise UsageError("after_backward called twice for one step; call after_step() in between")
-        sc = self.scaler
-        injected = ""
-        already = bool(self._scaler_found()) if sc is not None else False
-        if not already:
-            injected = self._inject_inf()
-            if sc is not None:
-                sc.unscale_(self.optimizer)
-        else:  # the user unscaled already: inject after, and tell the scaler
-            injected = self._inject_inf()
+        m, injected = self.recipe.measure(loss, before_unscale=self._inject_inf)
         if self._spiked:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
-        # global L2 norm over the optimizer's parameters; per-parameter norms in float32 (an FP16
-        # gradient's norm would overflow before its elements do)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        gparams = [p for p in self._params if p.grad is not None]
-        dev = grads[0].device if grads else self.device
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            per = torch.stack([n.to(dev) for n in norms])
-            pre = torch.linalg.vector_norm(per, 2.0)
-            bad = ~torch.isfinite(per)
-            nbad = bad.sum()
-            first_bad = bad.to(torch.float32).argmax()
-        else:
-            pre = torch.zeros((), device=dev)
-            nbad = first_bad = torch.zeros((), device=dev)
-        if self.max_norm is not None and grads:
-            torch.nn.utils.clip_grads_with_norm_(gparams, self.max_norm, pre)
-            post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
-        else:
-            post = pre
-        loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
-        loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
-        # the skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours
-        found: torch.Tensor
-        if sc is not None:
-            fi = self._scaler_found()
-            flag = (~loss_ok.to(dev)).to(torch.float32)
-            if injected.startswith("inf") and already:
-                flag = torch.ones((), device=dev)
-            for t in fi.values():
-                t.add_(flag.to(t.device, t.dtype))  # GradScaler then skips and backs off
-            found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (nbad > 0).float()
-            s_dev: torch.Tensor | None = getattr(sc, "_scale", None)
-            t_dev: torch.Tensor | None = getattr(sc, "_growth_tracker", None)
-            scale_t = s_dev if s_dev is not None else torch.full((), sc.get_scale(), device=dev)
-            tracker = t_dev if t_dev is not None else torch.zeros((), device=dev)
-        else:
-            found = ((~torch.isfinite(pre)) | (~loss_ok.to(dev))).to(torch.float32)
-            scale_t = tracker = torch.full((), float("nan"), device=dev)
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
-        # queue everything, then one copy to the host
-        self.hooks.after_backward()  # parameter gradients, as the optimizer will see them
-        # parameter values this step's forward used: queued and copied before the update, so StepStats.param
-        # holds the weights before this step's update (Hooks.after_step queues whatever the values are now)
-        self.hooks.after_step()
-        packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
-                              (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
-        if self.hooks.recording:
-            for i, name in enumerate(_PACKED):
-                self.hooks.add_scalar(name, packed[i])
-            st = self.hooks.end_step()
-            vals = [st.extra[n] for n in _PACKED]
-        else:  # Hooks queued nothing this step: our scalars alone
-            st = StepStats(self.step_num)
-            vals = packed.cpu().numpy().tolist()
-        loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
-        lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
-        skip = found_f > 0 or not math.isfinite(loss_f)
-        # which parameters, and which module, held the non-finite gradients
-        bad_params: list[str] = []
-        recorded = self.hooks.recording and bool(st.pgrad)
-        if recorded:
-            bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
-        elif nbad_f > 0:
-            bad_params = [self._names[id(gparams[int(first_f)])]]
-        count = len(bad_params) if recorded else int(nbad_f)
-        reason = ""
-        if skip:
-            if not math.isfinite(loss_f):
-                reason = "nonfinite_loss"
-            else:
-                module = locate.locate_backward(st) if recorded else None
-                if module is None and bad_params:
-                    module = locate.module_of_param(bad_params[0], self._modules)
-                reason = f"nonfinite_grad:{module}" if module else "nonfinite_grad"
-        scale = scale_f if sc is not None else None
-        if sc is not None:
-            gi = sc.get_growth_interval()
-            grown = scale_f * sc.get_growth_factor() if tracker_f + 1 >= gi else scale_f
-            after_ok: float | None = grown if math.isfinite(grown) else scale_f
-            after_skip: float | None = scale_f * sc.get_backoff_factor()
-        else:
-            after_ok = after_skip = None
-        self._pending = _Pending(self.step_num, loss_f, pre_f, post_f, skip, scale, after_ok, after_skip, lr_out,
-                                 bad_params, count, reason, injected, st if self.hooks.recording else None)
+        self._pending = _Pending(self.step_num, m, injected)
         return self._pending
 
     def after_step(self, skipped: bool | None = None) -> MonitorRecord:
@@ -493,9 +369,9 @@ class Monitor:
         if pend is None:
             raise UsageError("call monitor.after_backward(loss) before monitor.after_step()")
         self._pending = None
-        self._loss_ok = None
-        sk = pend.found_inf if skipped is None else bool(skipped)
-        reason = pend.reason if sk else ""
+        m = pend.m
+        sk = m.skip if skipped is None else bool(skipped)
+        reason = m.reason if sk else ""
         if sk and not reason:
             reason = "skipped_by_caller"
         # rolling skip rate
@@ -507,12 +383,12 @@ class Monitor:
         if sk:
             self.total_skips += 1
             self.skips.append((pend.step, reason))
-        if pend.scale is not None and (not self.scale_changes or self.scale_changes[-1][1] != pend.scale):
-            self.scale_changes.append((pend.step, pend.scale))
+        if m.scale is not None and (not self.scale_changes or self.scale_changes[-1][1] != m.scale):
+            self.scale_changes.append((pend.step, m.scale))
         rec = MonitorRecord(
-            pend.step, pend.lr, pend.pre, pend.post, pend.loss, sk, reason, pend.scale,
-            pend.scale_after_if_skipped if sk else pend.scale_after_if_applied, rate,
-            pend.bad_params, pend.bad_count, pend.injected, pend.stats if self.keep_stats else None,
+            pend.step, m.lr, m.grad_l2_pre_clip, m.grad_l2_post_clip, m.loss, sk, reason, m.scale,
+            m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
+            m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
         )
         if self.writer is not None:
             self.writer.write(rec.row())
@@ -605,8 +481,5 @@ class Monitor:
         self.skips = [(int(s), str(r)) for s, r in state["skips"]]
         self.hooks.begin_step(self.step_num)
 
-
-_PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
-           "nonfinite_count", "first_nonfinite", "lr")
 
 __all__ = ["EXTRA_COLUMNS", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampdoctor.engine.stages import ProgressFn, StageContext, get_loss, run_stage
+from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
+from ampdoctor.engine.step import get_loss
 from ampdoctor.errors import SpecError
 from ampdoctor.input.batches import Batches, filter_kwargs, materialise, split, to_device
 from ampdoctor.input.config import TriageConfig

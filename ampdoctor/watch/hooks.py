@@ -42,6 +42,7 @@ class Hooks:
         grads: bool = True,
         params: bool = True,
         every: int = 1,
+        track: bool = False,
     ) -> None:
         self.model = model
         self.fmt = fmt
@@ -50,6 +51,8 @@ class Hooks:
         self.params = params
         self.every = max(1, every)
         self._handles: list[Any] = []
+        self.tracker = ModuleTracker(model) if track else None
+        """With ``track=True``: which module is running (names the module an exception came from)."""
         self._names = {m: n or "<model>" for n, m in model.named_modules()}
         self._param_names = [(n, p) for n, p in model.named_parameters()]
         self._active = False
@@ -60,6 +63,8 @@ class Hooks:
     def attach(self) -> Hooks:
         if self._handles:
             return self
+        if self.tracker is not None:
+            self.tracker.attach()
         for mod in self.model.modules():
             self._handles.append(mod.register_forward_hook(self._on_forward, with_kwargs=True))
         return self
@@ -68,6 +73,8 @@ class Hooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.tracker is not None:
+            self.tracker.detach()
         self._active = False
 
     def __enter__(self) -> Hooks:
@@ -92,6 +99,8 @@ class Hooks:
         """Start recording step ``step`` (statistics only every ``every``-th step)."""
         self._reset(step)
         self._active = step % self.every == 0
+        if self.tracker is not None:
+            self.tracker.stack.clear()
 
     @property
     def recording(self) -> bool:
@@ -164,7 +173,7 @@ class Hooks:
         keys, rows = self._buf.collect()
         if self._scalars:
             sc = torch.stack([v.to(rows.device) for _, v in self._scalars])
-            host = torch.cat([rows, _scalar_rows(sc, rows.device)]).cpu().numpy()
+            host = torch.cat([rows, _scalar_rows(sc, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
             nsc = len(self._scalars)
             flat = host[len(keys):].reshape(-1)[:nsc]
             for (name, _), v in zip(self._scalars, flat, strict=True):
@@ -186,10 +195,50 @@ class Hooks:
         return st
 
 
-def _scalar_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _scalar_rows(values: torch.Tensor, device: torch.device, width: int = NCOLS) -> torch.Tensor:
     """Pack scalars into whole stats-width rows so they travel in the same copy."""
     n = values.numel()
-    nrows = -(-n // NCOLS)
-    out = torch.zeros(nrows * NCOLS, dtype=torch.float64, device=device)
+    nrows = -(-n // width)
+    out = torch.zeros(nrows * width, dtype=torch.float64, device=device)
     out[:n] = values
-    return out.view(nrows, NCOLS)
+    return out.view(nrows, width)
+
+
+class ModuleTracker:
+    """Forward pre/post hooks that know which module is running, to name where an error came from.
+
+    ``current`` is the innermost module whose forward has started and not finished: after an
+    exception escapes the forward, the module that raised it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        self.stack.clear()
+        for n, m in self.model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(partial(_enter, self.stack, n or "<model>")))
+            self._handles.append(m.register_forward_hook(partial(_leave, self.stack)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def current(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+
+def _enter(stack: list[str], name: str, *_: Any) -> None:
+    stack.append(name)
+
+
+def _leave(stack: list[str], *_: Any) -> None:
+    # hooks must return None, or they would replace the module's output
+    if stack:
+        stack.pop()
