@@ -29,8 +29,8 @@ def test_schema_is_valid_draft_2020_12() -> None:
 
 @pytest.mark.parametrize("sample", ["data_nan.py", "healthy.py"])
 def test_real_reports_validate(samples: Path, sample: str) -> None:
-    report, results = triage(samples / sample, TriageConfig(steps=3, device="cpu"))
-    enrich(report, results)
+    report, run = triage(samples / sample, TriageConfig(steps=3, device="cpu"))
+    enrich(report, run.results)
     d = json.loads(json.dumps(report.to_dict()))
     jsonschema.Draft202012Validator(schema()).validate(d)
 

@@ -104,7 +104,8 @@ def build_dataloader():
     return [{"input_ids": torch.randint(0, 11, (2, 5), generator=g), "labels": torch.randint(0, 11, (2, 5), generator=g),
              "attention_mask": torch.ones(2, 5), "note": "strings pass through"} for _ in range(4)]
 """)
-    report, results = triage(spec, TriageConfig(steps=10))
+    report, run = triage(spec, TriageConfig(steps=10))
+    results = run.results
     assert report.verdict.cause == "healthy", report.verdict.summary
     assert any("cycled" in n for n in report.notes)
     # integer inputs are never cast: the raw FP16 stage still ran the embedding
@@ -112,7 +113,8 @@ def build_dataloader():
 
 
 def test_stage_error_is_recorded_and_other_stages_run() -> None:
-    report, results = triage(SAMPLES / "lstm_cpu.py", TriageConfig(steps=4, device="cpu"))
+    report, run = triage(SAMPLES / "lstm_cpu.py", TriageConfig(steps=4, device="cpu"))
+    results = run.results
     amp = results["amp"]
     assert amp.error is not None and amp.error.module == "encoder"
     assert "oneDNN" in amp.error.hint and "not a NaN cause" in amp.error.hint
@@ -122,7 +124,8 @@ def test_stage_error_is_recorded_and_other_stages_run() -> None:
 
 
 def test_same_initial_weights_and_batches_in_every_stage() -> None:
-    report, results = triage(SAMPLES / "healthy.py", TriageConfig(steps=3))
+    report, run = triage(SAMPLES / "healthy.py", TriageConfig(steps=3))
+    results = run.results
     l32, l16, lamp = (results[s].records[0].loss for s in ("fp32", "fp16", "amp"))
     # step 0 sees the same weights and batch: losses agree to FP16 precision
     assert abs(l16 - l32) / l32 < 1e-2 and abs(lamp - l32) / l32 < 1e-2

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ampdoctor.engine.run import Run
 from ampdoctor.errors import OutputExistsError, UsageError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import SpecNames
@@ -182,17 +183,8 @@ def write_dump(folder: str | Path, files: dict[str, bytes | str]) -> list[Path]:
     return out
 
 
-def dump(folder: str | Path, report: Report, results: dict[str, StageResult], cfg: TriageConfig, spec_path: str | Path,
-         names: SpecNames | None = None) -> list[Path]:
-    """Rebuild the batches exactly as triage did (same seed, same order), then write the dump folder."""
-    from ampdoctor.engine.triage import prepare
-    from ampdoctor.input.env import resolve_device
-    from ampdoctor.input.spec import load_spec
-
-    device = resolve_device(cfg.device)
-    spec = load_spec(spec_path, names)
-    model, batches = prepare(spec, cfg, device)
+def dump(folder: str | Path, report: Report, run: Run) -> list[Path]:
+    """Write the dump folder from the run triage made (its exact batches and initial weights)."""
     step = report.verdict.first_step if report.verdict.first_step is not None else 0
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    files = dump_files(report, results, cfg, spec_path, batches[step], init, names)
+    files = dump_files(report, run.results, run.config, run.spec.path, run.batches[step], run.init_state, run.spec.names)
     return write_dump(folder, files)

@@ -108,7 +108,7 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, results = run_triage(spec, cfg, names=names, argv=argv, log_path=log)
+            report, run = run_triage(spec, cfg, names=names, argv=argv, log_path=log)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:
@@ -117,7 +117,7 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, results = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log)
+                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log)
         written: list[Path] = []
         if report_path is not None:
             from ampdoctor.cli.reports import write_report
@@ -126,7 +126,7 @@ def triage(
         if dump_dir is not None:
             from ampdoctor.cli.dump import dump
 
-            dump(dump_dir, report, results, cfg, spec, names)
+            dump(dump_dir, report, run)
             written.append(dump_dir)
     except AmpDoctorError as e:
         fail(str(e))

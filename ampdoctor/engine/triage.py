@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ampdoctor.engine.run import Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss
 from ampdoctor.errors import SpecError
@@ -130,8 +131,10 @@ def triage(
     progress: ProgressFn | None = None,
     argv: list[str] | None = None,
     log_path: str | Path | None = None,
-) -> tuple[Report, dict[str, StageResult]]:
+) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
+
+    Returns the report and the ``Run`` (model, batches, initial state, stage results) it came from.
 
     ``log_path``: write the target stage's per-step CSV there (overwriting: the caller checks it first).
     """
@@ -140,19 +143,26 @@ def triage(
     spec = load_spec(spec_path, names)
     model, batches = prepare(spec, cfg, device)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    hooks = user_hooks(model)
-    results: dict[str, StageResult] = {}
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model))
     for name in cfg.stage_list():
         log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
         try:
             ctx = StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=name == cfg.target, log=log)
-            results[name] = run_stage(name, ctx)
+            run.results[name] = run_stage(name, ctx)
         finally:
             if log is not None:
                 log.close()
-    recheck = recheck_fn(model, spec, batches, init_state, results, device)
-    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=hooks)
-    model.load_state_dict(init_state)
+    report = build_report(run, argv)
+    run.reset()
+    return report, run
+
+
+def build_report(run: Run, argv: list[str] | None = None) -> Report:
+    """Diagnose the run's stage results and build the Report (the FP32 re-check replays from ``run``)."""
+    cfg, results, batches, device = run.config, run.results, run.batches, run.device
+    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
+    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks)
+    run.reset()
     fp32 = results.get("fp32")
     notes = []
     if batches.cycled:
@@ -162,7 +172,7 @@ def triage(
                      "CUDA autocast runs them in FP32, so a verdict can differ on a GPU")
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
     cfg_dict = asdict(cfg)
-    cfg_dict["spec"] = str(spec_path)
+    cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
     if ratio is not None:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
@@ -177,8 +187,4 @@ def triage(
         notes=notes,
     )
     enrich(report, results)
-    return report, results
-
-
-
-
+    return report

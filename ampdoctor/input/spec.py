@@ -7,7 +7,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class Spec:
     build_dataloader: Callable[[], Iterable[Any]]
     loss_fn: Callable[..., Any] | None
     build_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+    names: SpecNames = field(default_factory=SpecNames)
+    """The function names it was loaded with."""
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -90,7 +92,7 @@ def load_spec(path: str | Path, names: SpecNames | None = None) -> Spec:
     model = get(names.model, True)
     data = get(names.data, True)
     assert model is not None and data is not None
-    return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False))
+    return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names)
 
 
 def _opt(name: str, names: SpecNames) -> str:

@@ -1,0 +1,39 @@
+"""``Run``: what one triage ran on and what it found, kept so that outputs reuse it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ampdoctor.input.batches import Batches
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import Spec
+from ampdoctor.records import StageResult
+
+
+@dataclass
+class Run:
+    """The spec, the options, the FP32 model (back at its initial weights after triage), the exact
+    batches every stage replayed, the initial state, and each stage's result.
+
+    ``--dump-dir``, the FP32 re-check and the op scan read the model and batches from here instead
+    of loading the spec and building the dataloader again.
+    """
+
+    spec: Spec
+    config: TriageConfig
+    device: torch.device
+    model: nn.Module
+    batches: Batches
+    init_state: dict[str, torch.Tensor]
+    results: dict[str, StageResult] = field(default_factory=dict)
+    spec_arg: str = ""
+    """The spec path as the user gave it (reports quote it)."""
+    user_hooks: list[str] = field(default_factory=list)
+    """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
+
+    def reset(self) -> None:
+        """Put the model back at its initial weights."""
+        self.model.load_state_dict(self.init_state)
