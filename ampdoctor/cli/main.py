@@ -78,6 +78,7 @@ def triage(
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
+    from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     try:
@@ -108,7 +109,7 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, run = run_triage(spec, cfg, names=names, argv=argv, log_path=log)
+            report, run = run_triage(spec, cfg, names=names, argv=argv, log_path=log, from_capture=from_capture)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:
@@ -117,7 +118,7 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log)
+                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture)
         written: list[Path] = []
         if report_path is not None:
             from ampdoctor.cli.reports import write_report

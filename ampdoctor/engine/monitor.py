@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
@@ -105,6 +106,8 @@ class MonitorRecord:
     injected: str = ""
     """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
     stats: StepStats | None = None
+    capture: str = ""
+    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -169,6 +172,13 @@ class Monitor:
         inject_spike_at: step(s) at which ``spike(target)`` multiplies the targets by ``spike_factor``.
         keep_stats: keep the ``StepStats`` in each returned record (per-layer rows, on the host).
         fsync: fsync the log after every line (survives a power cut, not just a killed process).
+        capture: folder to write on the first failing step (model, optimizer and scaler state
+            before it, the batches, RNG states, the last per-layer statistics), for
+            ``ampdoctor triage SPEC --from FOLDER``; None: off. Pass each step's batch to
+            ``step(loss, batch=...)`` (in the form your spec's dataloader yields) so it can be replayed.
+        snapshot_every: with ``capture``, keep a host copy of the state every this many steps (and
+            the batches since), to re-reach a step whose applied update broke the weights.
+        capture_max_bytes: cap on the capture's size; what did not fit is named in its manifest.
     """
 
     def __init__(
@@ -195,6 +205,9 @@ class Monitor:
         spike_factor: float = 1e8,
         keep_stats: bool = True,
         fsync: bool = False,
+        capture: str | Path | None = None,
+        snapshot_every: int = 100,
+        capture_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
@@ -231,6 +244,15 @@ class Monitor:
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
         self._params = self.recipe.params
         self._names = self.recipe.names
+        if snapshot_every < 1:
+            raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
+        self.capture: Capture | None = None
+        if capture is not None:
+            settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
+                        "every": every, "activations": activations, "snapshot_every": snapshot_every}
+            self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
+                                   str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None)
+        self._last_stats: StepStats | None = None
         self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
         # counters and history (state_dict)
         self.step_num = 0
@@ -323,19 +345,21 @@ class Monitor:
         return f"inf:{name}"
 
     # the step ----------------------------------------------------------------------------------
-    def step(self, loss: torch.Tensor) -> MonitorRecord:
+    def step(self, loss: torch.Tensor, batch: Any = None) -> MonitorRecord:
         """One training step from a loss: backward, unscale_, clip, step or skip, update, zero_grad.
+
+        ``batch``: this step's batch, kept (on the host) for the capture when ``capture`` is set.
 
         Returns the step's record; raises ``SkipRateError`` (after logging the step) when the skip
         rate has stayed above ``max_skip_rate`` for ``patience`` steps.
         """
         self.recipe.backward(loss)  # the loss check (on the device), then the scaled backward
-        pend = self._after_backward(loss)
+        pend = self._after_backward(loss, batch)
         self.recipe.apply(pend.m)  # step or skip, scaler.update() on both paths
         self.optimizer.zero_grad(set_to_none=True)
         return self._after_step(None, stacklevel=4)
 
-    def after_backward(self, loss: torch.Tensor | None = None) -> None:
+    def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:
         """Your own loop: call after ``scaler.scale(loss).backward()`` (and ``unscale_``, if you do it).
 
         Calls ``scaler.unscale_(optimizer)`` if you have not, injects faults, takes the global norm,
@@ -344,9 +368,9 @@ class Monitor:
         """
         if loss is not None:
             self.recipe.note_loss(loss)
-        self._after_backward(loss)
+        self._after_backward(loss, batch)
 
-    def _after_backward(self, loss: torch.Tensor | None) -> _Pending:
+    def _after_backward(self, loss: torch.Tensor | None, batch: Any = None) -> _Pending:
         if self._pending is not None:
             raise UsageError("after_backward called twice for one step; call after_step() in between")
         m, injected = self.recipe.measure(loss, before_unscale=self._inject_inf)
@@ -354,6 +378,10 @@ class Monitor:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
         self._pending = _Pending(self.step_num, m, injected)
+        if m.stats is not None:
+            self._last_stats = m.stats
+        if self.capture is not None:
+            self.capture.before_update(self.step_num, batch)
         return self._pending
 
     def after_step(self, skipped: bool | None = None) -> MonitorRecord:
@@ -396,8 +424,29 @@ class Monitor:
         self.step_num += 1
         if not self._closed:
             self.hooks.begin_step(self.step_num)
+        if self.capture is not None and not self.capture.done:
+            self._maybe_capture(rec, m, rate)
         self._judge_rate(rate, pend.step, stacklevel)
         return rec
+
+    def _maybe_capture(self, rec: MonitorRecord, m: Measured, rate: float) -> None:
+        cap = self.capture
+        assert cap is not None
+        alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
+        trig = cap.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert)
+        if trig is None:
+            return
+        before = None
+        if self.scaler is not None:
+            before = dict(self.scaler.state_dict())
+            if m.scale is not None:
+                before["scale"] = m.scale
+            if m.growth_tracker is not None:
+                before["_growth_tracker"] = m.growth_tracker
+        out = cap.write(trig, step=rec.step, skipped=rec.skipped, record=rec.row(), stats=self._last_stats,
+                        scaler_before=before)
+        if out is not None:
+            rec.capture = str(out)
 
     def _judge_rate(self, rate: float, step: int, stacklevel: int) -> None:
         n = len(self._recent)

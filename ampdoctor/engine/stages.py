@@ -12,6 +12,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,10 @@ class StageContext:
     snapshot: bool = False
     log: StepLogWriter | None = None
     """Step log (the CSV of ``ampdoctor scaler``), written and flushed as each step finishes."""
+    optimizer_state: dict[str, Any] | None = None
+    """Replay: the captured optimizer state every stage starts from (else a fresh optimizer)."""
+    scaler_state: dict[str, Any] | None = None
+    """Replay: the captured GradScaler state the amp stage starts from (else ``config``'s settings)."""
 
 
 def run_stage(name: str, ctx: StageContext) -> StageResult:
@@ -88,6 +93,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     run_params = list(run_model.parameters())
     build_opt = ctx.spec.build_optimizer or default_optimizer
     opt = build_opt(master if master is not None else run_params)
+    if ctx.optimizer_state is not None:
+        opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
     result.master_weights = prec.master
     if name == "fp16":
         result.optimizer_underflow = fp16_underflowing_constants(opt)
@@ -102,6 +109,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
         if prec.loss_scaling
         else None
     )
+    if scaler is not None and ctx.scaler_state is not None:
+        scaler.load_state_dict(dict(ctx.scaler_state))
     hooks = Hooks(run_model, track=True) if ctx.with_monitor else None
     tracker = hooks.tracker if hooks is not None else ModuleTracker(run_model)
     assert tracker is not None

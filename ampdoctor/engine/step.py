@@ -112,6 +112,8 @@ class Measured:
     bad_count: int
     stats: StepStats | None
     """The per-layer statistics (None on steps the hooks do not record)."""
+    growth_tracker: int | None = None
+    """GradScaler's growth tracker before this step (None without a GradScaler)."""
 
 
 _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
@@ -306,7 +308,7 @@ class TrainStep:
         else:
             after_ok = after_skip = None
         return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
-                        bad_params, count, st), label
+                        bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None), label
 
     def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
         """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""

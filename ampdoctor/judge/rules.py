@@ -661,3 +661,33 @@ def _warnings(results: dict[str, StageResult], tgt_name: str, fp32: StageResult,
         findings.append(Finding("thin_headroom", "warning", f"{m} reaches {amax:.4g}, {h:.2f} binades below FP16's max",
                                 tgt_name, m, None, {"absmax": amax, "headroom_binades": h},
                                 f"Fine now; if it keeps growing, keep {m} in FP32 or use bf16."))
+
+
+def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, last: list[dict[str, float | None]],
+                   precision: str, step0: int, device: str) -> Diagnosis | None:
+    """A captured failure that the replay in the run's own precision, from the captured state, does not
+    repeat: a transient (nondeterminism, a hardware fault), not a property of the weights and the batch.
+
+    None when at least one replay failed again. ``step0`` is the run's number of the first replayed step.
+    """
+    if reproduced > 0:
+        return None
+    step = int(str(manifest.get("step", step0)))
+    module = manifest.get("module")
+    mod = str(module) if isinstance(module, str) else None
+    got = ", ".join(f"loss {_fmt(lv)}" if (lv := x.get("loss")) is not None else "no step" for x in last)
+    ev: dict[str, object] = {"captured_reason": manifest.get("reason"), "captured_loss": manifest.get("loss"),
+                             "captured_grad_l2": manifest.get("grad_l2_pre_clip"), "captured_scale": manifest.get("scale"),
+                             "replays": replays, "replays_failed": reproduced, "replay_results": last}
+    fix = ("Treat the step as transient: resume from the last checkpoint and watch whether it recurs. If it does, "
+           "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
+           "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
+           "on another GPU).")
+    rel = step - step0  # records count from the first replayed step; the report adds step0 back
+    finding = Finding("not_reproduced", "error", f"the {precision} replay of step {step} from the captured state "
+                      f"finished cleanly {replays} of {replays} times", precision, mod, rel, ev, fix)
+    summary = (f"The run failed at step {step} ({manifest.get('reason')}), but replaying that step in {precision} from "
+               f"the captured weights, optimizer and scaler state, on the captured batch, finished cleanly {replays} "
+               f"times ({got}): the failure does not follow from the weights and the batch. It is a transient: "
+               f"nondeterminism or a hardware fault, not FP16 range.")
+    return Diagnosis(Verdict("not_reproduced", mod, rel, precision, summary, device), [finding], [], None, [fix])

@@ -19,6 +19,7 @@ CAUSE_TITLES = {
     "fp16_update_swallowed": "FP16 updates swallowed",
     "amp_misuse": "AMP misuse",
     "inconclusive": "Inconclusive",
+    "not_reproduced": "Not reproduced (transient)",
 }
 
 
