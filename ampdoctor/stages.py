@@ -19,6 +19,7 @@ from torch import nn
 
 from ampdoctor import locate
 from ampdoctor.batches import Batches, cast_floating, filter_kwargs, split, to_device
+from ampdoctor.blame import GraphRecorder
 from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import Hooks, StepStats, nonfinite
@@ -56,6 +57,8 @@ class StageError:
     step: int
     module: str | None
     hint: str
+    custom_function: str | None = None
+    """Raised in the backward of this custom autograd.Function (its name), when it was one."""
 
 
 @dataclass
@@ -71,6 +74,8 @@ class StageResult:
     snapshot: dict[str, torch.Tensor] | None = None
     """FP32 weights before the first faulty step (target stage only), for the FP32 re-check."""
     snapshot_step: int | None = None
+    moved: dict[str, float] = field(default_factory=dict)
+    """‖w_end − w_0‖ per parameter over the steps run (the weights the optimizer stepped)."""
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -236,6 +241,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                if scaler is not None and ctx.with_monitor else None)
     mon = Hooks(run_model) if ctx.with_monitor and amp_mon is None else None
     tracker = _Tracker(run_model)
+    graph = GraphRecorder(run_model)
     step = 0
     prev: dict[str, torch.Tensor] | None = None
     snap_src: list[tuple[str, torch.Tensor]] = []
@@ -355,15 +361,30 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 break
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.stack[-1] if tracker.stack else None
+        bw = graph.blame(e) if module is None else None  # raised in backward: the module whose node raised
         result.error = StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                                  step, module, _error_hint(e, name, ctx.device))
+                                  step, bw.module if bw else module, _error_hint(e, name, ctx.device),
+                                  bw.custom_function if bw else None)
     finally:
         tracker.remove()
+        graph.remove()
+        result.moved = weight_movement(run_model if pure_fp16 else model, ctx.init_state)
         if amp_mon is not None:
             amp_mon.close()
         if mon:
             mon.detach()
     return result
+
+
+def weight_movement(model: nn.Module, init_state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """‖w − w_0‖ per parameter (L2, in FP32)."""
+    out = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            w0 = init_state.get(n)
+            if w0 is not None and w0.shape == p.shape:
+                out[n] = float(torch.linalg.vector_norm(p.detach().float() - w0.to(p.device).float()))
+    return out
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -9,12 +10,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, filter_kwargs, materialise, split, to_device
+from ampdoctor.batches import Batches, cast_floating, filter_kwargs, materialise, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.diagnosis import Recheck, diagnose, stall_ratio
 from ampdoctor.env import environment, resolve_device
 from ampdoctor.errors import SpecError
-from ampdoctor.opscan import OpRecord, scan_module
+from ampdoctor.hooks import iter_tensors
+from ampdoctor.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.report import Report, StageSummary
 from ampdoctor.report_build import enrich
 from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
@@ -93,9 +95,37 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             model.load_state_dict(state)
             return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops)
+        def nonfinite_op() -> NonfiniteOp | None:
+            return replay_nonfinite_op(model, spec, batches[step], state, stage, device)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
 
     return run
+
+
+def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
+                       device: torch.device) -> NonfiniteOp | None:
+    """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
+    model.load_state_dict(state)
+    run_model = copy.deepcopy(model).half() if stage == "fp16" else model
+    b = to_device(batch, device)
+    if stage == "fp16":
+        b = cast_floating(b, torch.float16)
+    args, kwargs, target = split(b)
+    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
+    info: dict[str, bool] = {}
+
+    def run() -> None:
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = run_model(*args, **filter_kwargs(run_model, kwargs))
+            loss = get_loss(out, target, spec.loss_fn)
+        others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
+        info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
+
+    op = first_nonfinite_op(run_model, run)
+    if op is not None:
+        op.loss_only = info.get("loss_only", False)
+    return op
 
 
 def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
