@@ -757,14 +757,16 @@ _DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", 
 
 def _describe_issue(d: DataIssue) -> str:
     if d.kind == "nonfinite":
-        return f"{d.count} NaN/Inf value(s) in {d.field} (samples {list(d.samples[:10])})"
+        return f"batch {d.batches[0]} holds {d.count} NaN/Inf value(s) in {d.field} (samples {list(d.samples[:10])})"
     if d.kind == "sentinel":
-        return (f"the constant {d.value:g} {d.count} time(s) in {d.field} (batches {list(d.batches[:10])}), "
-                f"{abs(d.value) / d.typical:.3g}x its typical magnitude {d.typical:.3g}: a fill value, not a measurement")
+        return (f"{d.field} holds the constant {d.value:g} {d.count} time(s) in {len(d.batches)} batch(es) (first: batch "
+                f"{d.batches[0]}, samples {list(d.samples[:10])}), {abs(d.value) / d.typical:.3g}x its typical magnitude "
+                f"{d.typical:.3g}: a fill value, not a measurement")
     if d.kind == "outlier":
-        return (f"{d.field} value {d.value:.4g} in samples {list(d.samples[:10])}, {d.value / d.typical:.3g}x "
-                f"its typical magnitude {d.typical:.3g}")
-    return f"{d.field} values up to {d.value:.4g} (samples {list(d.samples[:10])}), beyond FP16's max {FP16.max:g}"
+        return (f"batch {d.batches[0]} holds an outlier: {d.field} reaches {d.value:.4g} in samples {list(d.samples[:10])}, "
+                f"{d.value / d.typical:.3g}x its typical magnitude {d.typical:.3g}")
+    return (f"batch {d.batches[0]} holds {d.field} values up to {d.value:.4g} (samples {list(d.samples[:10])}), "
+            f"beyond FP16's max {FP16.max:g}")
 
 
 def _data_findings(issues: list[DataIssue], findings: list[Finding], results: dict[str, StageResult],
@@ -775,7 +777,6 @@ def _data_findings(issues: list[DataIssue], findings: list[Finding], results: di
     for d in issues:
         if (d.batches[0], d.field) in named:
             continue
-        where = f"batch {d.batches[0]}" if d.kind != "sentinel" else f"{len(d.batches)} batch(es)"
         ev: dict[str, object] = {"kind": d.kind, "field": d.field, "batches": list(d.batches[:20]),
                                  "samples": list(d.samples[:20]), "count": d.count, "typical_magnitude": d.typical}
         if d.kind != "nonfinite":
@@ -783,7 +784,7 @@ def _data_findings(issues: list[DataIssue], findings: list[Finding], results: di
         fix = (f"Drop or fix these rows in build_dataloader() (e.g. mask {d.value:g} as missing)" if d.kind == "sentinel" else
                "Filter them in build_dataloader() (keep rows where torch.isfinite(x).all())" if d.kind == "nonfinite" else
                "Normalise this field (or clip it) in build_dataloader(); check the source of these samples")
-        out.append(Finding(f"data_{d.kind}", "warning", f"{where} holds {_describe_issue(d)}", None, None,
+        out.append(Finding(f"data_{d.kind}", "warning", _describe_issue(d), None, None,
                            d.batches[0], ev, fix))
     probe = results.get("fp16")
     if probe is not None:
@@ -791,11 +792,12 @@ def _data_findings(issues: list[DataIssue], findings: list[Finding], results: di
         pb = probe.error.step if pb is None and probe.error is not None else pb
         if pb is not None:
             b = batches.index(pb)
-            on = probe_on_flagged_batch(b, issues)
+            on = probe_on_flagged_batch(pb, batches.index, issues)
             if on:
                 out.append(Finding("probe_follows_data", "warning",
                                    f"raw FP16 first fails at step {pb}, on batch {b}, which holds {_DATA_WORDS[on[0].kind]} "
-                                   f"({_describe_issue(on[0])}): the failure follows the data", "fp16", None, pb,
+                                   f"that no earlier batch holds: the failure follows the data ({_describe_issue(on[0])})",
+                                   "fp16", None, pb,
                                    {"batch": b, "kinds": sorted({d.kind for d in on})},
                                    f"Fix batch {b} first; then rerun triage."))
     return out

@@ -19,6 +19,7 @@ arithmetic and the definitions in docs/diagnosis.md:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ampdoctor import locate
@@ -86,6 +87,9 @@ def custom_function_dtype(err: StageError) -> CustomFunctionDtype | None:
     return CustomFunctionDtype(err.custom_function, err.module)
 
 
-def probe_on_flagged_batch(batch: int, issues: list[DataIssue]) -> list[DataIssue]:
-    """Data issues of the batch on which the raw FP16 probe first failed."""
-    return [d for d in issues if batch in d.batches]
+def probe_on_flagged_batch(step: int, batch_of: Callable[[int], int], issues: list[DataIssue]) -> list[DataIssue]:
+    """Data issues that explain the raw FP16 probe's first failure at ``step``: issues of that
+    step's batch that no earlier step's batch also holds (the probe got through those)."""
+    b = batch_of(step)
+    earlier = {batch_of(s) for s in range(step)}
+    return [d for d in issues if b in d.batches and not earlier & set(d.batches)]

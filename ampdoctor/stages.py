@@ -377,13 +377,14 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
 
 
 def weight_movement(model: nn.Module, init_state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """‖w − w_0‖ per parameter (L2, in FP32)."""
+    """‖w − w_0‖ per parameter (L2, in FP32), w_0 in the parameter's own dtype."""
     out = {}
     with torch.no_grad():
         for n, p in model.named_parameters():
             w0 = init_state.get(n)
             if w0 is not None and w0.shape == p.shape:
-                out[n] = float(torch.linalg.vector_norm(p.detach().float() - w0.to(p.device).float()))
+                # from the stage's own start: FP16 weights start at the FP16 rounding of w_0
+                out[n] = float(torch.linalg.vector_norm(p.detach().float() - w0.to(p.device, p.dtype).float()))
     return out
 
 
