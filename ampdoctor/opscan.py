@@ -137,7 +137,8 @@ class _FirstNonfinite(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 outs = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
                 if outs and not _all_finite(outs):
-                    self.found = NonfiniteOp(name.strip("_"), self.stack[-1] if self.stack else None, _user_line())
+                    op = name[2:-2] if name.startswith("__") and name.endswith("__") else name  # __mul__ -> mul; keep mul_
+                    self.found = NonfiniteOp(op, self.stack[-1] if self.stack else None, _user_line())
         return out
 
 
