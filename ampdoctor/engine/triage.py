@@ -15,15 +15,16 @@ from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import default_optimizer, get_loss
 from ampdoctor.errors import CaptureError, SpecError
-from ampdoctor.input.batches import Batches, filter_kwargs, materialise, split, to_device
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, materialise, split, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec
-from ampdoctor.judge.opscan import OpRecord, scan_module
+from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, stall_ratio
 from ampdoctor.records import StageResult
 from ampdoctor.report.build import enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.steplog import StepLogWriter
 
 
@@ -103,9 +104,37 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             model.load_state_dict(state)
             return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops)
+        def nonfinite_op() -> NonfiniteOp | None:
+            return replay_nonfinite_op(model, spec, batches[step], state, stage, device)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
 
     return run
+
+
+def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
+                       device: torch.device) -> NonfiniteOp | None:
+    """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
+    model.load_state_dict(state)
+    run_model = copy.deepcopy(model).half() if stage == "fp16" else model
+    b = to_device(batch, device)
+    if stage == "fp16":
+        b = cast_floating(b, torch.float16)
+    args, kwargs, target = split(b)
+    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
+    info: dict[str, bool] = {}
+
+    def run() -> None:
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = run_model(*args, **filter_kwargs(run_model, kwargs))
+            loss = get_loss(out, target, spec.loss_fn)
+        others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
+        info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
+
+    op = first_nonfinite_op(run_model, run)
+    if op is not None:
+        op.loss_only = info.get("loss_only", False)
+    return op
 
 
 def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
