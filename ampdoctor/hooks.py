@@ -9,12 +9,24 @@ A step is bracketed by ``begin_step`` and ``end_step``. During it:
 - ``after_step`` queues every parameter's value after the update.
 ``end_step`` reduces what is queued and copies it to the host in one transfer: the only host
 synchronisation the monitor makes in a step. Hooks never synchronise.
+
+Nothing is stored on the model. The forward hook is one process-wide module hook
+(``torch.nn.modules.module.register_module_forward_hook``), filtered to the watched model's
+modules, and registered only while a step is being recorded: steps that are not recorded run
+with no hook at all, and ``torch.save(model)`` never pickles an ampdoctor object. The global hook
+holds the ``Hooks`` weakly, so an unclosed monitor (a notebook cell run twice) does not keep the
+model alive; its hook goes away with it.
+
+A ``torch.compile``d model is watched through its original module (``_orig_mod``) without the
+forward hook: its modules run inside dynamo's graph, where a hook could only break the graph, so
+its parameter gradients and values are recorded and its activations are not. (Should the hook
+meet a compiled region anyway, it does nothing there: dynamo traces it as a no-op.)
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -74,6 +86,31 @@ class StepStats:
     """Scalars the caller queued with ``Hooks.add_scalar`` (loss, norms, ...)."""
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``d model wraps (``_orig_mod``), else the model itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, Any], None]:
+    """The process-wide forward hook of one ``Hooks``: holds it weakly, does nothing under dynamo."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if torch.compiler.is_compiling():  # traced as a constant: the compiled graph holds no trace of us
+            return
+        h = ref()
+        if h is not None:
+            h._on_forward(module, args, kwargs, output)
+
+    return hook
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 def nonfinite(row: np.ndarray) -> float:
     """Number of NaN/±Inf elements in a stats row."""
     return float(row[Col.POSINF] + row[Col.NEGINF] + row[Col.NAN])
@@ -103,25 +140,38 @@ class Hooks:
         self.params = params
         self.every = max(1, every)
         self._handles: list[Any] = []
-        self._names = {m: n or "<model>" for n, m in model.named_modules()}
-        self._param_names = [(n, p) for n, p in model.named_parameters()]
+        self._attached = False
+        root = unwrap(model)
+        self._compiled = root is not model
+        """A compiled model runs its modules inside dynamo's graph: no forward hook (see the module doc)."""
+        self._root_id = id(root)
+        # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
+        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
+        self._param_names = [(n, p) for n, p in root.named_parameters()]
         self._active = False
+        weakref.finalize(self, _remove_all, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
         self._reset(0)
 
     # lifecycle -----------------------------------------------------------------------------
     def attach(self) -> Hooks:
-        if self._handles:
-            return self
-        for mod in self.model.modules():
-            self._handles.append(mod.register_forward_hook(self._on_forward, with_kwargs=True))
+        self._attached = True
+        self._sync_hook()
         return self
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._attached = False
         self._active = False
+        self._sync_hook()
+
+    def _sync_hook(self) -> None:
+        """The global forward hook is registered exactly while attached and recording."""
+        want = self._attached and self._active and not self._compiled
+        if want and not self._handles:
+            hook = _global_hook(weakref.ref(self))
+            self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
+        elif not want and self._handles:
+            _remove_all(self._handles)
 
     def __enter__(self) -> Hooks:
         self._training = self.model.training
@@ -145,6 +195,7 @@ class Hooks:
         """Start recording step ``step`` (statistics only every ``every``-th step)."""
         self._reset(step)
         self._active = step % self.every == 0
+        self._sync_hook()
 
     @property
     def recording(self) -> bool:
@@ -178,14 +229,14 @@ class Hooks:
         return [self._tid(t) for t in iter_tensors(obj) if t.is_floating_point()]
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._active:
+        name = self._names.get(id(module))
+        if name is None or not self._active:  # another model's module (the hook is process-wide)
             return
         self._grad_enabled = torch.is_grad_enabled()
         ins = self._tids_of(args if not kwargs else (args, kwargs))
         outs = self._tids_of(output)
-        name = self._names.get(module, type(module).__name__)
         self._cur.calls.append(Call(name, ins, outs))
-        if module is self.model:
+        if id(module) == self._root_id:
             self._cur.model_inputs = ins
             self._cur.model_outputs = outs
 

@@ -60,7 +60,7 @@ from torch import nn
 from ampdoctor import locate
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.hooks import Hooks, StepStats, nonfinite
+from ampdoctor.hooks import Hooks, StepStats, nonfinite, unwrap
 from ampdoctor.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.steplog import Mode, StepLogWriter
 
@@ -232,16 +232,17 @@ class Monitor:
         if amp_dtype is None and self.scaler is not None:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
+        self._names = {id(p): n for n, p in named.named_parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._params: list[torch.nn.Parameter] = params
         unknown = [p for p in params if id(p) not in self._names]
         if unknown:
             for i, p in enumerate(unknown):
                 self._names[id(p)] = f"<optimizer param {i}>"
-        if inject_param is not None and inject_param not in {n for n, _ in model.named_parameters()}:
+        if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
             raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
-        self._modules = [n or locate.MODEL for n, _ in model.named_modules()]
+        self._modules = [n or locate.MODEL for n, _ in named.named_modules()]
         self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
                            every=every)
         self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
@@ -316,7 +317,7 @@ class Monitor:
     def _inject_inf(self) -> str:
         if self.step_num not in self.inject_inf_at:
             return ""
-        named = dict(self.model.named_parameters())
+        named = dict(unwrap(self.model).named_parameters())
         if self.inject_param is not None:
             p = named[self.inject_param]
             if p.grad is None:
