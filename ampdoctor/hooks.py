@@ -149,6 +149,8 @@ class Hooks:
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self._param_names = [(n, p) for n, p in root.named_parameters()]
         self._active = False
+        self.record_if: Callable[[int], bool] | None = None
+        """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
         weakref.finalize(self, _remove_all, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
         self._reset(0)
@@ -191,10 +193,13 @@ class Hooks:
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
 
-    def begin_step(self, step: int) -> None:
-        """Start recording step ``step`` (statistics only every ``every``-th step)."""
+    def begin_step(self, step: int, record: bool | None = None) -> None:
+        """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
+        (when set), else every ``every``-th step. A step not recorded runs with no hook at all."""
         self._reset(step)
-        self._active = step % self.every == 0
+        if record is None:
+            record = self.record_if(step) if self.record_if is not None else step % self.every == 0
+        self._active = record
         self._sync_hook()
 
     @property

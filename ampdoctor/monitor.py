@@ -52,8 +52,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,6 +105,9 @@ class MonitorRecord:
     injected: str = ""
     """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
     stats: StepStats | None = None
+    tripped: bool = False
+    """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
+    ``full_after`` steps are recorded in full)."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -179,6 +183,17 @@ class Monitor:
         inject_spike_at: step(s) at which ``spike(target)`` multiplies the targets by ``spike_factor``.
         keep_stats: keep the ``StepStats`` in each returned record (per-layer rows, on the host).
         fsync: fsync the log after every line (survives a power cut, not just a killed process).
+        mode: ``"full"`` (per-layer statistics every ``every``-th step) or ``"sentinel"``, the
+            always-on mode for long runs: every step, only a sentinel (each parameter gradient's
+            absmax and non-finite flag, computed on the device and carried in the step's one host
+            copy) and no hook at all; full per-layer statistics every ``full_every`` steps, and
+            from the step that trips the sentinel (a non-finite loss or gradient, or a gradient
+            absmax beyond the format's max) through the ``full_after`` steps after it. The step
+            that trips gets the full statistics of its parameter gradients and weights (a second
+            host copy, on that step only); its activations had passed unrecorded, the next steps'
+            are recorded. See docs/own-loop.md.
+        full_every: sentinel mode: full statistics on every ``full_every``-th step.
+        full_after: sentinel mode: how many steps after a trip are recorded in full.
     """
 
     def __init__(
@@ -205,6 +220,9 @@ class Monitor:
         spike_factor: float = 1e8,
         keep_stats: bool = True,
         fsync: bool = False,
+        mode: Literal["full", "sentinel"] = "full",
+        full_every: int = 1000,
+        full_after: int = 8,
     ) -> None:
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
@@ -212,6 +230,15 @@ class Monitor:
             raise UsageError(f"max_norm must be positive, got {max_norm}")
         if max_skip_rate is not None and not 0 <= max_skip_rate < 1:
             raise UsageError(f"max_skip_rate must be in [0, 1), got {max_skip_rate}")
+        if mode not in ("full", "sentinel"):
+            raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
+        if full_every < 1 or full_after < 0:
+            raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
+        self.mode = mode
+        self.full_every = full_every
+        self.full_after = full_after
+        self._full_until = -1
+        """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -245,6 +272,8 @@ class Monitor:
         self._modules = [n or locate.MODEL for n, _ in named.named_modules()]
         self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
                            every=every)
+        if mode == "sentinel":
+            self.hooks.record_if = self._wants_full
         self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
         # counters and history (state_dict)
         self.step_num = 0
@@ -440,17 +469,22 @@ class Monitor:
         self.hooks.after_step()
         packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
                               (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
+        tripped = False
         if self.hooks.recording:
             for i, name in enumerate(_PACKED):
                 self.hooks.add_scalar(name, packed[i])
             st = self.hooks.end_step()
             vals = [st.extra[n] for n in _PACKED]
-        else:  # Hooks queued nothing this step: our scalars alone
+        else:  # Hooks queued nothing this step: our scalars alone (and the sentinel's absmax)
             st = StepStats(self.step_num)
-            vals = packed.cpu().numpy().tolist()
+            vals, tripped = self._sentinel_copy(packed, grads, dev)
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
         skip = found_f > 0 or not math.isfinite(loss_f)
+        if self.mode == "sentinel" and (skip or not self.hooks.recording and tripped):
+            self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
+            if not self.hooks.recording:
+                st = self._trip_stats()
         # which parameters, and which module, held the non-finite gradients
         bad_params: list[str] = []
         recorded = self.hooks.recording and bool(st.pgrad)
@@ -479,6 +513,38 @@ class Monitor:
         self._pending = _Pending(self.step_num, loss_f, pre_f, post_f, skip, scale, after_ok, after_skip, lr_out,
                                  bad_params, count, reason, injected, st if self.hooks.recording else None)
         return self._pending
+
+    # sentinel mode -----------------------------------------------------------------------------
+    def _wants_full(self, step: int) -> bool:
+        """Sentinel mode: whether ``step`` gets full per-layer statistics."""
+        return step % self.full_every == 0 or step < self._full_until
+
+    def _sentinel_copy(self, packed: torch.Tensor, grads: list[torch.Tensor],
+                       dev: torch.device) -> tuple[list[float], bool]:
+        """The one host copy of a step not recorded: our scalars, and in sentinel mode each gradient's
+        absmax (NaN or inf where the gradient holds one: the non-finite flag comes with it).
+
+        Returns the scalars and whether the sentinel tripped (a non-finite gradient, or one whose
+        absmax is beyond the format's max, which it could not hold even unscaled).
+        """
+        if self.mode != "sentinel" or not grads:
+            return packed.cpu().numpy().tolist(), False
+        amax = torch._foreach_norm(grads, math.inf, dtype=torch.float32)  # one fused pass; max propagates NaN
+        host = torch.cat([packed, torch.stack([a.to(dev) for a in amax]).to(torch.float64)]).cpu().numpy()
+        a = host[len(_PACKED):]
+        tripped = bool(not np.isfinite(a).all() or (a > self.hooks.fmt.max).any())
+        return host[: len(_PACKED)].tolist(), tripped
+
+    def _trip_stats(self) -> StepStats:
+        """The sentinel tripped on a step not recorded: take what is still there in full now, the
+        parameter gradients (and weights with ``weights=True``). A second host copy, on this step only."""
+        h = self.hooks
+        h.begin_step(self.step_num, record=True)
+        h.after_backward()
+        h.after_step()
+        st = h.end_step()
+        st.extra["sentinel_trip"] = 1.0
+        return st
 
     def after_step(self, skipped: bool | None = None) -> MonitorRecord:
         """Your own loop: call after the optimizer step and ``scaler.update()``. No host sync.
@@ -513,6 +579,7 @@ class Monitor:
             pend.step, pend.lr, pend.pre, pend.post, pend.loss, sk, reason, pend.scale,
             pend.scale_after_if_skipped if sk else pend.scale_after_if_applied, rate,
             pend.bad_params, pend.bad_count, pend.injected, pend.stats if self.keep_stats else None,
+            pend.stats is not None and "sentinel_trip" in pend.stats.extra,
         )
         if self.writer is not None:
             self.writer.write(rec.row())
