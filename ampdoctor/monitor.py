@@ -185,10 +185,11 @@ class Monitor:
         fsync: fsync the log after every line (survives a power cut, not just a killed process).
         mode: ``"full"`` (per-layer statistics every ``every``-th step) or ``"sentinel"``, the
             always-on mode for long runs: every step, only a sentinel (each parameter gradient's
-            absmax and non-finite flag, computed on the device and carried in the step's one host
-            copy) and no hook at all; full per-layer statistics every ``full_every`` steps, and
-            from the step that trips the sentinel (a non-finite loss or gradient, or a gradient
-            absmax beyond the format's max) through the ``full_after`` steps after it. The step
+            L2 norm, which the monitor takes anyway: non-finite exactly when the gradient holds a
+            NaN/Inf, and an upper bound of its absmax; carried in the step's one host copy) and no
+            hook at all; full per-layer statistics every ``full_every`` steps, and from the step
+            that trips the sentinel (a non-finite loss or gradient, or a gradient norm beyond the
+            format's max) through the ``full_after`` steps after it. The step
             that trips gets the full statistics of its parameter gradients and weights (a second
             host copy, on that step only); its activations had passed unrecorded, the next steps'
             are recorded. See docs/own-loop.md.
@@ -477,7 +478,7 @@ class Monitor:
             vals = [st.extra[n] for n in _PACKED]
         else:  # Hooks queued nothing this step: our scalars alone (and the sentinel's absmax)
             st = StepStats(self.step_num)
-            vals, tripped = self._sentinel_copy(packed, grads, dev)
+            vals, tripped = self._sentinel_copy(packed, per if grads else None)
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
         skip = found_f > 0 or not math.isfinite(loss_f)
@@ -519,18 +520,17 @@ class Monitor:
         """Sentinel mode: whether ``step`` gets full per-layer statistics."""
         return step % self.full_every == 0 or step < self._full_until
 
-    def _sentinel_copy(self, packed: torch.Tensor, grads: list[torch.Tensor],
-                       dev: torch.device) -> tuple[list[float], bool]:
+    def _sentinel_copy(self, packed: torch.Tensor, per: torch.Tensor | None) -> tuple[list[float], bool]:
         """The one host copy of a step not recorded: our scalars, and in sentinel mode each gradient's
-        absmax (NaN or inf where the gradient holds one: the non-finite flag comes with it).
+        L2 norm ``per`` (already taken for the global norm: no extra pass). It is non-finite exactly
+        when the gradient holds a NaN/Inf, and bounds the gradient's absmax from above.
 
-        Returns the scalars and whether the sentinel tripped (a non-finite gradient, or one whose
-        absmax is beyond the format's max, which it could not hold even unscaled).
+        Returns the scalars and whether the sentinel tripped: a non-finite gradient, or one whose
+        norm is beyond the format's max (its absmax may be: a full look is due).
         """
-        if self.mode != "sentinel" or not grads:
+        if self.mode != "sentinel" or per is None:
             return packed.cpu().numpy().tolist(), False
-        amax = torch._foreach_norm(grads, math.inf, dtype=torch.float32)  # one fused pass; max propagates NaN
-        host = torch.cat([packed, torch.stack([a.to(dev) for a in amax]).to(torch.float64)]).cpu().numpy()
+        host = torch.cat([packed, per.to(packed.device, torch.float64)]).cpu().numpy()
         a = host[len(_PACKED):]
         tripped = bool(not np.isfinite(a).all() or (a > self.hooks.fmt.max).any())
         return host[: len(_PACKED)].tolist(), tripped
