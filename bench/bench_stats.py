@@ -37,7 +37,7 @@ from bench_overhead import step_tensors  # noqa: E402
 from models import MODELS  # noqa: E402
 
 from ampdoctor.formats import FP16, Format  # noqa: E402
-from ampdoctor.stats import NCOLS, StatsBuffer, _thresholds  # noqa: E402
+from ampdoctor.stats import StatsBuffer, _thresholds  # noqa: E402
 
 INF = 0x7F800000
 NEG_INF = -8388608
@@ -167,8 +167,8 @@ def main() -> None:
         assert torch.equal(got, ref), "compiled rows differ"
         assert torch.equal(hist(ts), ref), "hist16 rows differ"
         fns: dict[str, Callable[[], Any]] = {
-            "current": lambda: current(ts), "compiled": lambda: comp(ts), "hist16": lambda: hist(ts),
-            "_foreach_norm": lambda: torch._foreach_norm(ts),
+            "current": lambda ts=ts: current(ts), "compiled": lambda ts=ts: comp(ts),
+            "hist16": lambda ts=ts: hist(ts), "_foreach_norm": lambda ts=ts: torch._foreach_norm(ts),
         }
         times: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(a.repeats):
@@ -183,7 +183,6 @@ def main() -> None:
         for k, m in med.items():
             print(f"  {k:14} {m * 1e3:8.2f} ms  {m / base:6.2f}x one pass")
     print(f"\nrows equal to current's for every model; compiled: {'torch.compile(dynamic=True)' if not a.no_compile else 'eager'}")
-    _ = NCOLS
 
 
 if __name__ == "__main__":

@@ -78,3 +78,16 @@ def test_bad_sentinel_options() -> None:
         Monitor(model, opt, mode="always")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="full_every"):
         Monitor(model, opt, mode="sentinel", full_every=0)
+
+
+def test_the_own_loop_page_example(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "own-loop.md").read_text()
+    sec = doc[doc.index("## Always on: sentinel mode"):]
+    code = re.search(r"```py\n(.*?)```", sec, flags=re.S)
+    shown = re.search(r"On the CPU it prints:\n\n```\n(.*?)```", sec, flags=re.S)
+    assert code is not None and shown is not None
+    exec(compile(code.group(1), "own-loop.md#sentinel", "exec"), {"__name__": "__doc_example__"})
+    assert capsys.readouterr().out == shown.group(1)
