@@ -106,8 +106,12 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
 
 
 def _remove_all(handles: list[Any]) -> None:
+    kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
     for h in handles:
         h.remove()
+        # torch (2.13) leaves a with_kwargs global hook's flag behind on remove, and while any flag is
+        # there torch.compile'd modules warn about global hooks: take it away with the hook
+        kw.pop(h.id, None)
     handles.clear()
 
 

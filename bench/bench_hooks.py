@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,9 @@ from models import MODELS, loss_fn  # noqa: E402
 
 from ampdoctor.hooks import Hooks  # noqa: E402
 from ampdoctor.stats import NCOLS  # noqa: E402
+
+CLOCK = time.perf_counter
+"""What a step is timed with (--clock)."""
 
 
 class NullBuffer:
@@ -98,7 +102,7 @@ class Variant:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, i: int) -> None:
         self._on()  # outside the timing: each variant's hooks exist only while it runs
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         if self.hooks is not None:
             self.hooks.begin_step(i if "not recorded" not in self.name else 1)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -111,7 +115,7 @@ class Variant:
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(CLOCK() - t0)
         self._off()
 
 
@@ -124,11 +128,15 @@ def main() -> None:
     ap.add_argument("--models", default="deep_mlp,gpt,word_lm")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (time.process_time), steadier on a shared machine")
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {a.rounds} rounds x {a.steps} steps, "
+    print(f"torch {torch.__version__}, clock {a.clock}, load average {os.getloadavg()[0]:.1f}, {torch.get_num_threads()} threads; {a.rounds} rounds x {a.steps} steps, "
           "interleaved; medians")
     for mname in a.models.split(","):
         torch.manual_seed(0)

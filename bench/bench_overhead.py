@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import sys
 import time
@@ -39,6 +40,9 @@ from ampdoctor.monitor import Monitor  # noqa: E402
 from ampdoctor.stats import StatsBuffer  # noqa: E402
 
 INIT_SCALE = 2.0**10  # low enough that no variant starts with overflow skips (detect_anomaly raises on them)
+
+CLOCK = time.perf_counter
+"""What a step is timed with (--clock)."""
 
 
 def sync(device: torch.device) -> None:
@@ -73,7 +77,7 @@ class Variant:
             self.monitor = Monitor(self.model, self.opt, self.scaler, every=every, keep_stats=False, alert_min_steps=10**9)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         with self.ctx():
             with torch.autocast(self.device.type, dtype=torch.float16):
                 loss = loss_fn(self.model(x), y)
@@ -86,7 +90,7 @@ class Variant:
                 self.scaler.update()
                 self.opt.zero_grad(set_to_none=True)
         sync(self.device)
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(CLOCK() - t0)
 
 
 def step_tensors(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
@@ -124,10 +128,10 @@ def time_it(fn: Callable[[], Any], device: torch.device, repeats: int = 15) -> f
     ts = []
     for _ in range(repeats):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
         sync(device)
-        ts.append(time.perf_counter() - t0)
+        ts.append(CLOCK() - t0)
     return statistics.median(ts)
 
 
@@ -138,9 +142,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     ap.add_argument("--models", default="deep_mlp,gpt,wide,word_lm")
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (time.process_time), steadier on a shared machine")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--stats-only", action="store_true", help="only the statistics-against-one-pass measurement")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     device = torch.device(a.device)
     names = ["bare", "detect_anomaly"]
     try:
@@ -154,7 +162,7 @@ def main() -> None:
         names = a.variants.split(",")
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; "
+    print(f"torch {torch.__version__}, clock {a.clock}, load average {os.getloadavg()[0]:.1f}, device {device}, {torch.get_num_threads()} threads; "
           f"{a.rounds} rounds x {a.steps} steps per variant, interleaved; medians")
     for mname in a.models.split(","):
         torch.manual_seed(0)

@@ -44,6 +44,8 @@ def run(mon: Monitor, model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps:
 
 def test_monitor_on_a_compiled_model_steps_and_names_the_parameter() -> None:
     model, x, y = tiny()
+    gc.collect()
+    assert not tmod._has_any_global_hook()  # no monitor of an earlier test left anything behind
     compiled = torch.compile(model, backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings():
@@ -116,5 +118,5 @@ def test_hooks_register_nothing_on_steps_not_recorded() -> None:
         other = nn.Linear(8, 2)
         model(x), other(x)  # another model's module: filtered out
         assert [c.module for c in h.end_step().calls] == [c.module for c in st.calls]
-    assert not tmod._global_forward_hooks
+    assert not tmod._has_any_global_hook()  # no flag left either
     assert [c.module for c in st.calls] == ["0", "1", "2", "<model>"]
