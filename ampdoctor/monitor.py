@@ -189,10 +189,10 @@ class Monitor:
             NaN/Inf, and an upper bound of its absmax; carried in the step's one host copy) and no
             hook at all; full per-layer statistics every ``full_every`` steps, and from the step
             that trips the sentinel (a non-finite loss or gradient, or a gradient norm beyond the
-            format's max) through the ``full_after`` steps after it. The step
-            that trips gets the full statistics of its parameter gradients and weights (a second
-            host copy, on that step only); its activations had passed unrecorded, the next steps'
-            are recorded. See docs/own-loop.md.
+            format's max) through the ``full_after`` steps after it. The step that trips gets the
+            full statistics of its parameter gradients and weights (a second host copy, on that
+            step only); its activations had passed unrecorded, the next steps' are recorded.
+            See docs/own-loop.md.
         full_every: sentinel mode: full statistics on every ``full_every``-th step.
         full_after: sentinel mode: how many steps after a trip are recorded in full.
     """
@@ -476,7 +476,7 @@ class Monitor:
                 self.hooks.add_scalar(name, packed[i])
             st = self.hooks.end_step()
             vals = [st.extra[n] for n in _PACKED]
-        else:  # Hooks queued nothing this step: our scalars alone (and the sentinel's absmax)
+        else:  # Hooks queued nothing this step: our scalars alone (and the sentinel's norms)
             st = StepStats(self.step_num)
             vals, tripped = self._sentinel_copy(packed, per if grads else None)
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
