@@ -61,7 +61,7 @@ def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise AmpDoctorError("--plot needs matplotlib: pip install ampdoctor[plots]") from None
+        raise AmpDoctorError("--plot needs matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib") from None
 
 
 def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates: list[float], window: int,
