@@ -43,6 +43,11 @@ def scaler(
     skipped = log.skipped
     scales = log.scales
     steps = log.steps
+    bad = _first_bad_scale(scales)
+    if bad is not None:
+        fail(escape(f"{csv}: column scaler_scale, step {steps[bad]}: {scales[bad]:g} is not a loss scale "  # type: ignore[index]
+                    "(GradScaler's scale is a positive number); fix that row or leave the column empty"))
+        return
     ledger = skip_ledger(skipped, log.reasons, scales, steps)
     rates = rolling_skip_rate(skipped, window)
     diag = diagnose_scale(scales, skipped, growth_interval=growth_interval, backoff_factor=backoff_factor,
@@ -55,6 +60,17 @@ def scaler(
             fail(escape(str(e)))
             return
         out.print(f"plot written to {plot}", style="dim")
+
+
+def _first_bad_scale(scales: list[float] | None) -> int | None:
+    """Index of the first scale that is zero, negative or infinite (None when all are positive and finite)."""
+    if scales is None:
+        return None
+    import numpy as np
+
+    a = np.asarray(scales, dtype=np.float64)
+    bad = np.flatnonzero(~((a > 0) & np.isfinite(a)))
+    return int(bad[0]) if bad.size else None
 
 
 def _need_matplotlib() -> None:

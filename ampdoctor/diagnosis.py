@@ -228,8 +228,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig) -> ScalerStory | None:
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
                        backoff_factor=cfg.backoff_factor, init_scale=cfg.init_scale)
     events = [ScaleEvent(r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
-    final = scales[-1] * (cfg.backoff_factor if skipped[-1] else 1.0)
-    return ScalerStory(cfg.init_scale, final, min(scales), max(scales), d.calibration_skips, events,
+    return ScalerStory(cfg.init_scale, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
                        d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
 
 

@@ -15,12 +15,15 @@ Patterns (``ScaleDiagnosis.pattern``), each with its meaning:
   ``scaler.update()`` is not called every step.
 - ``oscillating``: skips after calibration with growth in between: the gradients sit at the
   edge of FP16's range and each growth overflows again.
-- ``saturated``: the scale sits at 2^16 or above (up to about 2^24): the gradients are small and
-  far from FP16's max. Healthy; near 2^24 check that the loss is not vanishing.
+- ``saturated``: the scale sits at 2^16 or above (up to about 2^24) and the history shows why:
+  it bounced off a top there, came down from ``init_scale`` only that far, or grew to 2^24. The
+  gradients are small and far from FP16's max. Healthy; near 2^24 check that the loss is not vanishing.
 - ``climbing``: the scale is still growing: healthy, still searching upwards.
 - ``calibrating``: a few skips at the start bring the scale down from ``init_scale``, then no
   more: GradScaler found the largest scale the gradients allow. Normal.
-- ``stable``: the scale did not move (isolated skips, if any, are listed).
+- ``stable``: the scale did not move (isolated skips, if any, are listed). A scale that never moved
+  in fewer clean steps than ``growth_interval`` says nothing about the gradients' size: GradScaler
+  never tried a larger one.
 
 Every function is linear in the number of steps (numpy over the whole history; ``bench/bench_scaler.py``
 times a 1e6-step log).
@@ -308,7 +311,10 @@ def diagnose_scale(
             settings["init_scale"] = held
             recs.append(f"init_scale={pow2(held)}: the scale that held between the last {len(recent)} overflows")
         backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
-    elif final >= SATURATION and (later_i or not growth_i or final >= CEILING):
+    elif final >= SATURATION and (later_i or (backoff_i and not growth_i) or final >= CEILING):
+        # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
+        # from init_scale only as far as 2^16 or more, or kept growing to 2^24; a scale that never
+        # moved is no evidence (it is "stable")
         pattern = "saturated"
         expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
         if final >= CEILING:
@@ -346,6 +352,10 @@ def diagnose_scale(
     else:
         pattern = "stable"
         expl = f"the scale stayed at {pow2(sc[-1])}" + (f" with {len(later_i)} isolated skip(s)" if later_i else "")
+        if not growth_i and not backoff_i and not later_i:
+            expl = (f"the scale stayed at {pow2(sc[-1])} for all {n} step(s): no overflow, and fewer clean steps than "
+                    f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "
+                    "larger scale; the history cannot tell how far the gradients are from FP16's limits")
 
     if calib_i and pattern != "collapsed" and "init_scale" not in settings:
         settings["init_scale"] = settled

@@ -3,8 +3,8 @@
 The log is what a GradScaler with init_scale 2^16 and growth_interval 2000 writes for gradients
 that overflow FP16 at scales of 2^18 and above, plus a rare bad batch (1 step in 20000): the
 scale climbs, bounces off 2^18, oscillates, and every step's row is there. The command runs in a
-child process (as a user runs it); its wall time and peak resident memory are reported, the
-median over --repeats.
+child process (as a user runs it); its wall time, CPU time (user + system, less sensitive to a
+busy machine) and peak resident memory are reported, the medians over --repeats.
 
     python bench/bench_scaler.py                  # 1e6 rows, 3 repeats
     python bench/bench_scaler.py --rows 100000 --keep steps.csv
@@ -45,17 +45,18 @@ def write_log(path: Path, rows: int, seed: int = 0) -> None:
                     scale, clean = scale * 2.0, 0
 
 
-def run_once(log: Path) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MiB of the child, exit code) of one `ampdoctor scaler LOG`."""
+def run_once(log: Path) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS in MiB) of one `ampdoctor scaler LOG` in a child process."""
     code = "import sys; from ampdoctor.cli import main; sys.argv = ['ampdoctor', 'scaler', sys.argv[1]]; main()"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux; max over all children so far
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if p.returncode not in (0, 1):
         sys.exit(f"ampdoctor scaler failed ({p.returncode}): {p.stderr.strip()[-500:]}")
-    return wall, max(peak, before) / 1024, p.returncode
+    return wall, cpu, after.ru_maxrss / 1024  # KiB on Linux; the max over the children so far
 
 
 def main() -> None:
@@ -69,14 +70,15 @@ def main() -> None:
         t0 = time.perf_counter()
         write_log(log, args.rows)
         print(f"wrote {args.rows} rows ({log.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
-        walls, peaks = [], []
+        walls, cpus, peaks = [], [], []
         for _ in range(args.repeats):
-            wall, peak, _rc = run_once(log)
+            wall, cpu, peak = run_once(log)
             walls.append(wall)
+            cpus.append(cpu)
             peaks.append(peak)
-            print(f"  ampdoctor scaler: {wall:.2f} s, peak RSS {peak:.0f} MiB")
-        print(f"median of {args.repeats}: {statistics.median(walls):.2f} s wall, peak RSS {max(peaks):.0f} MiB "
-              f"(python {sys.version.split()[0]})")
+            print(f"  ampdoctor scaler: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {peak:.0f} MiB")
+        print(f"median of {args.repeats}: {statistics.median(walls):.2f} s wall, {statistics.median(cpus):.2f} s CPU, "
+              f"peak RSS {max(peaks):.0f} MiB (python {sys.version.split()[0]}; the CPU time includes importing torch)")
 
 
 if __name__ == "__main__":

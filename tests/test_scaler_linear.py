@@ -47,6 +47,13 @@ def test_linear_diagnosis_equals_the_reference(h: tuple[list[float], list[bool]]
     _same(scaler.skip_ledger(skipped, None, scales), ref.skip_ledger(skipped, None, scales))
     new = scaler.diagnose_scale(scales, skipped, growth_interval=gi, backoff_factor=bo)
     old = ref.diagnose_scale(scales, skipped, growth_interval=gi, backoff_factor=bo)
-    _same(new, old, skip=("min_scale",))
-    # the one intended change: the minimum counts the scale after the last update ("final 2^13, min 2^14")
+    _same(new, old, skip=("min_scale", "pattern", "explanation", "recommendations", "settings"))
+    # intended change 1: the minimum counts the scale after the last update ("final 2^13, min 2^14")
     assert new.min_scale == min(old.min_scale, old.final_scale) <= new.final_scale
+    # intended change 2: a scale that never moved is "stable", not "saturated", and says why it tells nothing
+    unmoved = not new.growths and not new.backoffs and not new.later_skips
+    if unmoved and new.pattern == "stable":
+        assert old.pattern in ("stable", "saturated") and "for all" in new.explanation
+    else:
+        assert (new.pattern, new.explanation, new.recommendations, new.settings) == \
+            (old.pattern, old.explanation, old.recommendations, old.settings)
