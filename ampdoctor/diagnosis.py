@@ -14,6 +14,7 @@ from ampdoctor.config import TriageConfig
 from ampdoctor.formats import FP16
 from ampdoctor.hooks import StepStats, nonfinite
 from ampdoctor.opscan import OpRecord, first_overflowing_op
+from ampdoctor.progress import describe, loss_window
 from ampdoctor.report import Finding, LayerRow, ScaleEvent, ScalerStory, Verdict
 from ampdoctor.scaler import diagnose_scale
 from ampdoctor.stages import StageResult
@@ -418,8 +419,9 @@ def diagnose(
     # 4. healthy, with warnings from the probes ---------------------------------------------------
     _warnings(results, tgt_name, fp32, story, uf, findings, fixes)
     summary = f"The {tgt_name} configuration trains like FP32"
-    if ratio is not None:
-        summary += f" ({ratio:.0%} of FP32's loss progress)"
+    window = loss_window(tgt, fp32, MIN_STALL_STEPS)
+    if ratio is not None and window is not None:
+        summary += f" ({describe(window, tgt_name)})"
     summary += "; no non-finite values reached the weights."
     if story and story.calibration_skips:
         summary += f" {story.calibration_skips} GradScaler skip(s) while the scale calibrated are normal."

@@ -141,8 +141,8 @@ def test_terminal_golden_wide() -> None:
 
 
 def test_layers_table_piped_at_80_columns(tmp_path: Path) -> None:
-    from .test_layers import SPEC
     from .conftest import write_spec
+    from .test_layers import SPEC
 
     spec = write_spec(tmp_path, SPEC)
     r = runner.invoke(app, ["layers", str(spec), "--device", "cpu", "--steps", "1"], env={"COLUMNS": "80"})
