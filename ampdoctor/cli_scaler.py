@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ampdoctor.cli_common import fail, out
 from ampdoctor.errors import AmpDoctorError
@@ -62,6 +63,15 @@ def scaler(
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
 
 
+def _indent(text: str, indent: int, hang: int = 0) -> Table:
+    """A paragraph indented by ``indent``; wrapped lines indented ``hang`` more (under the text after '- ')."""
+    g = Table.grid()
+    g.add_column(width=indent + hang, no_wrap=True)
+    g.add_column()
+    g.add_row(Text(" " * indent + text[:hang]), Text(text[hang:]))
+    return g
+
+
 def _first_bad_scale(scales: list[float] | None) -> int | None:
     """Index of the first scale that is zero, negative or infinite (None when all are positive and finite)."""
     if scales is None:
@@ -92,14 +102,13 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
         out.print("[bold]Scale history[/]: none (the scaler_scale column is empty: a run without GradScaler)")
     else:
         out.print(f"[bold]Scale history[/]: [bold cyan]{diag.pattern}[/]", highlight=False)
-        out.print(f"  {diag.explanation}", highlight=False, markup=False)
+        out.print(_indent(diag.explanation, 2))
         gi = f"{diag.growth_interval}" if diag.growth_interval else "not seen (no growth)"
         bo = f"{diag.backoff_factor:g}" if diag.backoff_factor else "not seen (no back-off)"
-        out.print(
-            f"  scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
+        out.print(_indent(
+            f"scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
             f"{len(diag.growths)} growth(s), {len(diag.backoffs)} back-off(s); growth_interval {gi}, backoff_factor {bo}",
-            highlight=False,
-        )
+            2))
     out.print()
     out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total_steps} steps ({ledger.rate:.2%}), "
               f"{len(ledger.runs)} run(s), longest {ledger.longest_run}", highlight=False)
@@ -136,7 +145,7 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
         out.print()
         out.print("[bold]Recommendations[/]")
         for r in diag.recommendations:
-            out.print(f"  - {r}", highlight=False, markup=False)
+            out.print(_indent(f"- {r}", 2, hang=2))
         if diag.settings:
             args = ", ".join(f"{k}={pow2(v) if k == 'init_scale' else f'{v:g}'}" for k, v in diag.settings.items())
             out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
