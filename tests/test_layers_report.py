@@ -108,7 +108,7 @@ def test_markdown_reader_can_tell_what_is_unsafe_where_and_what_to_do() -> None:
     assert "| [bf16](#bf16) | ✅ safe for this model as is | none needed | - |" in head
     fp16 = text.split("## fp16")[1].split("## bf16")[0]
     assert "- keep in higher precision (FP32, or autocast(enabled=False)):" in fp16
-    assert "  - blocks.1.attn: output overflow fp16" in fp16 and "GradScaler(init_scale=2**9)" in fp16
+    assert "  - blocks.1.attn: output overflow fp16" in fp16 and "GradScaler(init_scale=2\\*\\*9)" in fp16  # Markdown-escaped
     top = fp16.split("<details>")[0]
     assert top.index("❌ `blocks.1.attn`") < top.index("`blocks.0.mlp`"), "the top table is by severity"
     assert "<details><summary>All 14 tensors (fp16, worst first)</summary>" in fp16

@@ -152,3 +152,13 @@ def test_layers_table_piped_at_80_columns(tmp_path: Path) -> None:
     assert "…" not in r.output
     assert any(x.split()[:1] and x.split()[0].endswith(".weight") for x in lines)
     assert any(x.split()[:1] and x.split()[0].endswith(".bias") for x in lines)
+
+
+def test_plots_are_part_of_the_base_install() -> None:
+    import tomllib
+
+    from ampdoctor.render.html import render as render_html
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].strip() == "matplotlib" for d in deps)
+    assert "data:image/png;base64," in render_html(make_report())  # the HTML report carries its plots by default
