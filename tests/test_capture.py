@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor import Monitor, TriageConfig, triage
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.engine.replay import read_capture
 from ampdoctor.errors import CaptureError
 
