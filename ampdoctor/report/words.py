@@ -104,9 +104,6 @@ FIXES: dict[str, Callable[[Facts], str]] = {
     "into_range": lambda f: (
         f"Or bring the values of {_first_layer(f)} into range: normalise its input, scale before the product "
         "(e.g. divide q by sqrt(d) before q @ k^T), or use a numerically stable formulation."),
-    "grad_overflow_unscaled": lambda f: (
-        f"Gradients at {f.get('module') or 'the loss'} exceed FP16's range even unscaled: normalise the loss "
-        "(mean instead of sum), keep that module in FP32, or use bf16."),
     "keep_fp32_backward": lambda f: (
         f"Keep {f['module']} in FP32 under `torch.autocast('{f['device']}', enabled=False)`: its gradients overflow FP16."),
     "reduce_loss": lambda f: (
@@ -131,8 +128,6 @@ FIXES: dict[str, Callable[[Facts], str]] = {
     "gradscaler_explained": lambda f: (
         "GradScaler multiplies the loss (init 65536) so small gradients stay above FP16's 6e-8, and unscales "
         "them in FP32 before the step."),
-    "use_gradscaler": lambda f: "Use GradScaler (autocast + loss scaling) or bf16.",
-    "fix_exception_first": lambda f: "Fix the exception; it is not a precision issue.",
     "transient": lambda f: (
         "Treat the step as transient: resume from the last checkpoint and watch whether it recurs. If it does, "
         "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
@@ -317,33 +312,25 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
 }
 """Verdict variant → the title of the deciding rule's finding."""
 
-RULE_FIX: dict[str, Fix | None] = {
-    "fp32_raised": Fix("fix_exception_first"),
-    "fp32_data_nonfinite": None,
-    "fp32_data_outlier": None,
-    "target_outlier": None,
-    "forward_overflow": None,
-    "grad_overflow": None,
-    "stall": Fix("use_gradscaler"),
+RULE_FINDING_FIX: dict[str, Callable[[Facts], str]] = {
+    "fp32_raised": lambda f: "Fix the exception; it is not a precision issue.",
+    "fp32_data_nonfinite": lambda f: "",
+    "fp32_data_outlier": lambda f: "",
+    "target_outlier": lambda f: (
+        f"Fix batch {f['batch']} ({f['field']}, samples {f['samples'][:10]}): normalise or drop it in build_dataloader()."),
+    "target_raised": lambda f: str(f["hint"]),
+    "forward_overflow": lambda f: fix_text(Fix("keep_fp32_forward", {"module": f.get("module"), "device": f["device"]})),
+    "grad_overflow": lambda f: (
+        f"Gradients at {f.get('module') or 'the loss'} exceed FP16's range even unscaled: normalise the loss "
+        "(mean instead of sum), keep that module in FP32, or use bf16."),
+    "stall": lambda f: "Use GradScaler (autocast + loss scaling) or bf16.",
 }
-"""Verdict variant → the fix its finding carries, when it is not the outcome's first fix (None: no
-fix, or one built from the facts in ``_rule_fix``)."""
+"""Verdict variant → the fix its finding carries, where that is not the outcome's first fix."""
 
 
 def _rule_fix(variant: str, facts: Facts, fixes: list[Fix]) -> str:
-    f = dict(facts)
-    if variant == "target_outlier":
-        return (f"Fix batch {f['batch']} ({f['field']}, samples {f['samples'][:10]}): normalise or drop it in "
-                "build_dataloader().")
-    if variant == "forward_overflow":
-        return fix_text(Fix("keep_fp32_forward", {"module": f.get("module"), "device": f["device"]}))
-    if variant == "grad_overflow":
-        return fix_text(Fix("grad_overflow_unscaled", {"module": f.get("module")}))
-    if variant == "target_raised":
-        return str(f["hint"])
-    if variant in RULE_FIX:
-        fx = RULE_FIX[variant]
-        return fix_text(fx) if fx is not None else ""
+    if variant in RULE_FINDING_FIX:
+        return RULE_FINDING_FIX[variant](facts)
     return fix_text(fixes[0]) if fixes else ""
 
 
