@@ -83,6 +83,15 @@ def test_triage_from_the_capture_names_cause_module_and_the_runs_step(capture: t
     assert report.layers[0].module == "logits > matmul" and report.layers[0].absmax_fp32 > 65504
 
 
+def test_the_replay_says_the_runs_own_step_in_every_sentence(capture: tuple[Path, int]) -> None:
+    """The words are written after the replay's steps are shifted: never the replay-relative 'step 0'."""
+    folder, step = capture
+    report, _ = triage(SAMPLE, TriageConfig(), from_capture=folder)
+    assert f"at step {step}" in report.verdict.summary, report.verdict.summary
+    assert "step 0" not in report.verdict.summary
+    assert report.findings[0].step == step and "step 0" not in report.findings[0].title + report.findings[0].fix
+
+
 def test_cli_from_capture_without_a_dataloader(capture: tuple[Path, int], tmp_path: Path) -> None:
     folder, step = capture
     spec = tmp_path / "spec.py"
