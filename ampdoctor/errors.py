@@ -25,3 +25,7 @@ class DeviceError(AmpDoctorError):
 
 class OutputExistsError(AmpDoctorError):
     """An output file exists and --force was not given."""
+
+
+class CheckpointError(AmpDoctorError):
+    """A checkpoint cannot be read, or it does not fit the model the spec builds."""
