@@ -292,6 +292,10 @@ def test_truncated_file(tmp_path: Path) -> None:
         read_checkpoint(path)
     assert one_line(e).startswith(f"{path}: truncated or corrupt (")
     assert "use an earlier checkpoint" in str(e.value)
+    torch.save(model.state_dict(), path, _use_new_zipfile_serialization=False)  # a truncated legacy pickle
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_checkpoint(path)
     path.write_bytes(b"")
     with pytest.raises(CheckpointError, match="empty file"):
         read_checkpoint(path)
@@ -336,6 +340,10 @@ def test_pickled_objects_are_refused_unless_trusted(tmp_path: Path) -> None:
     state = read_checkpoint(path, trust=True)
     assert state.step == 5
     assert_same_weights(state.model, model.state_dict())
+    # the legacy (non-zip) format too, named from torch's refusal
+    torch.save({"model": model.state_dict(), "args": argparse.Namespace(lr=1e-3)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"refuses \(argparse.Namespace\)"):
+        read_checkpoint(path)
 
 
 # ---------------------------------------------------------------------------------------------- the spec's loader
@@ -365,3 +373,67 @@ def test_spec_load_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as e:
         read_checkpoint(path, load_checkpoint=broken, model=net)
     assert one_line(e) == f"{path}: the spec's load_checkpoint raised KeyError: 'encoder'"
+
+
+def test_distributed_checkpoint_folder_says_how_to_convert(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = trained(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(tmp_path / "dcp")
+    assert "a torch.distributed.checkpoint folder (.metadata, __0_0.distcp); convert it to one file with python -m " in one_line(e)
+    # the converted file reads as the dict layout
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "ckpt.pt")
+    assert_same_weights(read_checkpoint(tmp_path / "ckpt.pt").model, model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------- docs
+
+
+def _doc_block(heading: str, lang: str) -> str:
+    import re
+
+    doc = (ROOT / "docs" / "checkpoints.md").read_text()
+    block = re.search(rf"## {heading}\n\n.*?```{lang}\n(.*?)```", doc, re.S)
+    assert block is not None, heading
+    return block.group(1)
+
+
+def test_refusals_in_docs_are_the_real_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.chdir(tmp_path)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    Path("checkpoint-500").mkdir()
+    torch.save(torch.optim.Adam(m.parameters()).state_dict(), "checkpoint-500/optimizer.pt")
+    Path("checkpoint-500/trainer_state.json").write_text(json.dumps({"global_step": 500}))
+    Path("runs/checkpoint-1").mkdir(parents=True)
+    Path("runs/checkpoint-2").mkdir()
+    torch.save({"model": m.state_dict(), "args": argparse.Namespace(lr=1)}, "ckpt.pt")
+    Path("trunc.pt").write_bytes(Path("ckpt.pt").read_bytes()[: Path("ckpt.pt").stat().st_size // 2])
+    torch.save({"model": m.state_dict()}, "other.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": m.state_dict()}, checkpoint_id="dcp")
+    wider = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 1))
+    got = []
+    for path, model in [("checkpoint-500", None), ("runs", None), ("ckpt.pt", None), ("trunc.pt", None), ("other.pt", wider), ("dcp", None)]:
+        with pytest.raises(CheckpointError) as e:
+            read_checkpoint(path, model=model)
+        got.append(one_line(e))
+    assert "\n".join(got) + "\n" == _doc_block("What it refuses, in one line", "text")
+
+
+def test_example_in_docs_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_doc_block("Example", "python"), "checkpoints.md", "exec"), {})
+    assert capsys.readouterr().out == "dict 8217 4096.0\n"

@@ -126,11 +126,12 @@ def load_file(path: Path, *, trust: bool = False, what: str | None = None) -> An
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        names = _unsafe_globals(path) or re.findall(r"GLOBAL ([\w.]+)", str(e))
+        if not names:  # not a refusal: the pickle itself is broken
+            raise CheckpointError(f"{what}: truncated or corrupt ({_first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
         if trust:
             return _load_trusted(path, what)
-        names = _unsafe_globals(path)
-        found = _short(names) if names else _first_line(e)
-        raise CheckpointError(f"{what}: holds pickled Python objects that weights-only loading refuses ({found}); {TRUST_HINT}") from None
+        raise CheckpointError(f"{what}: holds pickled Python objects that weights-only loading refuses ({_short(names)}); {TRUST_HINT}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{what}: truncated or corrupt ({_first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
 
@@ -143,9 +144,10 @@ def _load_trusted(path: Path, what: str) -> Any:
 
 
 def _first_line(e: BaseException) -> str:
+    """The exception's first sentence, without terminal colours: it goes inside a one-line message."""
     text = str(e).strip().splitlines()
     line = re.sub(r"\x1b\[[0-9;]*m", "", text[0]) if text else type(e).__name__
-    return line[:160]
+    return line.split(". ")[0].rstrip(".")[:160]
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -358,6 +360,11 @@ def _no_weights_message(path: Path) -> str:
     if subs:
         return f"{path}/: holds {_short([s.name for s in subs], 4)}, not one checkpoint; pass one of them (the latest is {subs[-1]})"
     found = _describe_folder(path)
+    if (path / ".metadata").is_file() and any(path.glob("*.distcp")):
+        return (
+            f"{path.name}/: a torch.distributed.checkpoint folder ({found}); convert it to one file with "
+            f"python -m torch.distributed.checkpoint.format_utils dcp_to_torch {path} ckpt.pt and pass that"
+        )
     adapter = " (adapter_model.* is a PEFT adapter, not the model's weights)" if any(path.glob("adapter_model.*")) else ""
     return (
         f"{path.name}/: found {found} but no model weights ({SAFE_WEIGHTS} or {BIN_WEIGHTS}){adapter}; "
