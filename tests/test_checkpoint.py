@@ -104,6 +104,17 @@ def test_bare_state_dict_and_numpy_entries(tmp_path: Path) -> None:
     assert read_checkpoint(tmp_path / "np.pt").step == 600
 
 
+def test_rng_states_in_a_dict(tmp_path: Path) -> None:
+    model, _, _ = trained(1)
+    cpu = torch.get_rng_state()
+    torch.save({"model": model.state_dict(), "rng_state": cpu}, tmp_path / "a.pt")
+    rng = read_checkpoint(tmp_path / "a.pt").rng
+    assert rng is not None and torch.equal(rng["cpu"], cpu)
+    torch.save({"model": model.state_dict(), "torch_rng_state": cpu, "numpy_rng_state": np.random.get_state()}, tmp_path / "b.pt")
+    rng = read_checkpoint(tmp_path / "b.pt").rng
+    assert rng is not None and set(rng) == {"cpu", "numpy"} and rng["numpy"][0] == "MT19937"
+
+
 def test_a_disabled_scaler_and_an_epoch_without_step(tmp_path: Path) -> None:
     model, _, _ = trained(1)
     torch.save({"model": model.state_dict(), "scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict(), "epoch": 3}, tmp_path / "c.pt")
@@ -125,16 +136,24 @@ def test_safetensors_file_is_detected_by_content_not_name(tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """A real transformers Trainer, 2 steps on the CPU, saving every step."""
+def tiny_gpt2() -> Any:
+    """GPT-2 from a tiny config: no download."""
     pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # the Trainer needs it
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    out = tmp_path_factory.mktemp("trainer")
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2: Any) -> tuple[Path, Any]:
+    """A real transformers Trainer, 2 steps on the CPU, saving every step."""
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    from transformers import Trainer, TrainingArguments
+
+    out = tmp_path_factory.mktemp("trainer")
+    model = tiny_gpt2
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (ids := torch.randint(0, 50, (8,), generator=g)), "labels": ids} for _ in range(8)]
     args = TrainingArguments(
@@ -189,8 +208,8 @@ def test_trainer_folder_with_scaler_and_bin_weights(trainer_run: tuple[Path, Any
     assert_same_weights(state.model, model.state_dict())
 
 
-def test_sharded_safetensors(trainer_run: tuple[Path, Any], tmp_path: Path) -> None:
-    _, model = trainer_run
+def test_sharded_safetensors(tiny_gpt2: Any, tmp_path: Path) -> None:
+    model = tiny_gpt2
     model.save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))

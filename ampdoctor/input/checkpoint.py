@@ -44,6 +44,7 @@ OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt", "optimize
 SCALER_KEYS = ("scaler", "scaler_state_dict", "grad_scaler", "amp_scaler", "scaler_state")
 STEP_KEYS = ("step", "global_step", "iter_num", "iteration", "iter", "it", "num_updates")
 RNG_KEYS = ("rng", "rng_state", "rng_states")
+RNG_ENTRIES = {"torch_rng_state": "cpu", "cpu_rng_state": "cpu", "cuda_rng_state": "cuda", "numpy_rng_state": "numpy", "python_rng_state": "python"}
 LIGHTNING_SCALER_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -270,9 +271,19 @@ def _from_entries(obj: Mapping[str, Any], source: Path) -> CheckpointState:
     if okey is None and any(k in obj for k in OPTIMIZER_KEYS):
         notes.append("an optimizer entry that is not an optimizer.state_dict(); ignored")
     scaler = _scaler_from(obj, SCALER_KEYS, notes)
-    rkey = _first_key(obj, RNG_KEYS, lambda v: isinstance(v, Mapping))
-    rng = dict(obj[rkey]) if rkey else None
-    return CheckpointState(model, optimizer, scaler, _step_from(obj, notes), rng, "dict", source, notes)
+    return CheckpointState(model, optimizer, scaler, _step_from(obj, notes), _rng_from(obj), "dict", source, notes)
+
+
+def _rng_from(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A dict of RNG states (``rng_state``...), one tensor (``torch.get_rng_state()``), or separate entries."""
+    for k in RNG_KEYS:
+        v = obj.get(k)
+        if isinstance(v, Mapping):
+            return dict(v)
+        if isinstance(v, torch.Tensor):
+            return {"cpu": v}
+    found = {name: obj[k] for k, name in RNG_ENTRIES.items() if k in obj}
+    return found or None
 
 
 def _from_lightning(obj: Mapping[str, Any], source: Path) -> CheckpointState:
