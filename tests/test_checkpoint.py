@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from ampdoctor.errors import CheckpointError
@@ -270,6 +272,35 @@ def test_prefix_is_added_when_the_model_wraps() -> None:
     wrapper.load_state_dict(out)
 
 
+NAMES = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(lambda n: not hasattr(nn.ModuleDict(), n))
+
+
+def nest(inner: nn.Module, path: list[str]) -> nn.Module:
+    for name in reversed(path):
+        outer = nn.Module()
+        outer.add_module(name, inner)
+        inner = outer
+    return inner
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.dictionaries(NAMES, st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=5),
+    prefix=st.lists(NAMES, min_size=1, max_size=2),
+    wrapped=st.booleans(),
+)
+def test_prefix_mapping_property(layers: dict[str, tuple[int, int]], prefix: list[str], wrapped: bool) -> None:
+    """Any prefix of one or two components is stripped (checkpoint wrapped) or added (model wrapped), exactly."""
+    inner = nn.ModuleDict({k: nn.Linear(a, b) for k, (a, b) in layers.items()})
+    outer = nest(inner, prefix)
+    saved, target = (outer, nn.ModuleDict({k: nn.Linear(a, b) for k, (a, b) in layers.items()})) if wrapped else (inner, nest(
+        nn.ModuleDict({k: nn.Linear(a, b) for k, (a, b) in layers.items()}), prefix))
+    out = match_state(target, saved.state_dict())
+    target.load_state_dict(out)  # strict
+    for a, b in zip(saved.parameters(), target.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_checkpoint_from_another_model() -> None:
     model, _, _ = trained(1)
     with pytest.raises(CheckpointError) as e:
@@ -336,6 +367,9 @@ def test_folder_without_weights(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as e:
         read_checkpoint(tmp_path)  # the Trainer's output_dir, not one checkpoint
     assert "holds checkpoint-500, not one checkpoint; pass one of them (the latest is" in one_line(e)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="^empty/: an empty folder; pass the checkpoint"):
+        read_checkpoint(tmp_path / "empty")
 
 
 def test_dict_without_model_weights(tmp_path: Path) -> None:

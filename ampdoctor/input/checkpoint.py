@@ -122,7 +122,9 @@ def load_file(path: Path, *, trust: bool = False, what: str | None = None) -> An
     if kind == "safetensors":
         return _load_safetensors(path)
     if kind == "unknown":
-        raise CheckpointError(f"{what}: not a PyTorch or safetensors checkpoint (it starts with {path.read_bytes()[:8]!r}); pass the file torch.save wrote")
+        with path.open("rb") as f:
+            head = f.read(8)
+        raise CheckpointError(f"{what}: not a PyTorch or safetensors checkpoint (it starts with {head!r}); pass the file torch.save wrote")
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -370,6 +372,8 @@ def _no_weights_message(path: Path) -> str:
     subs = _checkpoint_subfolders(path)
     if subs:
         return f"{path}/: holds {_short([s.name for s in subs], 4)}, not one checkpoint; pass one of them (the latest is {subs[-1]})"
+    if not any(path.iterdir()):
+        return f"{path.name}/: an empty folder; pass the checkpoint folder or file the run saved"
     found = _describe_folder(path)
     if (path / ".metadata").is_file() and any(path.glob("*.distcp")):
         return (
