@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ampdoctor.errors import CheckpointError
-from ampdoctor.input.checkpoint import CheckpointState, match_optimizer, match_state, read_checkpoint
+from ampdoctor.input.checkpoint import CheckpointState, load_into, match_optimizer, match_state, read_checkpoint
 
 from .conftest import ROOT
 
@@ -93,6 +93,21 @@ def test_dict_layouts(tmp_path: Path, names: tuple[str, str, str, str]) -> None:
     scaler2 = torch.amp.GradScaler("cpu")
     scaler2.load_state_dict(state.scaler)
     assert scaler2.get_scale() == 2.0**13
+
+
+def test_load_into_live_objects(tmp_path: Path) -> None:
+    model, opt, scaler = trained()
+    torch.save({"module." + k: v for k, v in model.state_dict().items()}, tmp_path / "bare.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict()}, tmp_path / "full.pt")
+    net = Net()
+    opt2 = torch.optim.Adam(net.parameters(), lr=1e-2)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    assert load_into(read_checkpoint(tmp_path / "full.pt"), net, opt2, scaler2) == []
+    assert scaler2.get_scale() == 2.0**13 and torch.equal(net.fc2.weight, model.fc2.weight)
+    assert torch.equal(opt2.state[net.fc2.weight]["exp_avg_sq"], opt.state[model.fc2.weight]["exp_avg_sq"])
+    said = load_into(read_checkpoint(tmp_path / "bare.pt"), Net(), torch.optim.Adam(Net().parameters()), torch.amp.GradScaler("cpu"))
+    assert said == [f"{tmp_path / 'bare.pt'}: no optimizer state; the optimizer starts fresh (Adam's moments at zero)",
+                    f"{tmp_path / 'bare.pt'}: no GradScaler state; the scale starts at 65536, not the run's"]
 
 
 def test_bare_state_dict_and_numpy_entries(tmp_path: Path) -> None:

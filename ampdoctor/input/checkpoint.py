@@ -577,3 +577,28 @@ def match_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) 
             f"the optimizer state has {len(have)} parameter groups of {have} parameters, build_optimizer() makes "
             f"{len(want)} of {want}; build the optimizer the run used (same groups, same order)"
         )
+
+
+def load_into(state: CheckpointState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> list[str]:
+    """Load ``state`` into live objects, checked first; return a sentence for each part the checkpoint lacks.
+
+    The model loads strictly (keys mapped by ``match_state``); the optimizer after ``match_optimizer``;
+    the scaler when it is enabled. A part the checkpoint does not have is left as built, and said.
+    """
+    said: list[str] = []
+    model.load_state_dict(match_state(model, state))
+    if optimizer is not None:
+        if state.optimizer is None:
+            said.append(f"{state.source}: no optimizer state; the optimizer starts fresh (Adam's moments at zero)")
+        else:
+            match_optimizer(optimizer, state.optimizer)
+            try:
+                optimizer.load_state_dict(state.optimizer)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{state.source}: the optimizer state does not load into build_optimizer()'s optimizer ({_first_line(e)}); build the optimizer the run used") from None
+    if scaler is not None and scaler.is_enabled():
+        if state.scaler is None:
+            said.append(f"{state.source}: no GradScaler state; the scale starts at {scaler.get_scale():g}, not the run's")
+        else:
+            scaler.load_state_dict(state.scaler)
+    return said
