@@ -2,7 +2,7 @@
 
 The public API (what the docs import)::
 
-    from ampdoctor import triage, TriageConfig, Report        # the staged triage of a spec file
+    from ampdoctor.engine import triage, TriageConfig, Report        # the staged triage of a spec file
     from ampdoctor import layer_stats                         # the per-layer range picture
     from ampdoctor import Monitor                             # your own training loop
     from ampdoctor import read_step_log, diagnose_scale       # GradScaler forensics from a step log

@@ -27,5 +27,9 @@ class OutputExistsError(AmpDoctorError):
     """An output file exists and --force was not given."""
 
 
-class CheckpointError(AmpDoctorError):
-    """A checkpoint cannot be read, or it does not fit the model the spec builds."""
+class CaptureError(AmpDoctorError):
+    """A capture folder (or checkpoint) cannot be read or does not fit the spec's model."""
+
+
+class CheckpointError(CaptureError):
+    """A training checkpoint cannot be read, or it does not fit the model the spec builds."""

@@ -113,6 +113,8 @@ class StageError:
     step: int
     module: str | None
     hint: str
+    custom_function: str | None = None
+    """Raised in the backward of this custom autograd.Function (its name), when it was one."""
 
 
 @dataclass
@@ -128,6 +130,8 @@ class StageResult:
     snapshot: dict[str, torch.Tensor] | None = None
     """FP32 weights before the first faulty step (target stage only), for the FP32 re-check."""
     snapshot_step: int | None = None
+    moved: dict[str, float] = field(default_factory=dict)
+    """‖w_end − w_0‖ per parameter over the steps run (the weights the optimizer stepped)."""
 
     @property
     def first_nonfinite_step(self) -> int | None:

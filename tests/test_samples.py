@@ -44,7 +44,8 @@ def test_sample_verdict(sample: str) -> None:
 def test_every_cause_has_a_sample() -> None:
     from ampdoctor.report.model import CAUSES
 
-    assert {c for c, *_ in EXPECTED.values()} == set(CAUSES)
+    # not_reproduced needs a capture of a real run: tests/test_capture.py replays one
+    assert {c for c, *_ in EXPECTED.values()} == set(CAUSES) - {"not_reproduced"}
 
 
 def test_cli_json_matches_verdict(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,6 +13,23 @@ from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec
 from ampdoctor.records import StageResult
+
+
+@dataclass
+class Replay:
+    """How a triage replayed a capture (``triage --from``)."""
+
+    capture: Path
+    manifest: dict[str, Any]
+    step0: int
+    """The run's own number of the first replayed step: report steps are offset by it."""
+    precision: str
+    """The run's own precision, replayed twice from the captured state."""
+    reproduced: int
+    """How many of the replays failed again."""
+    replays: int
+    last: list[dict[str, float | None]]
+    """Loss, gradient norm and scale of the failing step in each replay."""
 
 
 @dataclass
@@ -33,6 +52,8 @@ class Run:
     """The spec path as the user gave it (reports quote it)."""
     user_hooks: list[str] = field(default_factory=list)
     """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
+    replay: Replay | None = None
+    """Set when the run replays a capture."""
 
     def reset(self) -> None:
         """Put the model back at its initial weights."""

@@ -12,6 +12,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from ampdoctor.input.batches import Batches, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec
 from ampdoctor.records import StageError, StageResult, StepRecord
+from ampdoctor.watch.blame import GraphRecorder
 from ampdoctor.watch.hooks import Hooks, ModuleTracker
 from ampdoctor.watch.steplog import StepLogWriter
 
@@ -71,6 +73,10 @@ class StageContext:
     snapshot: bool = False
     log: StepLogWriter | None = None
     """Step log (the CSV of ``ampdoctor scaler``), written and flushed as each step finishes."""
+    optimizer_state: dict[str, Any] | None = None
+    """Replay: the captured optimizer state every stage starts from (else a fresh optimizer)."""
+    scaler_state: dict[str, Any] | None = None
+    """Replay: the captured GradScaler state the amp stage starts from (else ``config``'s settings)."""
 
 
 def run_stage(name: str, ctx: StageContext) -> StageResult:
@@ -88,6 +94,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     run_params = list(run_model.parameters())
     build_opt = ctx.spec.build_optimizer or default_optimizer
     opt = build_opt(master if master is not None else run_params)
+    if ctx.optimizer_state is not None:
+        opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
     result.master_weights = prec.master
     if name == "fp16":
         result.optimizer_underflow = fp16_underflowing_constants(opt)
@@ -102,9 +110,12 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
         if prec.loss_scaling
         else None
     )
+    if scaler is not None and ctx.scaler_state is not None:
+        scaler.load_state_dict(dict(ctx.scaler_state))
     hooks = Hooks(run_model, track=True) if ctx.with_monitor else None
     tracker = hooks.tracker if hooks is not None else ModuleTracker(run_model)
     assert tracker is not None
+    graph = GraphRecorder(run_model)
     # without a scaler a stage does what a plain loop does: it applies whatever its gradients hold
     recipe = TrainStep(run_model, opt, scaler, precision=prec, hooks=hooks, max_norm=cfg.max_norm, master=master,
                        skip_nonfinite=scaler is not None)
@@ -172,14 +183,30 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 break
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.current
+        bw = graph.blame(e) if module is None else None  # raised in backward: the module whose node raised
         result.error = StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                                  step, module, _error_hint(e, name, ctx.device))
+                                  step, bw.module if bw else module, _error_hint(e, name, ctx.device),
+                                  bw.custom_function if bw else None)
     finally:
+        graph.remove()
+        result.moved = weight_movement(run_model if master is None and low else model, ctx.init_state)
         if hooks is not None:
             hooks.detach()
         else:
             tracker.detach()
     return result
+
+
+def weight_movement(model: nn.Module, init_state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """‖w − w_0‖ per parameter (L2, in FP32), w_0 in the parameter's own dtype."""
+    out = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            w0 = init_state.get(n)
+            if w0 is not None and w0.shape == p.shape:
+                # from the stage's own start: FP16 weights start at the FP16 rounding of w_0
+                out[n] = float(torch.linalg.vector_norm(p.detach().float() - w0.to(p.device, p.dtype).float()))
+    return out
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -2,38 +2,46 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ampdoctor.engine.run import Run
+from ampdoctor.engine.replay import Captured, load_into, read_capture
+from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import get_loss
-from ampdoctor.errors import SpecError
-from ampdoctor.input.batches import Batches, filter_kwargs, materialise, split, to_device
+from ampdoctor.engine.step import default_optimizer, get_loss
+from ampdoctor.errors import CaptureError, SpecError
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, materialise, split, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec
-from ampdoctor.judge.opscan import OpRecord, scan_module
-from ampdoctor.judge.rules import Recheck, diagnose, stall_ratio
+from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
+from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, stall_ratio
 from ampdoctor.records import StageResult
-from ampdoctor.report.build import enrich
+from ampdoctor.report.build import enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.steplog import StepLogWriter
 
 
-def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:
-    """Build the model and batches, and check that one FP32 forward gives a scalar loss."""
+def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Module:
+    """The spec's model, FP32, on the device (seeded)."""
     torch.manual_seed(cfg.seed)
     model = call_user(spec.build_model, what="build_model()", path=spec.path)
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.path.name}: build_model() returned {type(model).__name__}; return a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise SpecError(f"{spec.path.name}: the model has no trainable parameters")
-    model = model.to(device).float()
+    return model.to(device).float()
+
+
+def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:
+    """Build the model and batches, and check that one FP32 forward gives a scalar loss."""
+    model = build_model(spec, cfg, device)
     loader = call_user(spec.build_dataloader, what="build_dataloader()", path=spec.path)
     from ampdoctor.errors import BatchError
 
@@ -96,9 +104,37 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             model.load_state_dict(state)
             return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops)
+        def nonfinite_op() -> NonfiniteOp | None:
+            return replay_nonfinite_op(model, spec, batches[step], state, stage, device)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
 
     return run
+
+
+def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
+                       device: torch.device) -> NonfiniteOp | None:
+    """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
+    model.load_state_dict(state)
+    run_model = copy.deepcopy(model).half() if stage == "fp16" else model
+    b = to_device(batch, device)
+    if stage == "fp16":
+        b = cast_floating(b, torch.float16)
+    args, kwargs, target = split(b)
+    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
+    info: dict[str, bool] = {}
+
+    def run() -> None:
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = run_model(*args, **filter_kwargs(run_model, kwargs))
+            loss = get_loss(out, target, spec.loss_fn)
+        others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
+        info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
+
+    op = first_nonfinite_op(run_model, run)
+    if op is not None:
+        op.loss_only = info.get("loss_only", False)
+    return op
 
 
 def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
@@ -131,30 +167,83 @@ def triage(
     progress: ProgressFn | None = None,
     argv: list[str] | None = None,
     log_path: str | Path | None = None,
+    from_capture: str | Path | None = None,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
     Returns the report and the ``Run`` (model, batches, initial state, stage results) it came from.
 
     ``log_path``: write the target stage's per-step CSV there (overwriting: the caller checks it first).
+    ``from_capture``: replay the failing step of a real run from a capture folder (``Monitor(capture=...)``):
+    the weights, optimizer and scaler state and the batches come from it, the target is the run's own
+    precision, and every step number in the report is the run's own.
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
-    spec = load_spec(spec_path, names)
-    model, batches = prepare(spec, cfg, device)
+    spec = load_spec(spec_path, names, require_data=from_capture is None)
+    cap: Captured | None = None
+    if from_capture is not None:
+        model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
+        target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
+        cfg = replace(cfg, steps=len(batches.items), target=target)
+    else:
+        model, batches = prepare(spec, cfg, device)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model))
+
+    def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
+        return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
+                            optimizer_state=cap.start.optimizer if cap else None, scaler_state=cap.start.scaler if cap else None)
+
     for name in cfg.stage_list():
         log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
         try:
-            ctx = StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=name == cfg.target, log=log)
-            run.results[name] = run_stage(name, ctx)
+            run.results[name] = run_stage(name, context(name, log, snapshot=name == cfg.target))
         finally:
             if log is not None:
                 log.close()
+    if cap is not None:
+        # transient or persistent: the failing step in the run's own precision, from the captured state, twice
+        again = run_stage(cfg.target, context(cfg.target))
+        replays = [run.results[cfg.target], again]
+        run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
+                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays])
     report = build_report(run, argv)
     run.reset()
     return report, run
+
+
+def _failed(res: StageResult) -> bool:
+    return res.error is not None or res.first_nonfinite_step is not None
+
+
+def _last(res: StageResult) -> dict[str, float | None]:
+    r = res.records[-1] if res.records else None
+    return {"loss": r.loss if r else None, "grad_l2": r.grad_l2_pre_clip if r else None,
+            "scale": r.scaler_scale if r else None}
+
+
+def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture: str | Path) -> tuple[nn.Module, Batches, Captured]:
+    """The spec's model with the captured weights, the captured batches; check the optimizer state fits."""
+    cap = read_capture(capture)
+    model = build_model(spec, cfg, device)
+    load_into(model, cap.model, cap.path)
+    if cap.start.optimizer is not None:
+        build = spec.build_optimizer or default_optimizer
+        try:
+            build(list(model.parameters())).load_state_dict(copy.deepcopy(cap.start.optimizer))
+        except Exception as e:
+            raise CaptureError(f"{cap.path}: the captured optimizer state does not fit build_optimizer() "
+                               f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
+    batches = Batches(cap.batches, cycled=False)
+    args, kwargs, target = split(to_device(batches[0], device))
+    try:
+        with torch.no_grad():
+            get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+    except Exception as e:
+        raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
+                           f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
+    return model, batches, cap
 
 
 def build_report(run: Run, argv: list[str] | None = None) -> Report:
@@ -162,6 +251,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     cfg, results, batches, device = run.config, run.results, run.batches, run.device
     recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks)
+    rp = run.replay
+    if rp is not None:
+        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
+        if transient is not None:
+            transient.layers, transient.scaler = diag.layers, diag.scaler
+            diag = transient
     run.reset()
     fp32 = results.get("fp32")
     notes = []
@@ -187,4 +282,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         notes=notes,
     )
     enrich(report, results)
+    if rp is not None:
+        m = rp.manifest
+        report.config["from_capture"] = str(rp.capture)
+        report.config["replay_step0"] = rp.step0
+        report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}): "
+                               f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
+                               f"failed again {rp.reproduced} of {rp.replays} times")
+        shift_steps(report, rp.step0)
     return report

@@ -47,8 +47,11 @@ def _where(exc: BaseException, path: Path) -> str:
     return path.name
 
 
-def load_spec(path: str | Path, names: SpecNames | None = None) -> Spec:
-    """Import the spec file and return its functions; raise SpecError saying what to fix."""
+def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data: bool = True) -> Spec:
+    """Import the spec file and return its functions; raise SpecError saying what to fix.
+
+    ``require_data=False`` (a replay brings its own batches): build_dataloader may be missing.
+    """
     names = names or SpecNames()
     p = Path(path)
     if not p.exists():
@@ -90,8 +93,11 @@ def load_spec(path: str | Path, names: SpecNames | None = None) -> Spec:
         return fn
 
     model = get(names.model, True)
-    data = get(names.data, True)
-    assert model is not None and data is not None
+    data = get(names.data, require_data)
+    if data is None:
+        def data() -> Iterable[Any]:
+            raise SpecError(f"{p.name} has no function {names.data}(); define it (only a replay --from a capture can do without)")
+    assert model is not None
     return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names)
 
 

@@ -75,7 +75,8 @@ def locate_backward(st: StepStats) -> str | None:
     """First module reached in backward with finite incoming and non-finite outgoing/param grads."""
     for tid in st.model_outputs:
         if tid in st.grad and nonfinite(st.grad[tid]) > 0:
-            return producer(st, tid)
+            p = producer(st, tid)
+            return entry_child(st) or p if p == MODEL else p
     order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
     cands: list[tuple[int, str]] = []
     for c in st.calls:
@@ -86,6 +87,16 @@ def locate_backward(st: StepStats) -> str | None:
         if _bad(st.grad, c.inputs) or pbad:
             cands.append((min(order.get(t, 1 << 30) for t in incoming), c.module))
     cands.sort()
+    inner = innermost(n for _, n in cands)
+    return inner[0] if inner else None
+
+
+def entry_child(st: StepStats) -> str | None:
+    """Innermost child (not the root) whose output receives a non-finite gradient, first reached in
+    backward: where a non-finite gradient made by the root's own code (a cat, a softplus) enters a child."""
+    order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
+    cands = sorted((min(order.get(t, 1 << 30) for t in c.outputs if t in st.grad), c.module) for c in st.calls
+                   if c.module != MODEL and _bad(st.grad, [t for t in c.outputs if t in st.grad]))
     inner = innermost(n for _, n in cands)
     return inner[0] if inner else None
 

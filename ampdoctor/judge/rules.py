@@ -12,7 +12,10 @@ from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, check_batch, outlier_ratio
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
-from ampdoctor.judge.opscan import OpRecord, first_overflowing_op
+from ampdoctor.judge.datascan import DataIssue, scan_batches
+from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
+from ampdoctor.judge.progress import describe, loss_window
+from ampdoctor.judge.rules_extra import Frozen, custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.scaler import diagnose_scale
 from ampdoctor.records import Col, Finding, LayerRow, ScaleEvent, ScalerStory, StageResult, StepStats, Verdict, nonfinite
 
@@ -36,6 +39,9 @@ class Recheck:
     """'initial' or 'stage <name> before step <k>'."""
     ops: Callable[[str], list[OpRecord]] | None = None
     """Replays the same FP32 forward and lists the ops run inside a named module."""
+    nonfinite_op: Callable[[], NonfiniteOp | None] | None = None
+    """Replays the step's forward and loss in the stage's own precision (autocast / .half()) from the
+    same weights and returns the first op that turns finite inputs into a non-finite output."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
@@ -225,8 +231,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig) -> ScalerStory | None:
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
                        backoff_factor=cfg.backoff_factor, init_scale=cfg.init_scale)
     events = [ScaleEvent(r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
-    final = scales[-1] * (cfg.backoff_factor if skipped[-1] else 1.0)
-    return ScalerStory(cfg.init_scale, final, min(scales), max(scales), d.calibration_skips, events,
+    return ScalerStory(cfg.init_scale, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
                        d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
 
 
@@ -248,11 +253,12 @@ def diagnose(
     layers = layer_table(results, tgt_name)
     story = scaler_story(results["amp"], cfg) if "amp" in results else None
     hooks = model_hooks or []
+    data_issues = scan_batches(batches)  # always: findings whatever the verdict
 
     def verdict(cause: str, module: str | None, step: int | None, stage: str | None, summary: str) -> Diagnosis:
         table = layer_table(results, tgt_name, focus=module) if module else layers
         ev = findings[0].evidence if findings else {}
-        if module and "op" in ev:
+        if module and "op" in ev and "fp32_absmax" in ev:
             op_row = LayerRow(f"{module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
                               0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), step)
             table = [op_row, *table]
@@ -262,6 +268,7 @@ def diagnose(
                                  "hidden from GradScaler before unscale_ (see the verdict)")
         if cause.startswith("fp16_") and "bf16" in results and target != "bf16":
             fixes.append(_bf16_check(results["bf16"], fp32))
+        findings.extend(_data_findings(data_issues, findings, results, batches))
         return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, table, story, fixes)
 
     # 1. FP32 itself fails: data or a model bug ---------------------------------------------------
@@ -281,6 +288,19 @@ def diagnose(
         return verdict("healthy", None, None, None, "FP32 trains cleanly; no target stage was run.")
     if tgt.error is not None:
         e = tgt.error
+        cfd = custom_function_dtype(e)
+        if cfd is not None:
+            dev = device.split(":")[0]
+            fix = (f"Decorate {cfd.function}.forward with `@torch.amp.custom_fwd(device_type='{dev}', cast_inputs=torch.float32)` "
+                   f"and {cfd.function}.backward with `@torch.amp.custom_bwd(device_type='{dev}')`: forward then runs in FP32 "
+                   "with autocast off, and backward gets the same dtypes forward saw.")
+            where = f"{cfd.module}'s custom autograd.Function {cfd.function}" if cfd.module else f"custom autograd.Function {cfd.function}"
+            findings.append(Finding("amp_misuse", "error", f"{where} raises {e.type} in backward under autocast", tgt_name,
+                                    cfd.module, e.step, {"error": f"{e.type}: {e.message}", "function": cfd.function}, fix))
+            fixes.append(fix)
+            return verdict("amp_misuse", cfd.module, e.step, tgt_name,
+                           f"The backward of {where} raises {e.type} at step {e.step} ({e.message[:120]}): under autocast it "
+                           "receives FP16 tensors next to FP32 ones, because the Function has no custom_fwd/custom_bwd.")
         device_limit = "device limitation" in e.hint
         cause = "inconclusive" if device_limit else "amp_misuse"
         findings.append(Finding(cause, "error", f"{tgt_name} stage raised {e.type} in {e.module or 'user code'} at step {e.step}",
@@ -329,6 +349,16 @@ def diagnose(
             if tgt_name == "amp":
                 return _amp_misuse(tgt, fp32, probe, bad, hooks, rc_ev, findings, fixes, verdict,
                                    "weights reached at this step fail in FP32 too: AMP let damaged updates through")
+        if st is not None and locate.forward_fault(st) and locate.locate_forward(st) == locate.MODEL:
+            # the root's own code made it: never answer <model>; name the op (a loss inside forward is the loss)
+            nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
+            kind = "root" if nop is None else "loss" if nop.module is None else "model_loss" if nop.loss_only else "root"
+            return _forward_in_code(kind, nop,
+                                    tgt_name, bad, rc_ev, device, findings, fixes, verdict)
+        lf = loss_fault(tgt, bad, st)
+        if lf is not None:
+            nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
+            return _forward_in_code("loss", nop, tgt_name, bad, dict(rc_ev, loss=lf.loss), device, findings, fixes, verdict)
         if st is not None and locate.forward_fault(st):
             module = locate.locate_forward(st)
             if module is None and st.model_inputs and any(nonfinite(st.act[t]) > 0 for t in st.model_inputs if t in st.act):
@@ -412,12 +442,16 @@ def diagnose(
                        f"The {tgt_name} stage makes {ratio:.0%} of FP32's loss progress without any non-finite value.")
     if tgt_name == "fp16" and not tgt.master_weights and tgt.optimizer_underflow:
         return _swallowed(tgt, fp32, None, findings, fixes, verdict, probe)
+    frozen = frozen_params(tgt, fp32, uf)
+    if frozen:
+        return _frozen(tgt_name, frozen, uf, ratio, len(tgt.records), findings, fixes, verdict, story, fp32)
 
     # 4. healthy, with warnings from the probes ---------------------------------------------------
     _warnings(results, tgt_name, fp32, story, uf, findings, fixes)
     summary = f"The {tgt_name} configuration trains like FP32"
-    if ratio is not None:
-        summary += f" ({ratio:.0%} of FP32's loss progress)"
+    window = loss_window(tgt, fp32, MIN_STALL_STEPS)
+    if ratio is not None and window is not None:
+        summary += f" ({describe(window, tgt_name)})"
     summary += "; no non-finite values reached the weights."
     if story and story.calibration_skips:
         summary += f" {story.calibration_skips} GradScaler skip(s) while the scale calibrated are normal."
@@ -661,3 +695,137 @@ def _warnings(results: dict[str, StageResult], tgt_name: str, fp32: StageResult,
         findings.append(Finding("thin_headroom", "warning", f"{m} reaches {amax:.4g}, {h:.2f} binades below FP16's max",
                                 tgt_name, m, None, {"absmax": amax, "headroom_binades": h},
                                 f"Fine now; if it keeps growing, keep {m} in FP32 or use bf16."))
+
+
+def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, last: list[dict[str, float | None]],
+                   precision: str, step0: int, device: str) -> Diagnosis | None:
+    """A captured failure that the replay in the run's own precision, from the captured state, does not
+    repeat: a transient (nondeterminism, a hardware fault), not a property of the weights and the batch.
+
+    None when at least one replay failed again. ``step0`` is the run's number of the first replayed step.
+    """
+    if reproduced > 0:
+        return None
+    step = int(str(manifest.get("step", step0)))
+    module = manifest.get("module")
+    mod = str(module) if isinstance(module, str) else None
+    got = ", ".join(f"loss {_fmt(lv)}" if (lv := x.get("loss")) is not None else "no step" for x in last)
+    ev: dict[str, object] = {"captured_reason": manifest.get("reason"), "captured_loss": manifest.get("loss"),
+                             "captured_grad_l2": manifest.get("grad_l2_pre_clip"), "captured_scale": manifest.get("scale"),
+                             "replays": replays, "replays_failed": reproduced, "replay_results": last}
+    fix = ("Treat the step as transient: resume from the last checkpoint and watch whether it recurs. If it does, "
+           "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
+           "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
+           "on another GPU).")
+    rel = step - step0  # records count from the first replayed step; the report adds step0 back
+    finding = Finding("not_reproduced", "error", f"the {precision} replay of step {step} from the captured state "
+                      f"finished cleanly {replays} of {replays} times", precision, mod, rel, ev, fix)
+    summary = (f"The run failed at step {step} ({manifest.get('reason')}), but replaying that step in {precision} from "
+               f"the captured weights, optimizer and scaler state, on the captured batch, finished cleanly {replays} "
+               f"times ({got}): the failure does not follow from the weights and the batch. It is a transient: "
+               f"nondeterminism or a hardware fault, not FP16 range.")
+    return Diagnosis(Verdict("not_reproduced", mod, rel, precision, summary, device), [finding], [], None, [fix])
+
+
+def _forward_in_code(kind: str, op: NonfiniteOp | None, stage: str, step: int, rc_ev: dict[str, object], device: str,
+                     findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis]) -> Diagnosis:
+    """A forward fault made by code outside every child module: the loss function ('loss'), a loss
+    the model computes in its own forward ('model_loss'), or other code of the root ('root')."""
+    ev = dict(rc_ev)
+    module = op.module if op is not None and op.module not in (None, locate.MODEL) else None
+    if op is not None:
+        ev.update(op=op.op, op_line=op.line, op_in={"loss": "loss function", "model_loss": "model's forward (its loss)",
+                                                     "root": "model's forward"}[kind])
+    op_s = f"`{op.op}`" + (f" at {op.line}" if op.line else "") if op is not None else "an op"
+    dev = device.split(":")[0]
+    if kind == "root" and module is None:
+        what = f"{op_s} in the model's own forward (outside every submodule)"
+        fix = (f"Run {op_s} in FP32: `with torch.autocast('{dev}', enabled=False):` around it, on `.float()` inputs; "
+               "or rescale its inputs into FP16's range; or use bf16.")
+        title = f"{op_s} in the model's forward overflows FP16"
+    elif kind == "root":
+        what = f"{op_s} inside {module}"
+        fix = _fix_forward(module, device)
+        title = f"{module} overflows FP16 in the forward pass"
+    else:
+        where = "the loss function" if kind == "loss" else "the loss the model computes in its forward"
+        what = f"{op_s} in {where}"
+        fix = (f"Compute the loss in FP32: on `.float()` logits under `torch.autocast('{dev}', enabled=False)`; or use the "
+               "fused stable op: `F.binary_cross_entropy_with_logits` instead of sigmoid then log, `F.log_softmax` / "
+               "`F.cross_entropy` instead of softmax then log (in FP16, sigmoid rounds to exactly 1.0 above ~8.3 "
+               "and log(1 - p) is -inf).")
+        title = f"the loss becomes non-finite in FP16 ({op_s})"
+    findings.append(Finding("fp16_forward_overflow", "error", title, stage, module, step, ev, fix))
+    fixes.append(fix)
+    fixes.append("Or switch to bf16 autocast (FP32's exponent range) if the device supports it: rerun with --target bf16.")
+    return verdict("fp16_forward_overflow", module, step, stage,
+                   f"In the {stage} stage every module output is finite at step {step} but {what} turns finite values "
+                   "into NaN/Inf" + (" while the FP32 re-check of that step from the same weights stays finite"
+                                     if rc_ev.get("fp32_recheck_finite") else "") + ".")
+
+
+def _frozen(stage: str, frozen: list[Frozen], uf: list[tuple[str, float]], ratio: float | None, steps: int,
+            findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis], story: ScalerStory | None,
+            fp32: StageResult) -> Diagnosis:
+    """Parameters frozen by underflow while the loss still falls: the underflow verdict, said per parameter."""
+    d = _underflow(stage, [(f.param, f.flushed) for f in frozen], ratio, findings, fixes, verdict, story, fp32)
+    f0 = frozen[0]
+    d.findings[0].evidence["weight_movement_vs_fp32"] = {f.param: round(f.moved, 4) for f in frozen[:10]}
+    d.findings[0].title = f"{len(frozen)} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move"
+    prog = f"; the loss still makes {ratio:.0%} of FP32's progress" if ratio is not None else ""
+    d.verdict.summary = (f"{f0.flushed:.0%} of {f0.param}'s gradient (non-zero in FP32) flushes to zero in the {stage} stage "
+                         f"and its weights move {f0.moved:.0%} as far as in FP32 over the same {steps} steps: "
+                         f"{len(frozen)} parameter(s) are frozen{prog}.")
+    return d
+
+
+_DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", "outlier": "an outlier",
+               "beyond_fp16": "values beyond FP16's range"}
+
+
+def _describe_issue(d: DataIssue) -> str:
+    if d.kind == "nonfinite":
+        return f"batch {d.batches[0]} holds {d.count} NaN/Inf value(s) in {d.field} (samples {list(d.samples[:10])})"
+    if d.kind == "sentinel":
+        return (f"{d.field} holds the constant {d.value:g} {d.count} time(s) in {len(d.batches)} batch(es) (first: batch "
+                f"{d.batches[0]}, samples {list(d.samples[:10])}), {abs(d.value) / d.typical:.3g}x its typical magnitude "
+                f"{d.typical:.3g}: a fill value, not a measurement")
+    if d.kind == "outlier":
+        return (f"batch {d.batches[0]} holds an outlier: {d.field} reaches {d.value:.4g} in samples {list(d.samples[:10])}, "
+                f"{d.value / d.typical:.3g}x its typical magnitude {d.typical:.3g}")
+    return (f"batch {d.batches[0]} holds {d.field} values up to {d.value:.4g} (samples {list(d.samples[:10])}), "
+            f"beyond FP16's max {FP16.max:g}")
+
+
+def _data_findings(issues: list[DataIssue], findings: list[Finding], results: dict[str, StageResult],
+                   batches: Batches) -> list[Finding]:
+    """The data scan as findings (always), and whether the raw FP16 probe's failure follows the data."""
+    named = {(f.step, f.evidence.get("field")) for f in findings if f.code == "data"}
+    out = []
+    for d in issues:
+        if (d.batches[0], d.field) in named:
+            continue
+        ev: dict[str, object] = {"kind": d.kind, "field": d.field, "batches": list(d.batches[:20]),
+                                 "samples": list(d.samples[:20]), "count": d.count, "typical_magnitude": d.typical}
+        if d.kind != "nonfinite":
+            ev["value"] = d.value
+        fix = (f"Drop or fix these rows in build_dataloader() (e.g. mask {d.value:g} as missing)" if d.kind == "sentinel" else
+               "Filter them in build_dataloader() (keep rows where torch.isfinite(x).all())" if d.kind == "nonfinite" else
+               "Normalise this field (or clip it) in build_dataloader(); check the source of these samples")
+        out.append(Finding(f"data_{d.kind}", "warning", _describe_issue(d), None, None,
+                           d.batches[0], ev, fix))
+    probe = results.get("fp16")
+    if probe is not None:
+        pb = _first_bad_step(probe, amp=False)
+        pb = probe.error.step if pb is None and probe.error is not None else pb
+        if pb is not None:
+            b = batches.index(pb)
+            on = probe_on_flagged_batch(pb, batches.index, issues)
+            if on:
+                out.append(Finding("probe_follows_data", "warning",
+                                   f"raw FP16 first fails at step {pb}, on batch {b}, which holds {_DATA_WORDS[on[0].kind]} "
+                                   f"that no earlier batch holds: the failure follows the data ({_describe_issue(on[0])})",
+                                   "fp16", None, pb,
+                                   {"batch": b, "kinds": sorted({d.kind for d in on})},
+                                   f"Fix batch {b} first; then rerun triage."))
+    return out

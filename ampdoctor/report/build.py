@@ -121,3 +121,28 @@ def enrich(report: Report, results: dict[str, StageResult]) -> Report:
         include = [m for m in (report.verdict.first_module, *(r.module for r in report.layers)) if m]
         report.layer_steps = layer_steps(results, target, include=include)
     return report
+
+
+def shift_steps(report: Report, offset: int) -> Report:
+    """Number every step as the run did: a replay's step k is the run's step ``offset + k``."""
+    if offset == 0:
+        return report
+    v = report.verdict
+    if v.first_step is not None:
+        v.first_step += offset
+    for f in report.findings:
+        if f.step is not None:
+            f.step += offset
+    for s in report.stages:
+        if s.first_nonfinite_step is not None:
+            s.first_nonfinite_step += offset
+        s.skipped_steps = [k + offset for k in s.skipped_steps]
+    for row in report.layers:
+        if row.first_nonfinite_step is not None:
+            row.first_nonfinite_step += offset
+    if report.scaler is not None:
+        for e in report.scaler.skips:
+            e.step += offset
+    for ls in report.layer_steps:
+        ls.step += offset
+    return report

@@ -20,6 +20,7 @@ CAUSES = (
     "fp16_update_swallowed",
     "amp_misuse",
     "inconclusive",
+    "not_reproduced",
 )
 
 
