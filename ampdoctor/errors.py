@@ -29,3 +29,7 @@ class OutputExistsError(AmpDoctorError):
 
 class CaptureError(AmpDoctorError):
     """A capture folder (or checkpoint) cannot be read or does not fit the spec's model."""
+
+
+class CheckpointError(CaptureError):
+    """A training checkpoint cannot be read, or it does not fit the model the spec builds."""
