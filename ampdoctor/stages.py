@@ -241,7 +241,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                if scaler is not None and ctx.with_monitor else None)
     mon = Hooks(run_model) if ctx.with_monitor and amp_mon is None else None
     tracker = _Tracker(run_model)
-    graph = GraphRecorder(run_model)
+    graph = GraphRecorder(run_model) if ctx.with_monitor else None  # the bare benchmark baseline runs without it
     step = 0
     prev: dict[str, torch.Tensor] | None = None
     snap_src: list[tuple[str, torch.Tensor]] = []
@@ -361,13 +361,14 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 break
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.stack[-1] if tracker.stack else None
-        bw = graph.blame(e) if module is None else None  # raised in backward: the module whose node raised
+        bw = graph.blame(e) if module is None and graph is not None else None  # raised in backward: whose node raised
         result.error = StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
                                   step, bw.module if bw else module, _error_hint(e, name, ctx.device),
                                   bw.custom_function if bw else None)
     finally:
         tracker.remove()
-        graph.remove()
+        if graph is not None:
+            graph.remove()
         result.moved = weight_movement(run_model if pure_fp16 else model, ctx.init_state)
         if amp_mon is not None:
             amp_mon.close()
