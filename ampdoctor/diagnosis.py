@@ -731,7 +731,8 @@ def _forward_in_code(kind: str, op: NonfiniteOp | None, stage: str, step: int, r
     fixes.append(fix)
     fixes.append("Or switch to bf16 autocast (FP32's exponent range) if the device supports it: rerun with --target bf16.")
     return verdict("fp16_forward_overflow", module, step, stage,
-                   f"In the {stage} stage every module output is finite at step {step} but {what} turns finite values "
+                   f"In the {stage} stage every {'module' if kind == 'loss' else 'submodule'} output is finite at step {step} "
+                   f"but {what} turns finite values "
                    "into NaN/Inf" + (" while the FP32 re-check of that step from the same weights stays finite"
                                      if rc_ev.get("fp32_recheck_finite") else "") + ".")
 
