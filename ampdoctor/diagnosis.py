@@ -357,11 +357,12 @@ def diagnose(
             nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
             kind = "root" if nop is None else "loss" if nop.module is None else "model_loss" if nop.loss_only else "root"
             return _forward_in_code(kind, nop,
-                                    tgt_name, bad, rc_ev, device, findings, fixes, verdict)
+                                    tgt_name, bad, rc_ev, device, findings, fixes, verdict, story)
         lf = loss_fault(tgt, bad, st)
         if lf is not None:
             nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
-            return _forward_in_code("loss", nop, tgt_name, bad, dict(rc_ev, loss=lf.loss), device, findings, fixes, verdict)
+            return _forward_in_code("loss", nop, tgt_name, bad, dict(rc_ev, loss=lf.loss), device, findings, fixes, verdict,
+                                    story)
         if st is not None and locate.forward_fault(st):
             module = locate.locate_forward(st)
             if module is None and st.model_inputs and any(nonfinite(st.act[t]) > 0 for t in st.model_inputs if t in st.act):
@@ -700,10 +701,15 @@ def _warnings(results: dict[str, StageResult], tgt_name: str, fp32: StageResult,
 
 
 def _forward_in_code(kind: str, op: NonfiniteOp | None, stage: str, step: int, rc_ev: dict[str, object], device: str,
-                     findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis]) -> Diagnosis:
+                     findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis],
+                     story: ScalerStory | None = None) -> Diagnosis:
     """A forward fault made by code outside every child module: the loss function ('loss'), a loss
     the model computes in its own forward ('model_loss'), or other code of the root ('root')."""
     ev = dict(rc_ev)
+    if story is not None and story.skips and stage == "amp":
+        # the skips follow the non-finite forward values, not a search for the largest scale
+        story.explanation = (f"{len(story.skips)} skip(s) follow the non-finite values the forward pass makes (see the "
+                             "verdict), not calibration: no loss scale changes a forward value")
     module = op.module if op is not None and op.module not in (None, locate.MODEL) else None
     if op is not None:
         ev.update(op=op.op, op_line=op.line, op_in={"loss": "loss function", "model_loss": "model's forward (its loss)",
