@@ -42,6 +42,7 @@ def test_the_op_inside_the_loss_is_named_with_the_fix_that_works(sample: str) ->
     assert ev["fp32_recheck_finite"] is True
     assert "binary_cross_entropy_with_logits" in report.fixes[0] and ".float()" in report.fixes[0]
     assert "the forward pass is finite" not in report.verdict.summary.lower()
+    assert report.scaler is not None and "not calibration" in report.scaler.explanation  # the skips follow the NaN loss
 
 
 def test_custom_function_fix_is_custom_fwd_and_custom_bwd() -> None:

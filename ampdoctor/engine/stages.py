@@ -115,7 +115,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     hooks = Hooks(run_model, track=True) if ctx.with_monitor else None
     tracker = hooks.tracker if hooks is not None else ModuleTracker(run_model)
     assert tracker is not None
-    graph = GraphRecorder(run_model)
+    graph = GraphRecorder(run_model) if ctx.with_monitor else None  # the bare benchmark baseline runs without it
     # without a scaler a stage does what a plain loop does: it applies whatever its gradients hold
     recipe = TrainStep(run_model, opt, scaler, precision=prec, hooks=hooks, max_norm=cfg.max_norm, master=master,
                        skip_nonfinite=scaler is not None)
@@ -183,12 +183,13 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 break
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.current
-        bw = graph.blame(e) if module is None else None  # raised in backward: the module whose node raised
+        bw = graph.blame(e) if module is None and graph is not None else None  # raised in backward: whose node raised
         result.error = StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
                                   step, bw.module if bw else module, _error_hint(e, name, ctx.device),
                                   bw.custom_function if bw else None)
     finally:
-        graph.remove()
+        if graph is not None:
+            graph.remove()
         result.moved = weight_movement(run_model if master is None and low else model, ctx.init_state)
         if hooks is not None:
             hooks.detach()

@@ -653,6 +653,8 @@ def diagnose(
     story = c.story
     # the history looks healthy only because the overflows never reached GradScaler
     note = "overflows_hidden" if out.cause == "amp_misuse" and story is not None and not story.skips else None
+    if out.facts.get("variant") == "forward_in_code" and out.stage == "amp" and story is not None and story.skips:
+        note = "forward_fault"  # the skips follow the non-finite forward values, not a search for the largest scale
     extra: list[Fix] = []
     if out.cause.startswith("fp16_") and "bf16" in results and cfg.target != "bf16":
         extra.append(bf16_check(results["bf16"], c.fp32))
@@ -757,7 +759,8 @@ def _forward_in_code(c: Ctx, kind: str, op: NonfiniteOp | None, rc_ev: dict[str,
                                                      "root": "model's forward"}[kind])
     dev = c.device.split(":")[0]
     place = "root" if kind == "root" and module is None else "module" if kind == "root" else kind
-    facts = {"variant": "forward_in_code", "place": place, "op": op.op if op else None, "op_line": op.line if op else None,
+    facts = {"variant": "forward_in_code", "place": place, "kind": kind, "op": op.op if op else None,
+             "op_line": op.line if op else None,
              "module": module, "stage": stage, "step": step, "device": dev,
              "recheck_finite": bool(rc_ev.get("fp32_recheck_finite"))}
     op_facts = {"op": facts["op"], "op_line": facts["op_line"], "device": dev}

@@ -269,7 +269,8 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"{_g3(f['ratio'])}x larger than the median batch: the failure follows the data."),
     "amp_defeated": _amp_defeated,
     "forward_in_code": lambda f: (
-        f"In the {f['stage']} stage every module output is finite at step {f['step']} but {_CODE_WHAT[f['place']](f)} turns "
+        f"In the {f['stage']} stage every {'module' if f.get('kind') == 'loss' else 'submodule'} output is finite at step "
+        f"{f['step']} but {_CODE_WHAT[f['place']](f)} turns "
         "finite values into NaN/Inf" + (" while the FP32 re-check of that step from the same weights stays finite"
                                         if f.get("recheck_finite") else "") + "."),
     "forward_overflow": _forward_overflow,
@@ -401,6 +402,8 @@ FINDINGS: dict[str, FindingWords] = {
 SCALER_NOTES = {
     "overflows_hidden": ("the scale never backed off, but not because the gradients fit: the overflows were "
                          "hidden from GradScaler before unscale_ (see the verdict)"),
+    "forward_fault": ("{skips} skip(s) follow the non-finite values the forward pass makes (see the verdict), not "
+                      "calibration: no loss scale changes a forward value"),
 }
 
 
@@ -421,7 +424,7 @@ def write(d: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory 
     verdict = Verdict(o.cause, o.module, o.step, o.stage, summary(o.facts), d.device)
     scaler = d.scaler
     if scaler is not None and d.scaler_note is not None:
-        scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note])
+        scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note].format(skips=len(scaler.skips)))
     findings = []
     for i, f in enumerate(o.findings):
         if i == 0 and variant in RULE_TITLES:
