@@ -9,21 +9,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampdoctor.batches import Batches, filter_kwargs, materialise, split, to_device
+from ampdoctor import preflight
+from ampdoctor.batches import Batches, filter_kwargs, split, to_device
 from ampdoctor.config import TriageConfig
 from ampdoctor.diagnosis import Recheck, diagnose, stall_ratio
 from ampdoctor.env import environment, resolve_device
 from ampdoctor.errors import SpecError
+from ampdoctor.loading import load_batches
 from ampdoctor.opscan import OpRecord, scan_module
 from ampdoctor.report import Report, StageSummary
 from ampdoctor.report_build import enrich
-from ampdoctor.spec import Spec, SpecNames, call_user, load_spec
+from ampdoctor.spec import Spec, SpecNames, call_user, load_spec, spec_importable
 from ampdoctor.stages import ProgressFn, StageContext, StageResult, get_loss, run_stage
 from ampdoctor.steplog import StepLogWriter
 
 
-def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:
-    """Build the model and batches, and check that one FP32 forward gives a scalar loss."""
+def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
+            progress: ProgressFn | None = None) -> tuple[nn.Module, Batches]:
+    """Build the model and batches, and check that they run in FP32 with a scalar loss.
+
+    ``progress("batches", n)`` is called as the batches are taken from the dataloader.
+    """
     torch.manual_seed(cfg.seed)
     model = call_user(spec.build_model, what="build_model()", path=spec.path)
     if not isinstance(model, nn.Module):
@@ -31,23 +37,10 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Mod
     if not any(p.requires_grad for p in model.parameters()):
         raise SpecError(f"{spec.path.name}: the model has no trainable parameters")
     model = model.to(device).float()
-    loader = call_user(spec.build_dataloader, what="build_dataloader()", path=spec.path)
-    from ampdoctor.errors import BatchError
-
-    try:
-        batches = materialise(loader, cfg.steps)
-    except BatchError as e:
-        raise SpecError(f"{spec.path.name}: {e}") from None
-    args, kwargs, target = split(to_device(batches[0], device))
-    try:
-        with torch.no_grad():
-            out = model(*args, **filter_kwargs(model, kwargs))
-            get_loss(out, target, spec.loss_fn)
-    except Exception as e:
-        raise SpecError(
-            f"{spec.path.name}: the first batch does not run in FP32 ({type(e).__name__}: {str(e).strip()[:200]}); "
-            "a batch is model(inputs) + loss_fn(output, targets) for (inputs, targets), model(**batch) for a dict"
-        ) from None
+    preflight.initial_weights(model, spec.path)
+    batches = load_batches(spec, cfg.steps, progress)
+    preflight.optimizer(spec, model)
+    preflight.batches_run(spec, model, batches, device)
     return model, batches
 
 
@@ -120,6 +113,7 @@ def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
     )
 
 
+@spec_importable
 def triage(
     spec_path: str | Path,
     config: TriageConfig | None = None,
@@ -136,7 +130,7 @@ def triage(
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
     spec = load_spec(spec_path, names)
-    model, batches = prepare(spec, cfg, device)
+    model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hooks = user_hooks(model)
     results: dict[str, StageResult] = {}
