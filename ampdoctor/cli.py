@@ -108,7 +108,10 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, results = run_triage(spec, cfg, names=names, argv=argv, log_path=log)
+            from ampdoctor.cli_progress import LineProgress
+
+            lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
+            report, results = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:

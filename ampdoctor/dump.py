@@ -22,7 +22,7 @@ from ampdoctor.errors import OutputExistsError, UsageError
 from ampdoctor.hooks import StepStats
 from ampdoctor.io import write_atomic
 from ampdoctor.report import Report, _clean
-from ampdoctor.spec import SpecNames
+from ampdoctor.spec import SpecNames, spec_importable
 from ampdoctor.stages import StageResult
 from ampdoctor.stats import Col
 
@@ -91,7 +91,7 @@ from pathlib import Path
 import torch
 
 from ampdoctor.batches import cast_floating, split, to_device
-from ampdoctor.spec import SpecNames, load_spec
+from ampdoctor.spec import SpecNames, importable, load_spec
 from ampdoctor.stages import get_loss
 
 HERE = Path(__file__).resolve().parent
@@ -134,8 +134,9 @@ def run(precision: str) -> None:
         handle.remove()
 
 
-for p in dict.fromkeys(["fp32", STAGE or "fp32"]):
-    run(p)
+with importable(SPEC):  # the spec may import its neighbours lazily
+    for p in dict.fromkeys(["fp32", STAGE or "fp32"]):
+        run(p)
 '''
 
 
@@ -184,6 +185,7 @@ def write_dump(folder: str | Path, files: dict[str, bytes | str]) -> list[Path]:
     return out
 
 
+@spec_importable
 def dump(folder: str | Path, report: Report, results: dict[str, StageResult], cfg: TriageConfig, spec_path: str | Path,
          names: SpecNames | None = None) -> list[Path]:
     """Rebuild the batches exactly as triage did (same seed, same order), then write the dump folder."""
