@@ -77,7 +77,9 @@ def materialise(loader: Iterable[Any], steps: int, *, max_bytes: int | None = No
         b = to_host(b)
         size.add(b)
         if max_bytes is not None:
-            if i == 0 and sized is not None and size.bytes * min(sized, steps) > max_bytes:
+            # views into a larger storage (windows over one token stream) say nothing about the next batches'
+            # memory: then only the running total counts
+            if i == 0 and sized is not None and not size.views and size.bytes * min(sized, steps) > max_bytes:
                 raise CacheFullError(_over_budget(size.bytes, min(sized, steps), steps, max_bytes, budget_source))
             if size.bytes > max_bytes:
                 raise CacheFullError(_over_budget(size.bytes / (i + 1), steps if sized is None else min(sized, steps),
@@ -125,6 +127,8 @@ class _Footprint:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.views = False
+        """True once a tensor was seen that views a larger storage."""
         self._per_storage: dict[tuple[str, int], tuple[int, int]] = {}
 
     def add(self, b: Any) -> None:
@@ -140,6 +144,7 @@ class _Footprint:
             except Exception:  # sparse and other storage-less layouts
                 self.bytes += n
                 continue
+            self.views = self.views or cap > n
             seen, cap = self._per_storage.get(key, (0, cap))
             grown = min(seen + n, cap)
             self.bytes += grown - seen
