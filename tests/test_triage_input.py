@@ -314,7 +314,7 @@ class _Counting:
             self.drawn += 1
             if self.drawn > self.limit:
                 raise AssertionError("drew a batch past the cache budget")
-            yield torch.zeros(250, 4), torch.zeros(250, 1)  # 5000 bytes
+            yield torch.zeros(250, 4), torch.zeros(250, 1)  # 5000 bytes, 6024 with two tensors' overhead
 
 
 def test_batch_cache_refuses_before_materialising_a_sized_loader() -> None:
@@ -324,15 +324,15 @@ def test_batch_cache_refuses_before_materialising_a_sized_loader() -> None:
     with pytest.raises(CacheFullError) as e:
         materialise(loader, 3_000_000, max_bytes=10**6)
     msg = str(e.value)
-    assert "3000000 batches for --steps 3000000 need about 15.0 GB" in msg, msg
-    assert "(5.0 kB per batch)" in msg and "lower --steps to at most 200" in msg
+    assert "3000000 batches for --steps 3000000 need about 18.1 GB" in msg, msg
+    assert "(6.0 kB per batch)" in msg and "lower --steps to at most 166" in msg
     assert loader.drawn == 1
     # a loader shorter than --steps is cycled: only its own batches count
     assert len(materialise(_Counting(150, limit=150), 3_000_000, max_bytes=10**6).items) == 150
 
 
 def test_batch_cache_stops_an_endless_generator_at_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AMPDOCTOR_BATCH_CACHE_GB", "0.0001")  # 100 kB: 100 batches of 1 kB
+    monkeypatch.setenv("AMPDOCTOR_BATCH_CACHE_GB", "0.0001")  # 100 kB: 54 batches of 800 + 2 x 512 bytes
     spec = write_spec(tmp_path, GOOD_MODEL + """
 import itertools
 def build_dataloader():
@@ -343,21 +343,21 @@ def build_dataloader():
 """)
     res = CliRunner().invoke(app, ["triage", str(spec), "--device", "cpu", "-q", "--steps", "3000000"])
     assert res.exit_code == 2, res.output
-    assert "need about 2.4 GB of host memory (800 B per batch)" in res.output, res.output
+    assert "need about 5.5 GB of host memory (1.8 kB per batch)" in res.output, res.output
     assert "100.0 kB batch cache (AMPDOCTOR_BATCH_CACHE_GB=0.0001)" in res.output
-    assert "lower --steps to at most 125" in res.output and "AMPDOCTOR_BATCH_CACHE_GB=3" in res.output
+    assert "lower --steps to at most 54" in res.output and "AMPDOCTOR_BATCH_CACHE_GB=7" in res.output
 
 
 def test_views_of_one_storage_count_once() -> None:
     """Sliding windows over one token stream hold that stream, not windows x length."""
-    from ampdoctor.batches import materialise
+    from ampdoctor.batches import TENSOR_OVERHEAD, CacheFullError, materialise
 
     stream = torch.arange(1000, dtype=torch.int64)  # 8000 bytes
     windows = [(stream[i:i + 100], stream[i + 1:i + 101]) for i in range(500)]
-    b = materialise(windows, 500, max_bytes=8000)
-    assert len(b.items) == 500
-    with pytest.raises(Exception, match="batch cache"):
-        materialise(windows, 500, max_bytes=7999)
+    held = 8000 + 1000 * TENSOR_OVERHEAD
+    assert len(materialise(windows, 500, max_bytes=held).items) == 500
+    with pytest.raises(CacheFullError):
+        materialise(windows, 500, max_bytes=held - 1)
 
 
 @pytest.mark.parametrize("where", ["build", "first batch"])
