@@ -1,29 +1,33 @@
-"""ampdoctor: tells you why mixed-precision training goes NaN or Inf, and what to change."""
+"""ampdoctor: tells you why mixed-precision training goes NaN or Inf, and what to change.
+
+The public API (what the docs import)::
+
+    from ampdoctor.engine import triage, TriageConfig, Report        # the staged triage of a spec file
+    from ampdoctor import layer_stats                         # the per-layer range picture
+    from ampdoctor import Monitor                             # your own training loop
+    from ampdoctor import read_step_log, diagnose_scale       # GradScaler forensics from a step log
+
+Everything else is internal and may change between versions.
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from ampdoctor.config import TriageConfig  # noqa: E402
-from ampdoctor.formats import FORMATS, Format, get_format  # noqa: E402
-from ampdoctor.hooks import Hooks, StepStats  # noqa: E402
-from ampdoctor.layers import layer_stats  # noqa: E402
-from ampdoctor.monitor import Monitor  # noqa: E402
-from ampdoctor.report import Report  # noqa: E402
-from ampdoctor.spec import load_spec  # noqa: E402
-from ampdoctor.triage import triage  # noqa: E402
+from ampdoctor._version import __version__
+from ampdoctor.engine.layers import layer_stats
+from ampdoctor.engine.monitor import Monitor
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.judge.scaler import diagnose_scale
+from ampdoctor.report.model import Report
+from ampdoctor.watch.steplog import read_step_log
 
 __all__ = [
-    "FORMATS",
-    "Format",
-    "Hooks",
     "Monitor",
     "Report",
-    "StepStats",
     "TriageConfig",
-    "get_format",
-    "layer_stats",
-    "load_spec",
-    "triage",
     "__version__",
+    "diagnose_scale",
+    "layer_stats",
+    "read_step_log",
+    "triage",
 ]

@@ -1,3 +1,3 @@
-from ampdoctor.cli import main
+from ampdoctor.cli.main import main
 
 main()

@@ -25,3 +25,7 @@ class DeviceError(AmpDoctorError):
 
 class OutputExistsError(AmpDoctorError):
     """An output file exists and --force was not given."""
+
+
+class CaptureError(AmpDoctorError):
+    """A capture folder (or checkpoint) cannot be read or does not fit the spec's model."""

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.batches import split, to_device
-from ampdoctor.config import TriageConfig
-from ampdoctor.layers import layer_stats
-from ampdoctor.spec import load_spec
-from ampdoctor.stages import default_optimizer, get_loss
-from ampdoctor.triage import prepare
+from ampdoctor.engine.layers import layer_stats
+from ampdoctor.engine.step import default_optimizer, get_loss
+from ampdoctor.engine.triage import prepare
+from ampdoctor.input.batches import split, to_device
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

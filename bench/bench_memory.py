@@ -20,10 +20,10 @@ CHILD = r"""
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[5])
 from bench_triage import run_stages
-from ampdoctor.config import TriageConfig
-from ampdoctor.env import resolve_device
-from ampdoctor.spec import load_spec
-from ampdoctor.triage import prepare
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.env import resolve_device
+from ampdoctor.input.spec import load_spec
+from ampdoctor.engine.triage import prepare
 spec_path, steps, dev, monitored = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 cfg = TriageConfig(steps=steps, device=dev)
 device = resolve_device(dev)

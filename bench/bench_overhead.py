@@ -31,9 +31,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, loss_fn  # noqa: E402
 
+from ampdoctor.engine.monitor import Monitor  # noqa: E402
 from ampdoctor.formats import FP16  # noqa: E402
-from ampdoctor.monitor import Monitor  # noqa: E402
-from ampdoctor.stats import StatsBuffer  # noqa: E402
+from ampdoctor.watch.stats import StatsBuffer  # noqa: E402
 
 INIT_SCALE = 2.0**10  # low enough that no variant starts with overflow skips (detect_anomaly raises on them)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.batches import Batches
-from ampdoctor.config import TriageConfig
-from ampdoctor.diagnosis import diagnose
-from ampdoctor.env import resolve_device
-from ampdoctor.spec import Spec, load_spec
-from ampdoctor.stages import StageContext, run_stage
-from ampdoctor.triage import prepare, recheck_fn, user_hooks
+from ampdoctor.engine.stages import StageContext, run_stage
+from ampdoctor.engine.triage import prepare, recheck_fn, user_hooks
+from ampdoctor.input.batches import Batches
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.env import resolve_device
+from ampdoctor.input.spec import Spec, load_spec
+from ampdoctor.judge.rules import diagnose
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ["healthy.py", "forward_overflow.py", "grad_overflow.py", "amp_misuse.py", "grad_underflow.py"]

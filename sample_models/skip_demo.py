@@ -17,7 +17,8 @@ import sys
 import torch
 from torch import nn
 
-from ampdoctor.monitor import Monitor, MonitorRecord
+from ampdoctor import Monitor
+from ampdoctor.engine.monitor import MonitorRecord
 
 
 def make_model() -> nn.Module:

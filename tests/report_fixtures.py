@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ampdoctor.report import (
+from ampdoctor.report.model import (
     CAUSES,
     Finding,
     LayerRow,

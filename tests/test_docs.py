@@ -6,8 +6,8 @@ import re
 import subprocess
 import sys
 
-from ampdoctor.config import TriageConfig
-from ampdoctor.triage import triage
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
 
 from .conftest import ROOT
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from ampdoctor.engine.layers import scale_window
 from ampdoctor.formats import BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, Format, get_format
-from ampdoctor.layers import scale_window
-from ampdoctor.stats import BINADE_MIN, NBINADES, Col, binade_histogram, tensor_stats
+from ampdoctor.records import BINADE_MIN, NBINADES, Col
+from ampdoctor.watch.stats import binade_histogram, tensor_stats
 
 ALL = list(FORMATS.values())
 CATS = [Col.ZERO, Col.UNDERFLOW, Col.SUBNORMAL, Col.NORMAL, Col.OVERFLOW, Col.POSINF, Col.NEGINF, Col.NAN]

@@ -13,9 +13,9 @@ from torch import nn
 from typer.testing import CliRunner
 
 from ampdoctor import layer_stats
-from ampdoctor.cli import app
+from ampdoctor.cli.main import app
+from ampdoctor.engine.layers import COLUMNS, advise, choose_scale
 from ampdoctor.formats import FP16
-from ampdoctor.layers import COLUMNS, advise, choose_scale
 
 from .conftest import write_spec
 

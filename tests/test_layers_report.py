@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor import cli_report
-from ampdoctor.cli import app
-from ampdoctor.layers import COLUMNS
-from ampdoctor.layers_report import build, to_json
+from ampdoctor.cli.main import app
+from ampdoctor.cli.main import reports as cli_report
+from ampdoctor.engine.layers import COLUMNS
 from ampdoctor.render import layers_html, layers_markdown
+from ampdoctor.report.layers_doc import build, to_json
 
 from .conftest import write_spec
 from .test_report_render import golden

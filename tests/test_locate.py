@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ampdoctor import locate
-from ampdoctor.hooks import Hooks
+from ampdoctor.judge import locate
+from ampdoctor.watch.hooks import Hooks
 
 
 class Attn(nn.Module):

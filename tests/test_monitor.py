@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ampdoctor import Monitor
+from ampdoctor.engine.monitor import SkipRateError, SkipRateWarning
 from ampdoctor.errors import AmpDoctorError
-from ampdoctor.monitor import SkipRateError, SkipRateWarning
-from ampdoctor.steplog import COLUMNS, read_step_log
+from ampdoctor.watch.steplog import COLUMNS, read_step_log
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.config import TriageConfig
-from ampdoctor.report_build import enrich
-from ampdoctor.triage import triage
+from ampdoctor.cli.main import app
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.report.build import enrich
 
 jsonschema = pytest.importorskip("jsonschema")
 runner = CliRunner()
@@ -29,8 +29,8 @@ def test_schema_is_valid_draft_2020_12() -> None:
 
 @pytest.mark.parametrize("sample", ["data_nan.py", "healthy.py"])
 def test_real_reports_validate(samples: Path, sample: str) -> None:
-    report, results = triage(samples / sample, TriageConfig(steps=3, device="cpu"))
-    enrich(report, results)
+    report, run = triage(samples / sample, TriageConfig(steps=3, device="cpu"))
+    enrich(report, run.results)
     d = json.loads(json.dumps(report.to_dict()))
     jsonschema.Draft202012Validator(schema()).validate(d)
 
@@ -80,7 +80,7 @@ def test_unknown_extension_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_force_overwrites_and_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ampdoctor import cli_report
+    from ampdoctor.cli.main import reports as cli_report
     from tests.report_fixtures import make_report
 
     path = tmp_path / "r.json"

@@ -13,7 +13,7 @@ from ampdoctor.render import html as html_render
 from ampdoctor.render import json as json_render
 from ampdoctor.render import markdown as md_render
 from ampdoctor.render import terminal as term_render
-from ampdoctor.report import CAUSES, Report
+from ampdoctor.report.model import CAUSES, Report
 from tests.report_fixtures import make_report
 
 GOLDEN = Path(__file__).parent / "golden"

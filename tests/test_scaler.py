@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.scaler import diagnose_scale, infer_backoff, infer_growth_interval, rolling_skip_rate, skip_ledger
-from ampdoctor.steplog import StepLogWriter
+from ampdoctor.cli.main import app
+from ampdoctor.judge.scaler import diagnose_scale, infer_backoff, infer_growth_interval, rolling_skip_rate, skip_ledger
+from ampdoctor.watch.steplog import StepLogWriter
 
 runner = CliRunner()
 

@@ -7,7 +7,8 @@ import math
 import torch
 
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.stats import Col, StatsBuffer, _fp16_stats, tensor_stats
+from ampdoctor.records import Col
+from ampdoctor.watch.stats import StatsBuffer, _fp16_stats, tensor_stats
 
 from .test_formats import spread
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.steplog import COLUMNS, StepLogError, StepLogWriter, format_row, read_step_log
+from ampdoctor.watch.steplog import COLUMNS, StepLogError, StepLogWriter, format_row, read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,7 +135,7 @@ KILLED = textwrap.dedent(
     """
     import sys, time, torch
     from torch import nn
-    from ampdoctor.monitor import Monitor
+    from ampdoctor.engine.monitor import Monitor
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

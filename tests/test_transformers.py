@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.config import TriageConfig
-from ampdoctor.triage import triage
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
 
 from .conftest import write_spec
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ampdoctor.cli import app
-from ampdoctor.config import TriageConfig
-from ampdoctor.triage import triage
+from ampdoctor.cli.main import app
+from ampdoctor.engine.triage import triage
+from ampdoctor.input.config import TriageConfig
 
 from .conftest import SAMPLES, write_spec
 
@@ -104,7 +104,8 @@ def build_dataloader():
     return [{"input_ids": torch.randint(0, 11, (2, 5), generator=g), "labels": torch.randint(0, 11, (2, 5), generator=g),
              "attention_mask": torch.ones(2, 5), "note": "strings pass through"} for _ in range(4)]
 """)
-    report, results = triage(spec, TriageConfig(steps=10))
+    report, run = triage(spec, TriageConfig(steps=10))
+    results = run.results
     assert report.verdict.cause == "healthy", report.verdict.summary
     assert any("cycled" in n for n in report.notes)
     # integer inputs are never cast: the raw FP16 stage still ran the embedding
@@ -112,7 +113,8 @@ def build_dataloader():
 
 
 def test_stage_error_is_recorded_and_other_stages_run() -> None:
-    report, results = triage(SAMPLES / "lstm_cpu.py", TriageConfig(steps=4, device="cpu"))
+    report, run = triage(SAMPLES / "lstm_cpu.py", TriageConfig(steps=4, device="cpu"))
+    results = run.results
     amp = results["amp"]
     assert amp.error is not None and amp.error.module == "encoder"
     assert "oneDNN" in amp.error.hint and "not a NaN cause" in amp.error.hint
@@ -122,14 +124,15 @@ def test_stage_error_is_recorded_and_other_stages_run() -> None:
 
 
 def test_same_initial_weights_and_batches_in_every_stage() -> None:
-    report, results = triage(SAMPLES / "healthy.py", TriageConfig(steps=3))
+    report, run = triage(SAMPLES / "healthy.py", TriageConfig(steps=3))
+    results = run.results
     l32, l16, lamp = (results[s].records[0].loss for s in ("fp32", "fp16", "amp"))
     # step 0 sees the same weights and batch: losses agree to FP16 precision
     assert abs(l16 - l32) / l32 < 1e-2 and abs(lamp - l32) / l32 < 1e-2
 
 
 def test_triage_log_is_the_scaler_csv(tmp_path: Path) -> None:
-    from ampdoctor.steplog import COLUMNS, read_step_log
+    from ampdoctor.watch.steplog import COLUMNS, read_step_log
 
     log = tmp_path / "steps.csv"
     r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "6", "--log", str(log), "-q"])
@@ -180,9 +183,9 @@ def test_spec_folder_stays_importable_while_its_functions_run() -> None:
 
     sys.modules.pop("ampdoctor_lazy_helper", None)
     before = list(sys.path)
-    report, results = triage(ASSETS / "lazy_import" / "spec.py", TriageConfig(steps=3, device="cpu"))
+    report, run = triage(ASSETS / "lazy_import" / "spec.py", TriageConfig(steps=3, device="cpu"))
     assert report.verdict.cause == "healthy", report.verdict.summary
-    assert len(results["amp"].records) == 3
+    assert len(run.results["amp"].records) == 3
     assert sys.path == before  # put back after the run
     sys.modules.pop("ampdoctor_lazy_helper", None)
     r = CliRunner().invoke(app, ["layers", str(ASSETS / "lazy_import" / "spec.py"), "--steps", "1", "--device", "cpu"])
@@ -274,15 +277,15 @@ def build_dataloader():
 def loss_fn(o, y):
     return nn.functional.mse_loss(o, y)
 """)
-    report, results = triage(spec, TriageConfig(steps=6, device="cpu"))
+    report, run = triage(spec, TriageConfig(steps=6, device="cpu"))
     assert report.verdict.cause == "healthy", report.verdict.summary
-    assert [r.batch for r in results["fp32"].records] == [0, 1, 2, 3, 4, 5]
+    assert [r.batch for r in run.results["fp32"].records] == [0, 1, 2, 3, 4, 5]
 
 
 def test_prepare_leaves_the_initial_weights_as_built(tmp_path: Path) -> None:
     """The FP32 checks run forwards; BatchNorm statistics must still be those build_model() returned."""
-    from ampdoctor.spec import load_spec
-    from ampdoctor.triage import prepare
+    from ampdoctor.engine.triage import prepare
+    from ampdoctor.input.spec import load_spec
 
     spec = write_spec(tmp_path, """
 import torch
@@ -318,7 +321,7 @@ class _Counting:
 
 
 def test_batch_cache_refuses_before_materialising_a_sized_loader() -> None:
-    from ampdoctor.batches import CacheFullError, materialise
+    from ampdoctor.input.batches import CacheFullError, materialise
 
     loader = _Counting(3_000_000, limit=1)
     with pytest.raises(CacheFullError) as e:
@@ -350,7 +353,7 @@ def build_dataloader():
 
 def test_views_of_one_storage_count_once() -> None:
     """Sliding windows over one token stream hold that stream, not windows x length."""
-    from ampdoctor.batches import TENSOR_OVERHEAD, CacheFullError, materialise
+    from ampdoctor.input.batches import TENSOR_OVERHEAD, CacheFullError, materialise
 
     stream = torch.arange(1000, dtype=torch.int64)  # 8000 bytes
     windows = [(stream[i:i + 100], stream[i + 1:i + 101]) for i in range(500)]
@@ -387,7 +390,7 @@ def build_dataloader():
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ampdoctor.cli_progress as cp
+    import ampdoctor.cli.progress as cp
 
     monkeypatch.setattr(cp, "EVERY_S", 0.0)
     monkeypatch.setattr(cp.LineProgress.__init__, "__defaults__", (0.0, cp.time.monotonic))
@@ -401,7 +404,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path: Path, monkeypatc
 
 
 def test_progress_lines_are_throttled() -> None:
-    from ampdoctor.cli_progress import LineProgress
+    from ampdoctor.cli.progress import LineProgress
 
     now = [0.0]
     seen: list[str] = []

@@ -10,7 +10,7 @@ from typing import Any
 
 from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
 from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 CSS = """
 body{font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
@@ -31,7 +31,7 @@ figure.wide{grid-column:1/-1}
 .muted{color:#57606a}ol li,ul li{margin:3px 0}details{margin:6px 0}summary{cursor:pointer;color:#0969da}
 """
 
-_COLOR = {"healthy": "#1a7f37", "inconclusive": "#9a6700"}
+_COLOR = {"healthy": "#1a7f37", "inconclusive": "#9a6700", "not_reproduced": "#9a6700"}
 
 
 def e(x: Any) -> str:

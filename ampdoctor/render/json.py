@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 
 def render(report: Report) -> str:

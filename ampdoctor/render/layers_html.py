@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ampdoctor.layers_report import is_bad, risk_order
 from ampdoctor.render.common import scale
 from ampdoctor.render.html import CSS, _table, e, environment_section, figure, reproduce_section
 from ampdoctor.render.layers_markdown import HEAD, RIGHT, SORT_WORDS, TOP_ROWS, loss_scale_text, row_cells
+from ampdoctor.report.layers_doc import is_bad, risk_order
 
 COLORS = {"safe": "#1a7f37", "safe_with_scale": "#9a6700", "unsafe": "#cf222e", "fp32_nonfinite": "#cf222e"}
 

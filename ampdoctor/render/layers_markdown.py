@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampdoctor.layers_report import KIND_LABEL, is_bad, risk_order, window_text
 from ampdoctor.render.common import num, pct, scale
 from ampdoctor.render.markdown import (
     _headroom,
@@ -24,6 +23,7 @@ from ampdoctor.render.markdown import (
     reproduce_section,
     table,
 )
+from ampdoctor.report.layers_doc import KIND_LABEL, is_bad, risk_order, window_text
 
 TOP_ROWS = 10
 """Rows of the by-severity table; the full table folds into <details>."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.layers_report import KIND_LABEL, risk_order
 from ampdoctor.render.common import scale
 from ampdoctor.render.plots import _plt, _png
+from ampdoctor.report.layers_doc import KIND_LABEL, risk_order
 
 MAX_BARS = 30
 """Tensors per figure: the tightest / worst ones."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
-from ampdoctor.report import Report, StageSummary
+from ampdoctor.report.model import Report, StageSummary
 
 SHOW_ROWS = 6
 """Rows of a long table shown before the rest folds into <details>."""
@@ -89,7 +89,7 @@ def _headroom(h: float) -> str:
 def _verdict(report: Report) -> list[str]:
     v = report.verdict
     title = CAUSE_TITLES.get(v.cause, v.cause)
-    icon = "✅" if v.cause == "healthy" else "❓" if v.cause == "inconclusive" else "❌"
+    icon = "✅" if v.cause == "healthy" else "❓" if v.cause in ("inconclusive", "not_reproduced") else "❌"
     step_label = "First bad batch" if v.cause == "data" else "First bad step"
     lines = [f"# ampdoctor report: {title}", "", f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">",
              f"> {v.summary}", ""]

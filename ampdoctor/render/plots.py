@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ampdoctor.render.common import scaled_stage
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 INSTALL_HINT = "plots need matplotlib: pip install 'ampdoctor[plots]'"
 

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.render.common import CAUSE_TITLES, num, pct, scale, steps
-from ampdoctor.report import Report
+from ampdoctor.report.model import Report
 
 KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": "op"}
 
@@ -16,7 +16,7 @@ KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": 
 def render(report: Report, console: Console) -> None:
     v = report.verdict
     ok = v.cause == "healthy"
-    color = "green" if ok else "red" if v.cause != "inconclusive" else "yellow"
+    color = "green" if ok else "red" if v.cause not in ("inconclusive", "not_reproduced") else "yellow"
     head = Text(CAUSE_TITLES.get(v.cause, v.cause), style=f"bold {color}")
     lines = [head, Text(v.summary)]
     facts = []

@@ -1,0 +1,174 @@
+"""The command line: options → config, call the core, render, exit code. Nothing else lives here."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ampdoctor._version import __version__
+from ampdoctor.cli.common import err, fail, out
+from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.spec import SpecNames
+from ampdoctor.io import check_writable, write_atomic
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Tells you why mixed-precision (FP16/AMP) training goes NaN or Inf, and what to change.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"ampdoctor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+) -> None:
+    pass
+
+
+def _spec_options(path: Path) -> dict[str, Any]:
+    """TRIAGE_OPTIONS = {...} at module level of a spec file: defaults the command line overrides."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "TRIAGE_OPTIONS" for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+            return dict(value) if isinstance(value, dict) else {}
+    return {}
+
+
+@app.command()
+def triage(
+    spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
+    steps: Annotated[Optional[int], typer.Option(help="Steps per stage. [default: 50]")] = None,
+    target: Annotated[Optional[str], typer.Option(help="What you train with: amp | fp16 | bf16. [default: amp]")] = None,
+    stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run (fp32 always runs): fp32,fp16,amp,bf16.")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
+    seed: Annotated[Optional[int], typer.Option(help="RNG seed set before every stage. [default: 0]")] = None,
+    max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in every stage. [default: no clipping]")] = None,
+    init_scale: Annotated[Optional[float], typer.Option(help="GradScaler init_scale. [default: 65536]")] = None,
+    growth_interval: Annotated[Optional[int], typer.Option(help="GradScaler growth_interval. [default: 2000]")] = None,
+    backoff_factor: Annotated[Optional[float], typer.Option(help="GradScaler backoff_factor. [default: 0.5]")] = None,
+    model_fn: Annotated[str, typer.Option(help="Name of the model-building function in the spec.")] = "build_model",
+    data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
+    loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
+    optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path.")] = None,
+    report_path: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html.")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
+    dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
+    from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
+) -> None:
+    """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
+    try:
+        if json_path is not None:
+            check_writable(json_path, force)
+        if log is not None:
+            check_writable(log, force)
+        if report_path is not None:
+            from ampdoctor.cli.reports import check_report_path
+
+            check_report_path(report_path, force)
+        if dump_dir is not None:
+            from ampdoctor.cli.dump import check_dump_dir
+
+            check_dump_dir(dump_dir, force)
+        given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
+                 "growth_interval": growth_interval, "backoff_factor": backoff_factor,
+                 "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+        opts = {k: v for k, v in _spec_options(spec).items() if k in {f.name for f in fields(TriageConfig)}} if spec.exists() else {}
+        if isinstance(opts.get("stages"), (list, str)):
+            st = opts["stages"]
+            opts["stages"] = tuple(st.split(",")) if isinstance(st, str) else tuple(st)
+        opts.update({k: v for k, v in given.items() if v is not None})
+        opts["device"] = device
+        cfg = TriageConfig(**opts)
+        names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
+        from ampdoctor.engine.triage import triage as run_triage
+
+        argv = ["ampdoctor", *sys.argv[1:]]
+        if quiet or not err.is_terminal:
+            from ampdoctor.cli.progress import LineProgress
+
+            lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
+            report, run = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture)
+        else:
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err, transient=True) as prog:
+                task = prog.add_task("starting", total=cfg.steps)
+
+                def progress(stage: str, step: int) -> None:
+                    prog.update(task, description=f"stage {stage}", completed=step + 1)
+
+                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture)
+        written: list[Path] = []
+        if report_path is not None:
+            from ampdoctor.cli.reports import write_report
+
+            written.append(write_report(report_path, report)[-1])
+        if dump_dir is not None:
+            from ampdoctor.cli.dump import dump
+
+            dump(dump_dir, report, run)
+            written.append(dump_dir)
+    except AmpDoctorError as e:
+        fail(str(e))
+        return
+    except KeyboardInterrupt:
+        kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
+        fail(f"interrupted; no report was written{kept}", 130)
+        return
+    if json_path is not None:
+        from ampdoctor.render.json import render as render_json
+
+        write_atomic(json_path, render_json(report))
+    if quiet:
+        v = report.verdict
+        out.print(f"{v.cause} module={v.first_module} step={v.first_step} stage={v.stage}", highlight=False)
+    else:
+        from ampdoctor.render.terminal import render
+
+        render(report, out)
+        for w in ([json_path] if json_path is not None else []) + written:
+            out.print(f"report written to {w}", style="dim", highlight=False)
+    raise typer.Exit(report.exit_code)
+
+
+# Commands that live in their own modules (one job each) register here.
+from ampdoctor.cli.layers import layers as _layers  # noqa: E402
+from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
+
+app.command("layers")(_layers)
+app.command("scaler")(_scaler)
+
+
+def main() -> None:
+    try:
+        app()
+    except UsageError as e:  # pragma: no cover - raised outside commands
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""`ampdoctor scaler steps.csv`: GradScaler forensics from a step log (ours, or any CSV with its columns)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ampdoctor.cli.common import fail, out
+from ampdoctor.errors import AmpDoctorError
+from ampdoctor.io import check_writable, write_atomic
+from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
+from ampdoctor.watch.steplog import COLUMNS, StepLog, read_step_log
+
+MAX_LEDGER_ROWS = 20
+
+
+def scaler(
+    csv: Annotated[Path, typer.Argument(help=f"Step log CSV with the columns {', '.join(COLUMNS)} (extra columns are fine).")],
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw scale (log2 axis) and loss against step, skips marked, to this PNG.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing plot file.")] = False,
+    window: Annotated[int, typer.Option(help="Steps in the rolling skip rate.")] = 1000,
+    alert_rate: Annotated[float, typer.Option(help="Skip rate that counts as an alert.")] = 0.05,
+    growth_interval: Annotated[Optional[int], typer.Option(help="The run's GradScaler growth_interval. [default: inferred from the log]")] = None,
+    backoff_factor: Annotated[Optional[float], typer.Option(help="The run's GradScaler backoff_factor. [default: inferred from the log]")] = None,
+) -> None:
+    """GradScaler forensics from a step log: scale-history pattern, skip ledger, skip rate, recommendations."""
+    if window < 1:
+        fail(f"--window must be at least 1, got {window}")
+        return
+    try:
+        if plot is not None:
+            check_writable(plot, force)
+            _need_matplotlib()
+        log = read_step_log(csv)
+    except AmpDoctorError as e:
+        fail(escape(str(e)))
+        return
+    skipped = log.skipped
+    scales = log.scales
+    steps = log.steps
+    ledger = skip_ledger(skipped, log.reasons, scales, steps)
+    rates = rolling_skip_rate(skipped, window)
+    diag = diagnose_scale(scales, skipped, growth_interval=growth_interval, backoff_factor=backoff_factor,
+                          steps=steps) if scales is not None else None
+    _print(log, diag, ledger, rates, window, alert_rate)
+    if plot is not None:
+        try:
+            write_atomic(plot, _plot_png(log, diag))
+        except AmpDoctorError as e:
+            fail(escape(str(e)))
+            return
+        out.print(f"plot written to {plot}", style="dim")
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise AmpDoctorError("--plot needs matplotlib: pip install ampdoctor[plots]") from None
+
+
+def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates: list[float], window: int,
+           alert_rate: float) -> None:
+    steps = log.steps
+    out.print(f"[bold]{log.path}[/]: {len(steps)} steps ({steps[0]}..{steps[-1]}), {ledger.count} skipped", highlight=False)
+    for note in log.notes:
+        out.print(f"[yellow]note:[/] {note}", highlight=False)
+    out.print()
+    if diag is None:
+        out.print("[bold]Scale history[/]: none (the scaler_scale column is empty: a run without GradScaler)")
+    else:
+        out.print(f"[bold]Scale history[/]: [bold cyan]{diag.pattern}[/]", highlight=False)
+        out.print(f"  {diag.explanation}", highlight=False)
+        gi = f"{diag.growth_interval}" if diag.growth_interval else "not seen (no growth)"
+        bo = f"{diag.backoff_factor:g}" if diag.backoff_factor else "not seen (no back-off)"
+        out.print(
+            f"  scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
+            f"{len(diag.growths)} growth(s), {len(diag.backoffs)} back-off(s); growth_interval {gi}, backoff_factor {bo}",
+            highlight=False,
+        )
+    out.print()
+    out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total_steps} steps ({ledger.rate:.2%}), "
+              f"{len(ledger.runs)} run(s), longest {ledger.longest_run}", highlight=False)
+    if ledger.count:
+        for reason, n in ledger.by_reason().items():
+            out.print(f"  {n:6d}  {reason}", highlight=False)
+        t = Table(show_edge=False, pad_edge=False, box=None)
+        for col in ("steps", "skips", "reason(s)", "scale"):
+            t.add_column(col)
+        by_step = dict(zip(ledger.steps, ledger.scales, strict=True))
+        for run in ledger.runs[:MAX_LEDGER_ROWS]:
+            span = f"{run.start}" if run.start == run.end else f"{run.start}-{run.end}"
+            reasons = ", ".join(dict.fromkeys(r or "(none)" for r in run.reasons))
+            s = by_step.get(run.start)
+            t.add_row(span, str(run.length), reasons, "" if s is None else pow2(s))
+        out.print(t)
+        if len(ledger.runs) > MAX_LEDGER_ROWS:
+            out.print(f"  ... {len(ledger.runs) - MAX_LEDGER_ROWS} more run(s)", style="dim")
+    out.print()
+    # the first steps' rate is over a handful of steps (100% after one calibration skip): judge from a full-ish window
+    start = min(window, 100)
+    start = start if len(rates) > start else 0
+    judged = rates[start:]
+    peak = max(judged) if judged else 0.0
+    at = steps[start + judged.index(peak)] if judged else 0
+    final = rates[-1] if rates else 0.0
+    over = sum(1 for r in judged if r > alert_rate)
+    style = "red" if final > alert_rate else "green"
+    out.print(
+        f"[bold]Rolling skip rate[/] (window {window}): final [{style}]{final:.2%}[/]; from step {steps[start]}: "
+        f"peak {peak:.2%} at step {at}, above {alert_rate:.0%} on {over} step(s)", highlight=False,
+    )
+    if diag is not None and diag.recommendations:
+        out.print()
+        out.print("[bold]Recommendations[/]")
+        for r in diag.recommendations:
+            out.print(f"  - {r}", highlight=False)
+        if diag.settings:
+            args = ", ".join(f"{k}={pow2(v) if k == 'init_scale' else f'{v:g}'}" for k, v in diag.settings.items())
+            out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
+
+
+def _plot_png(log: StepLog, diag: ScaleDiagnosis | None) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = log.steps
+    skipped = log.skipped
+    sk_steps = [s for s, k in zip(steps, skipped, strict=True) if k]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    try:
+        scales = log.scales
+        if scales is not None:
+            ax1.step(steps, scales, where="post", color="tab:blue", label="scaler_scale")
+            ax1.set_yscale("log", base=2)
+            sk_scales = [s for s, k in zip(scales, skipped, strict=True) if k]
+            ax1.scatter(sk_steps, sk_scales, color="tab:red", marker="x", zorder=3, label="skipped")
+            ax1.set_title(f"GradScaler scale: {diag.pattern}" if diag else "GradScaler scale")
+        else:
+            ax1.text(0.5, 0.5, "no GradScaler in this run", ha="center", va="center", transform=ax1.transAxes)
+        ax1.set_ylabel("scale (log2)")
+        ax1.legend(loc="best")
+        losses = log.losses
+        finite = [(s, v) for s, v in zip(steps, losses, strict=True) if v == v and abs(v) != float("inf")]
+        if finite:
+            ax2.plot([s for s, _ in finite], [v for _, v in finite], color="tab:green", label="loss")
+            pos = all(v > 0 for _, v in finite)
+            if pos and max(v for _, v in finite) / max(min(v for _, v in finite), 1e-300) > 1e3:
+                ax2.set_yscale("log")
+        for s in sk_steps:
+            ax2.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
+        ax2.set_xlabel("step")
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax2.set_ylabel("loss")
+        ax2.legend(loc="best")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+__all__: list[Any] = ["scaler"]

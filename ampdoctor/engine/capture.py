@@ -1,0 +1,340 @@
+"""Capture the first failing step of a real run, so ``ampdoctor triage --from`` can replay it.
+
+``Monitor(..., capture="ampdoctor-capture")`` arms a ``Capture``. Every ``snapshot_every`` steps it
+keeps a host copy of the model, optimizer and GradScaler state, and from then on a host copy of
+every batch (``monitor.step(loss, batch=batch)``). On the first failing step after GradScaler's
+calibration it writes one folder and training carries on:
+
+======================  =====================================================================
+``manifest.json``       schema version, step, reason, module, lr, scale, growth tracker, loss,
+                        gradient norm, autocast dtype, device, versions, Monitor settings,
+                        rank and world size, what each file holds, what was left out
+``state.pt``            model / optimizer / scaler state **before** the failing step (written
+                        when the step was skipped: then the live state is exactly that)
+``snapshot.pt``         the last periodic host copy (step ``snapshot_step``), to re-reach the
+                        failing step by replay when an applied update broke the weights
+``batches.pt``          the batches since the snapshot, the failing one last (``batch_steps``)
+``rng.pt``              torch, CUDA, numpy and python RNG states
+``stats.json``          the last per-layer statistics the Monitor computed
+======================  =====================================================================
+
+Every ``.pt`` file loads with ``torch.load(weights_only=True)``. The folder is written under a
+temporary name and renamed; an existing capture is never overwritten (``name-1``, ``name-2``...).
+
+A **failing step** is: a non-finite loss; a skip at a loss scale that had already carried an applied
+step (a skip at a scale still being probed, at the start or right after a growth, is GradScaler's
+calibration); without a GradScaler, any non-finite gradient; the rolling skip-rate alert; a scale
+that collapsed ``COLLAPSE_BINADES`` binades below its peak. A capture failure is a warning
+(``CaptureWarning``), never an exception in the training loop.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ampdoctor._version import __version__
+from ampdoctor.judge.scaler import COLLAPSE_BINADES
+from ampdoctor.records import StepStats
+
+log = logging.getLogger("ampdoctor")
+
+CAPTURE_VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+class CaptureWarning(UserWarning):
+    """Writing a capture failed; training goes on."""
+
+
+def host_copy(obj: Any) -> Any:
+    """A detached host copy of every tensor in a nested structure; Mappings become dicts (so the copy
+    loads with ``weights_only=True``); non-tensor leaves of other types are kept when they are plain
+    Python values and dropped (None) otherwise."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        return t.to("cpu", non_blocking=True)  # off the critical path; synchronised before writing
+    if isinstance(obj, Mapping):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(host_copy(v) for v in obj)
+    if isinstance(obj, list):
+        return [host_copy(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "to_tuple") or hasattr(obj, "items"):  # ModelOutput / BatchEncoding-like
+        try:
+            return {k: host_copy(v) for k, v in dict(obj).items()}
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested structure."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 0
+
+
+def rng_states() -> dict[str, Any]:
+    """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe)."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    out["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    version, state, gauss = random.getstate()
+    out["python"] = {"version": int(version), "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss}
+    return out
+
+
+def stats_json(st: StepStats | None) -> dict[str, Any]:
+    """The per-layer statistics of one step, as JSON (rows are ``records.Col`` columns)."""
+    if st is None:
+        return {}
+    return {
+        "step": st.step,
+        "calls": [{"module": c.module, "inputs": c.inputs, "outputs": c.outputs} for c in st.calls],
+        "act": {str(k): _row(v) for k, v in st.act.items()},
+        "grad": {str(k): _row(v) for k, v in st.grad.items()},
+        "grad_order": st.grad_order,
+        "pgrad": {k: _row(v) for k, v in st.pgrad.items()},
+        "param": {k: _row(v) for k, v in st.param.items()},
+        "model_inputs": st.model_inputs,
+        "model_outputs": st.model_outputs,
+    }
+
+
+def _row(r: np.ndarray) -> list[float | str]:
+    return [float(x) if math.isfinite(float(x)) else str(float(x)) for x in r]
+
+
+def free_path(path: Path) -> Path:
+    """``path`` if nothing is there, else ``path-1``, ``path-2``...: a capture never overwrites one."""
+    if not path.exists():
+        return path
+    i = 1
+    while Path(f"{path}-{i}").exists():
+        i += 1
+    return Path(f"{path}-{i}")
+
+
+@dataclass
+class Trigger:
+    """Why a step counts as the failing step."""
+
+    reason: str
+    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed"""
+    detail: str = ""
+
+
+@dataclass
+class Capture:
+    """Keeps what a capture needs and writes it once, on the first failing step."""
+
+    path: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    snapshot_every: int = 100
+    max_bytes: int = DEFAULT_MAX_BYTES
+    settings: dict[str, Any] = field(default_factory=dict)
+    autocast_dtype: str | None = None
+    written: Path | None = None
+    """The capture folder, once written."""
+    _snapshot: dict[str, Any] | None = None
+    _snapshot_step: int | None = None
+    _batches: list[Any] = field(default_factory=list)
+    _batch_steps: list[int] = field(default_factory=list)
+    _applied_scales: set[float] = field(default_factory=set)
+    _peak_scale: float = 0.0
+    done: bool = False
+
+    # every step ----------------------------------------------------------------------------------
+    def before_update(self, step: int, batch: Any) -> None:
+        """At the step's one host copy, before the optimizer step: the periodic snapshot, then the batch."""
+        if self.done:
+            return
+        if self._snapshot is None or step % self.snapshot_every == 0:
+            self._snapshot = self.state()
+            self._snapshot_step = step
+            self._batches.clear()
+            self._batch_steps.clear()
+        if batch is not None:
+            self._batches.append(host_copy(batch))
+            self._batch_steps.append(step)
+
+    def state(self) -> dict[str, Any]:
+        """Host copies of the model, optimizer and scaler state, as they are now."""
+        return {
+            "model": host_copy(self.model.state_dict()),
+            "optimizer": host_copy(self.optimizer.state_dict()),
+            "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
+        }
+
+    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool) -> Trigger | None:
+        """Whether this step is the failing one (see the module docstring); updates the scale history."""
+        if self.done:
+            return None
+        if scale is not None and math.isfinite(scale) and scale > 0:
+            self._peak_scale = max(self._peak_scale, scale)
+        trig: Trigger | None = None
+        if skipped and reason == "nonfinite_loss":
+            trig = Trigger("nonfinite_loss")
+        elif skipped and (scale is None or scale in self._applied_scales):
+            trig = Trigger("nonfinite_grad", reason)
+        elif alert:
+            trig = Trigger("skip_rate_alert")
+        elif (scale is not None and self._peak_scale > 0 and scale > 0
+              and math.log2(self._peak_scale / scale) >= COLLAPSE_BINADES):
+            trig = Trigger("scale_collapsed", f"{self._peak_scale:g} -> {scale:g}")
+        if not skipped and scale is not None:
+            self._applied_scales.add(scale)
+        return trig
+
+    # the capture ---------------------------------------------------------------------------------
+    def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
+              scaler_before: dict[str, Any] | None) -> Path | None:
+        """Write the capture folder; a failure warns and returns None (training goes on)."""
+        self.done = True
+        try:
+            self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before)
+            log.warning("ampdoctor: step %d failed (%s); captured to %s: replay it with `ampdoctor triage SPEC --from %s`",
+                        step, trig.reason, self.written, self.written)
+            return self.written
+        except Exception as e:  # never break the user's loop
+            msg = f"ampdoctor could not write the capture of step {step} to {self.path}: {type(e).__name__}: {e}"
+            log.warning(msg)
+            warnings.warn(msg, CaptureWarning, stacklevel=4)
+            return None
+
+    def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
+               scaler_before: dict[str, Any] | None) -> Path:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking host copies are complete
+        files: dict[str, Any] = {}
+        left_out: list[str] = []
+        if skipped:  # nothing was applied: the live state is the state before the failing step
+            st = self.state()
+            st["scaler"] = scaler_before
+            files["state.pt"] = st
+        batches, steps = list(self._batches), list(self._batch_steps)
+        snap = self._snapshot if self._snapshot_step is not None and self._snapshot_step < step else None
+        if snap is not None:
+            files["snapshot.pt"] = snap
+        files["rng.pt"] = rng_states()
+        budget = self.max_bytes - sum(nbytes(v) for v in files.values())
+        # the failing batch first in priority, then the ones before it, newest first
+        kept: list[int] = []
+        for i in range(len(batches) - 1, -1, -1):
+            b = nbytes(batches[i])
+            if b > budget:
+                break
+            budget -= b
+            kept.append(i)
+        kept.sort()
+        if len(kept) < len(batches):
+            left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes})")
+            if snap is not None and (not kept or kept[0] != 0):
+                files.pop("snapshot.pt")
+                left_out.append("snapshot.pt (its batches did not fit, so it cannot re-reach the step)")
+                snap = None
+        if budget < 0 and "state.pt" in files:
+            left_out.append("state.pt is larger than capture_max_bytes; kept anyway: it is the failing step")
+        files["batches.pt"] = [batches[i] for i in kept]
+        batch_steps = [steps[i] for i in kept]
+        rank, world = _rank()
+        manifest = {
+            "schema_version": CAPTURE_VERSION,
+            "tool": "ampdoctor capture",
+            "step": step,
+            "reason": trig.reason,
+            "detail": trig.detail,
+            "skip_reason": record.get("skip_reason", ""),
+            "module": _module_of(record.get("skip_reason", "")),
+            "skipped": skipped,
+            "loss": _num(record.get("loss")),
+            "grad_l2_pre_clip": _num(record.get("grad_l2_pre_clip")),
+            "lr": _num(record.get("lr")),
+            "scale": _num(record.get("scaler_scale")),
+            "growth_tracker": scaler_before.get("_growth_tracker") if scaler_before else None,
+            "autocast_dtype": self.autocast_dtype,
+            "precision": {"float16": "amp" if self.scaler is not None else "fp16_autocast", "bfloat16": "bf16"}.get(
+                self.autocast_dtype or "", "fp32"),
+            "device": str(next((p.device for p in self.model.parameters()), torch.device("cpu"))),
+            "versions": {"ampdoctor": __version__, "torch": torch.__version__},
+            "monitor": self.settings,
+            "rank": rank,
+            "world_size": world,
+            "state_step": step if "state.pt" in files else None,
+            "snapshot_step": self._snapshot_step if snap is not None else None,
+            "batch_steps": batch_steps,
+            "files": sorted([*files, MANIFEST, *(["stats.json"] if stats is not None else [])]),
+            "left_out": left_out,
+        }
+        final = free_path(self.path)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            for name, obj in files.items():
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                (tmp / name).write_bytes(buf.getvalue())
+            if stats is not None:
+                (tmp / "stats.json").write_text(json.dumps(stats_json(stats)))
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+
+def _num(x: Any) -> float | str | None:
+    if x is None or x == "":
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else str(v)
+
+
+def _module_of(skip_reason: str) -> str | None:
+    return skip_reason.split(":", 1)[1] if skip_reason.startswith("nonfinite_grad:") else None
+
+
+def _rank() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # pragma: no cover
+        pass
+    return 0, 1

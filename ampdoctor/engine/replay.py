@@ -1,0 +1,130 @@
+"""Read a capture folder (``Monitor(capture=...)``) into the state triage replays from.
+
+The spec builds the architecture (``build_model``, ``build_optimizer``); the weights, optimizer
+state, GradScaler state and batches come from the capture. The replay starts from the state before
+the failing step when the capture has it (``state.pt``: the step was skipped, so nothing was
+applied) and runs the failing batch alone; otherwise from the last periodic snapshot through every
+batch since, the failing one last. Errors are one line (``CaptureError``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.engine.capture import CAPTURE_VERSION, MANIFEST
+from ampdoctor.errors import CaptureError
+
+
+@dataclass
+class StartState:
+    """Where the stages start: the optimizer and GradScaler state (the model's goes into ``Run.init_state``)."""
+
+    optimizer: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    step0: int
+    """The run's own step number of the first replayed batch."""
+
+
+@dataclass
+class Captured:
+    """A capture folder, read."""
+
+    path: Path
+    manifest: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    start: StartState
+    batches: list[Any]
+    from_snapshot: bool
+    """True when the replay starts from the periodic snapshot (several batches), not the failing step's state."""
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def precision(self) -> str:
+        """The run's own precision: amp | bf16 | fp32 (what the Monitor saw)."""
+        p = str(self.manifest.get("precision", "amp"))
+        return p if p in ("amp", "bf16", "fp32") else "amp"
+
+
+def _load(path: Path, name: str) -> Any:
+    f = path / name
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CaptureError(f"{path}: {name} is missing; the capture is incomplete (capture again)") from None
+    except Exception as e:
+        raise CaptureError(f"{path}: {name} cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); "
+                           "the file is truncated or not an ampdoctor capture") from None
+
+
+def read_capture(path: str | Path) -> Captured:
+    """Read and check a capture folder; raise CaptureError (one line) saying what is wrong."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CaptureError(f"{p}: no such capture folder; pass the folder Monitor(capture=...) wrote")
+    mf = p / MANIFEST
+    if not mf.exists():
+        raise CaptureError(f"{p}: no {MANIFEST}; this is not an ampdoctor capture folder")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CaptureError(f"{mf}: not valid JSON ({e}); the capture is truncated") from None
+    if manifest.get("schema_version") != CAPTURE_VERSION:
+        raise CaptureError(f"{p}: capture schema version {manifest.get('schema_version')!r}; this ampdoctor reads "
+                           f"version {CAPTURE_VERSION}")
+    files = set(manifest.get("files", []))
+    batches = _load(p, "batches.pt")
+    if not isinstance(batches, list) or not batches:
+        raise CaptureError(f"{p}: batches.pt holds no batch (pass batch= to monitor.step so the capture can keep it)")
+    steps = [int(s) for s in manifest.get("batch_steps", [])]
+    step = int(manifest["step"])
+    if len(steps) != len(batches) or (steps and steps[-1] != step):
+        raise CaptureError(f"{p}: batches.pt does not end with the batch of step {step}; the capture is inconsistent")
+    if "state.pt" in files:
+        st = _load(p, "state.pt")
+        return Captured(p, manifest, _model_state(st, p), StartState(st.get("optimizer"), st.get("scaler"), step),
+                        [batches[-1]], from_snapshot=False)
+    if "snapshot.pt" in files:
+        snap_step = int(manifest.get("snapshot_step") or steps[0])
+        if steps[0] != snap_step:
+            raise CaptureError(f"{p}: the batches since the snapshot (step {snap_step}) were left out; "
+                               "it cannot re-reach the failing step (raise capture_max_bytes)")
+        st = _load(p, "snapshot.pt")
+        return Captured(p, manifest, _model_state(st, p), StartState(st.get("optimizer"), st.get("scaler"), snap_step),
+                        batches, from_snapshot=True)
+    raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
+
+
+def _model_state(st: Any, p: Path) -> dict[str, torch.Tensor]:
+    if not isinstance(st, dict) or not isinstance(st.get("model"), dict):
+        raise CaptureError(f"{p}: the state file holds no model state")
+    return st["model"]
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Load captured weights into the spec's model; a capture from another model is one line."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:3])}" + (f" (+{len(missing) - 3})" if len(missing) > 3 else ""))
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:3])}" + (f" (+{len(unexpected) - 3})" if len(unexpected) > 3 else ""))
+        if shapes:
+            k = shapes[0]
+            parts.append(f"{k} is {tuple(state[k].shape)} in the capture, {tuple(own[k].shape)} in the model")
+        raise CaptureError(f"{where}: the capture is from another model than build_model() builds ({'; '.join(parts)})")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k].to(v.device, v.dtype))

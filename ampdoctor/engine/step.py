@@ -1,0 +1,346 @@
+"""The one training step every path runs: triage stages, ``ampdoctor layers``, ``Monitor``.
+
+A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in the order the seed
+articles insist on::
+
+    zero_grad → forward + loss (under autocast) → loss check (on the device) → backward (scaled)
+    → unscale_ → FP16 gradients copied to the FP32 master → global L2 norm and clip
+    → ONE copy to the host (loss, norms, found-inf, scale, per-layer statistics)
+    → optimizer step, or skip → scaler.update() (on the skip path too)
+
+Host synchronisations: the one copy in ``measure``; ``GradScaler.step`` makes its own on applied
+steps only (on a skipped step the recipe already knows and calls ``update`` without ``step``);
+``apply(check_weights=True)`` and ``measure_updates`` (triage only) make one more each.
+
+The recipe reads GradScaler's device-side state (``_scale``, ``_growth_tracker``,
+``_found_inf_per_device``) to avoid the syncs of ``get_scale()``; these fields have been stable
+since PyTorch 1.6, with fallbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.input.batches import cast_floating, filter_kwargs, split
+from ampdoctor.judge import locate
+from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch.hooks import Hooks
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a step computes.
+
+    ``autocast``: the autocast dtype (None: no autocast). ``weights``: the dtype of the weights the
+    model runs with. ``master``: an FP32 master copy takes the optimizer's update (the FP16 weights
+    are copied from it after each step); without it the optimizer steps the FP16 weights themselves.
+    ``loss_scaling``: the loss goes through a GradScaler.
+    """
+
+    name: str
+    autocast: torch.dtype | None = None
+    weights: torch.dtype = torch.float32
+    master: bool = True
+    loss_scaling: bool = False
+
+
+FP32 = Precision("fp32")
+FP16_MASTER = Precision("fp16", weights=torch.float16, master=True)
+"""Raw FP16 forward and backward (``model.half()``), FP32 master weights, no loss scaling."""
+FP16_PURE = Precision("fp16", weights=torch.float16, master=False)
+"""Everything in FP16, the optimizer state too: what ``model.half()`` training does."""
+AMP = Precision("amp", autocast=torch.float16, loss_scaling=True)
+BF16 = Precision("bf16", autocast=torch.bfloat16)
+
+
+def stage_precision(stage: str, target: str) -> Precision:
+    """The policy of a triage stage; the fp16 stage keeps FP32 master weights unless it is the target."""
+    if stage == "fp16":
+        return FP16_PURE if target == "fp16" else FP16_MASTER
+    return {"fp32": FP32, "amp": AMP, "bf16": BF16}[stage]
+
+
+def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
+    """The scalar loss: loss_fn(output, target), or the model's own loss."""
+    if loss_fn is not None:
+        loss = loss_fn(output, target)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise TypeError(
+            f"the model returned {type(output).__name__} with no loss; define loss_fn(output, target) in the spec"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
+    return loss.reshape(())
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass
+class Measured:
+    """What ``TrainStep.measure`` learned at the step's one host copy."""
+
+    loss: float
+    grad_l2_pre_clip: float
+    grad_l2_post_clip: float
+    skip: bool
+    """The step must be skipped: a non-finite loss or gradient."""
+    reason: str
+    """'' | 'nonfinite_loss' | 'nonfinite_grad' | 'nonfinite_grad:<module>'"""
+    scale: float | None
+    """The loss scale this step used (None without a GradScaler)."""
+    scale_after_if_applied: float | None
+    scale_after_if_skipped: float | None
+    lr: float | None
+    bad_params: list[str]
+    """Parameters whose gradient held NaN/Inf (all of them on recorded steps; else the first)."""
+    bad_count: int
+    stats: StepStats | None
+    """The per-layer statistics (None on steps the hooks do not record)."""
+    growth_tracker: int | None = None
+    """GradScaler's growth tracker before this step (None without a GradScaler)."""
+
+
+_PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
+           "nonfinite_count", "first_nonfinite", "lr")
+
+
+class TrainStep:
+    """One training step under a ``Precision`` policy, with optional ``Hooks``.
+
+    Args:
+        model: the model the forward runs (FP16 weights for the fp16 policies).
+        optimizer: steps ``master`` when given (FP32 master weights), else the model's parameters.
+        scaler: an enabled ``torch.amp.GradScaler`` (None without loss scaling).
+        precision: the policy.
+        hooks: per-layer statistics (queued during the step, copied with the step's scalars).
+        max_norm: clip the global L2 norm to this (None: measure only).
+        master: FP32 master parameters, parallel to ``model.parameters()`` (fp16 with master weights).
+        names: parameter id → name, for the skip reason.
+        skip_nonfinite: skip the optimizer step when the loss or a gradient is non-finite (with a
+            GradScaler it always is). False does what a plain loop does: it applies them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        precision: Precision = FP32,
+        hooks: Hooks | None = None,
+        max_norm: float | None = None,
+        master: Sequence[torch.nn.Parameter] | None = None,
+        names: dict[int, str] | None = None,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.precision = precision
+        self.hooks = hooks
+        self.max_norm = max_norm
+        self.skip_nonfinite = skip_nonfinite or self.scaler is not None
+        self.master = list(master) if master is not None else None
+        self.model_params = list(model.parameters())
+        self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        """What the optimizer steps: norms and clipping cover these."""
+        self.names = names if names is not None else {id(p): n for n, p in model.named_parameters()}
+        if self.master is not None:
+            for (n, _), p32 in zip(model.named_parameters(), self.master, strict=True):
+                self.names.setdefault(id(p32), n)
+        for i, p in enumerate(self.params):
+            self.names.setdefault(id(p), f"<optimizer param {i}>")
+        self.modules = [n or locate.MODEL for n, _ in model.named_modules()]
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self._loss_ok: torch.Tensor | None = None
+
+    # the forward -------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` with the policy's dtype on the model's device (disabled without one)."""
+        dt = self.precision.autocast
+        return torch.autocast(self.device.type, dtype=dt or torch.float32, enabled=dt is not None)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:  # the FP16 model's own gradients
+            self.model.zero_grad(set_to_none=True)
+
+    def forward(self, batch: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
+        """zero_grad, then the forward and the loss of one batch (already on the device) under autocast."""
+        self.zero_grad()
+        if self.precision.weights != torch.float32:
+            batch = cast_floating(batch, self.precision.weights)
+        args, kwargs, target = split(batch)
+        with self.autocast():
+            out = self.model(*args, **filter_kwargs(self.model, kwargs))
+            return get_loss(out, target, loss_fn)
+
+    # backward and the one copy -------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """The loss check (on the device, acted on at the one copy), then the (scaled) backward."""
+        self.note_loss(loss)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Check the loss for NaN/Inf on the device (for loops that run backward themselves)."""
+        self._loss_ok = torch.isfinite(loss.detach())
+
+    def scaler_found(self) -> dict[Any, torch.Tensor]:
+        """GradScaler's per-device found-inf flags (empty before ``unscale_``)."""
+        if self.scaler is None:
+            return {}
+        try:
+            return dict(self.scaler._found_inf_per_device(self.optimizer))
+        except (AttributeError, KeyError):  # pragma: no cover - future PyTorch
+            return {}
+
+    def measure(self, loss: torch.Tensor | None, before_unscale: Callable[[], str] | None = None) -> tuple[Measured, str]:
+        """unscale_ → master gradients → norms and clip → the step's one host copy → skip decision.
+
+        ``before_unscale`` runs between backward and ``unscale_`` (fault injection) and returns a
+        label. Returns the measurement and that label.
+        """
+        sc = self.scaler
+        already = bool(self.scaler_found()) if sc is not None else False
+        label = before_unscale() if before_unscale is not None else ""
+        if sc is not None and not already:
+            sc.unscale_(self.optimizer)
+        if self.master is not None:
+            for p32, p16 in zip(self.master, self.model_params, strict=True):
+                p32.grad = None if p16.grad is None else p16.grad.float()
+        # global L2 norm over the optimizer's parameters; per-parameter norms in float32 (an FP16
+        # gradient's norm would overflow before its elements do)
+        gparams = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in gparams if p.grad is not None]
+        dev = grads[0].device if grads else self.device
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            per = torch.stack([n.to(dev) for n in norms])
+            pre = torch.linalg.vector_norm(per, 2.0)
+            bad = ~torch.isfinite(per)
+            nbad = bad.sum()
+            first_bad = bad.to(torch.float32).argmax()
+        else:
+            pre = torch.zeros((), device=dev)
+            nbad = first_bad = torch.zeros((), device=dev)
+        if self.max_norm is not None and grads:
+            torch.nn.utils.clip_grads_with_norm_(gparams, self.max_norm, pre)
+            post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
+        else:
+            post = pre
+        loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
+        self._loss_ok = None
+        loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
+        # the skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours
+        if sc is not None:
+            fi = self.scaler_found()
+            flag = (~loss_ok.to(dev)).to(torch.float32)
+            if label.startswith("inf") and already:
+                flag = torch.ones((), device=dev)
+            for t in fi.values():
+                t.add_(flag.to(t.device, t.dtype))  # GradScaler then skips and backs off
+            found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (nbad > 0).float()
+            s_dev: torch.Tensor | None = getattr(sc, "_scale", None)
+            t_dev: torch.Tensor | None = getattr(sc, "_growth_tracker", None)
+            scale_t = s_dev if s_dev is not None else torch.full((), sc.get_scale(), device=dev)
+            tracker = t_dev if t_dev is not None else torch.zeros((), device=dev)
+        else:
+            found = ((~torch.isfinite(pre)) | (~loss_ok.to(dev))).to(torch.float32)
+            scale_t = tracker = torch.full((), float("nan"), device=dev)
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
+        packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
+                              (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
+        hooks = self.hooks
+        recording = hooks is not None and hooks.recording
+        if hooks is not None and recording:
+            hooks.after_backward()  # parameter gradients, as the optimizer will see them
+            # the weights this step's forward used: queued before the update, so StepStats.param holds them
+            hooks.after_step()
+            for i, name in enumerate(_PACKED):
+                hooks.add_scalar(name, packed[i])
+            st: StepStats | None = hooks.end_step()  # the one host copy
+            assert st is not None
+            vals = [st.extra[n] for n in _PACKED]
+        else:  # nothing else queued this step: our scalars alone
+            st = None
+            vals = packed.cpu().numpy().tolist()
+        loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
+        lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
+        skip = found_f > 0 or not math.isfinite(loss_f)
+        # which parameters, and which module, held the non-finite gradients
+        recorded = st is not None and bool(st.pgrad)
+        if st is not None and recorded:
+            bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
+        elif nbad_f > 0:
+            bad_params = [self.names[id(gparams[int(first_f)])]]
+        else:
+            bad_params = []
+        count = len(bad_params) if recorded else int(nbad_f)
+        reason = ""
+        if skip:
+            reason = "nonfinite_loss" if not math.isfinite(loss_f) else self.grad_reason(st if recorded else None, bad_params)
+        scale = scale_f if sc is not None else None
+        if sc is not None:
+            grown = scale_f * sc.get_growth_factor() if tracker_f + 1 >= sc.get_growth_interval() else scale_f
+            after_ok: float | None = grown if math.isfinite(grown) else scale_f
+            after_skip: float | None = scale_f * sc.get_backoff_factor()
+        else:
+            after_ok = after_skip = None
+        return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
+                        bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None), label
+
+    def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
+        """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""
+        module = locate.locate_backward(st) if st is not None else None
+        if module is None and bad_params:
+            module = locate.module_of_param(bad_params[0], self.modules)
+        return f"nonfinite_grad:{module}" if module else "nonfinite_grad"
+
+    # the update --------------------------------------------------------------------------------
+    def apply(self, m: Measured) -> None:
+        """Optimizer step (or skip), ``scaler.update()`` on both paths, FP16 weights from the master."""
+        sc = self.scaler
+        if sc is not None:
+            if not m.skip:
+                sc.step(self.optimizer)  # GradScaler's own sync (found_inf.item())
+            sc.update()  # on the skip path too: that is what backs the scale off
+            stepped = not m.skip
+        else:
+            stepped = not m.skip or not self.skip_nonfinite
+            if stepped:
+                self.optimizer.step()
+        if self.master is not None and stepped:
+            with torch.no_grad():
+                torch._foreach_copy_(list[torch.Tensor](self.model_params), list[torch.Tensor](self.master))
+
+    def weights_finite(self) -> bool:
+        """Whether every trained weight is finite now (one more host copy; triage only)."""
+        ws = self.master if self.master is not None else self.params
+        if not ws:
+            return True
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm([p.detach().float() for p in ws]))).all())
+
+
+__all__ = ["AMP", "BF16", "FP16_MASTER", "FP16_PURE", "FP32", "Measured", "Precision", "TrainStep", "default_optimizer",
+           "get_loss", "stage_precision"]

@@ -1,0 +1,287 @@
+"""Run the stages on the user's spec and build the Report."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampdoctor.engine import preflight
+from ampdoctor.engine.replay import Captured, load_into, read_capture
+from ampdoctor.engine.run import Replay, Run
+from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
+from ampdoctor.engine.step import default_optimizer, get_loss
+from ampdoctor.errors import CaptureError, SpecError
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, split, to_device
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.env import environment, resolve_device
+from ampdoctor.input.loading import load_batches
+from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, spec_importable
+from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
+from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, stall_ratio
+from ampdoctor.records import StageResult
+from ampdoctor.report.build import enrich, shift_steps
+from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch.steplog import StepLogWriter
+
+
+def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Module:
+    """The spec's model, FP32, on the device (seeded)."""
+    torch.manual_seed(cfg.seed)
+    model = call_user(spec.build_model, what="build_model()", path=spec.path)
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{spec.path.name}: build_model() returned {type(model).__name__}; return a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise SpecError(f"{spec.path.name}: the model has no trainable parameters")
+    return model.to(device).float()
+
+
+def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
+            progress: ProgressFn | None = None) -> tuple[nn.Module, Batches]:
+    """Build the model and batches, and check that they run in FP32 with a scalar loss.
+
+    ``progress("batches", n)`` is called as the batches are taken from the dataloader.
+    """
+    model = build_model(spec, cfg, device)
+    preflight.initial_weights(model, spec.path)
+    batches = load_batches(spec, cfg.steps, progress)
+    preflight.optimizer(spec, model)
+    preflight.batches_run(spec, model, batches, device)
+    return model, batches
+
+
+def user_hooks(model: nn.Module) -> list[str]:
+    """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
+    names = {m: n or "<model>" for n, m in model.named_modules()}
+    out = []
+    for m, n in names.items():
+        if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None):
+            out.append(f"backward hook on module {n}")
+    for n, p in model.named_parameters():
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+            out.append(f"gradient hook on parameter {n}")
+    return out
+
+
+def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[str, torch.Tensor],
+               results: dict[str, StageResult], device: torch.device):  # noqa: ANN201
+    """FP32 replay of a step's batch from the initial weights or a stage's snapshot."""
+
+    def run(stage: str, step: int) -> Recheck | None:
+        if stage == "initial":
+            state, label = init_state, "initial"
+        else:
+            res = results.get(stage)
+            if res is None or res.snapshot is None or res.snapshot_step != step:
+                return None
+            state, label = res.snapshot, f"stage {stage} before step {step}"
+        model.load_state_dict(state)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        args, kwargs, target = split(to_device(batches[step], device))
+        try:
+            loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+            loss.backward()
+        except Exception:
+            return None
+        grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        lv = float(loss.detach())
+        model.zero_grad(set_to_none=True)
+
+        def ops(module: str) -> list[OpRecord]:
+            model.load_state_dict(state)
+            return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
+
+        def nonfinite_op() -> NonfiniteOp | None:
+            return replay_nonfinite_op(model, spec, batches[step], state, stage, device)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
+
+    return run
+
+
+def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
+                       device: torch.device) -> NonfiniteOp | None:
+    """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
+    model.load_state_dict(state)
+    run_model = copy.deepcopy(model).half() if stage == "fp16" else model
+    b = to_device(batch, device)
+    if stage == "fp16":
+        b = cast_floating(b, torch.float16)
+    args, kwargs, target = split(b)
+    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
+    info: dict[str, bool] = {}
+
+    def run() -> None:
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = run_model(*args, **filter_kwargs(run_model, kwargs))
+            loss = get_loss(out, target, spec.loss_fn)
+        others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
+        info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
+
+    op = first_nonfinite_op(run_model, run)
+    if op is not None:
+        op.loss_only = info.get("loss_only", False)
+    return op
+
+
+def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
+    recs = res.records
+    fp32_loss = None
+    if fp32 is not None and fp32.records and recs:
+        fp32_loss = fp32.records[min(len(fp32.records), len(recs)) - 1].loss  # same step, same batch
+    return StageSummary(
+        name=res.name,
+        steps_run=len(recs),
+        first_nonfinite_step=res.first_nonfinite_step,
+        skipped_steps=res.skipped_steps,
+        final_scale=recs[-1].scaler_scale if recs and recs[-1].scaler_scale is not None else None,
+        final_loss=recs[-1].loss if recs else None,
+        fp32_loss=fp32_loss,
+        losses=[r.loss for r in recs],
+        scales=[r.scaler_scale for r in recs],
+        grad_norms=[r.grad_l2_pre_clip for r in recs],
+        error=asdict(res.error) if res.error else None,
+        stopped=res.stopped,
+        master_weights=res.master_weights,
+    )
+
+
+@spec_importable
+def triage(
+    spec_path: str | Path,
+    config: TriageConfig | None = None,
+    *,
+    names: SpecNames | None = None,
+    progress: ProgressFn | None = None,
+    argv: list[str] | None = None,
+    log_path: str | Path | None = None,
+    from_capture: str | Path | None = None,
+) -> tuple[Report, Run]:
+    """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
+
+    Returns the report and the ``Run`` (model, batches, initial state, stage results) it came from.
+
+    ``log_path``: write the target stage's per-step CSV there (overwriting: the caller checks it first).
+    ``from_capture``: replay the failing step of a real run from a capture folder (``Monitor(capture=...)``):
+    the weights, optimizer and scaler state and the batches come from it, the target is the run's own
+    precision, and every step number in the report is the run's own.
+    """
+    cfg = config or TriageConfig()
+    device = resolve_device(cfg.device)
+    spec = load_spec(spec_path, names, require_data=from_capture is None)
+    cap: Captured | None = None
+    if from_capture is not None:
+        model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
+        target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
+        cfg = replace(cfg, steps=len(batches.items), target=target)
+    else:
+        model, batches = prepare(spec, cfg, device, progress)
+    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model))
+
+    def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
+        return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
+                            optimizer_state=cap.start.optimizer if cap else None, scaler_state=cap.start.scaler if cap else None)
+
+    for name in cfg.stage_list():
+        log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
+        try:
+            run.results[name] = run_stage(name, context(name, log, snapshot=name == cfg.target))
+        finally:
+            if log is not None:
+                log.close()
+    if cap is not None:
+        # transient or persistent: the failing step in the run's own precision, from the captured state, twice
+        again = run_stage(cfg.target, context(cfg.target))
+        replays = [run.results[cfg.target], again]
+        run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
+                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays])
+    report = build_report(run, argv)
+    run.reset()
+    return report, run
+
+
+def _failed(res: StageResult) -> bool:
+    return res.error is not None or res.first_nonfinite_step is not None
+
+
+def _last(res: StageResult) -> dict[str, float | None]:
+    r = res.records[-1] if res.records else None
+    return {"loss": r.loss if r else None, "grad_l2": r.grad_l2_pre_clip if r else None,
+            "scale": r.scaler_scale if r else None}
+
+
+def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture: str | Path) -> tuple[nn.Module, Batches, Captured]:
+    """The spec's model with the captured weights, the captured batches; check the optimizer state fits."""
+    cap = read_capture(capture)
+    model = build_model(spec, cfg, device)
+    load_into(model, cap.model, cap.path)
+    if cap.start.optimizer is not None:
+        build = spec.build_optimizer or default_optimizer
+        try:
+            build(list(model.parameters())).load_state_dict(copy.deepcopy(cap.start.optimizer))
+        except Exception as e:
+            raise CaptureError(f"{cap.path}: the captured optimizer state does not fit build_optimizer() "
+                               f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
+    batches = Batches(cap.batches, cycled=False)
+    args, kwargs, target = split(to_device(batches[0], device))
+    try:
+        with torch.no_grad():
+            get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+    except Exception as e:
+        raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
+                           f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
+    return model, batches, cap
+
+
+def build_report(run: Run, argv: list[str] | None = None) -> Report:
+    """Diagnose the run's stage results and build the Report (the FP32 re-check replays from ``run``)."""
+    cfg, results, batches, device = run.config, run.results, run.batches, run.device
+    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
+    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks)
+    rp = run.replay
+    if rp is not None:
+        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
+        if transient is not None:
+            transient.layers, transient.scaler = diag.layers, diag.scaler
+            diag = transient
+    run.reset()
+    fp32 = results.get("fp32")
+    notes = []
+    if batches.cycled:
+        notes.append(f"the dataloader yields {len(batches.items)} batch(es); they were cycled to make {cfg.steps} steps")
+    if device.type == "cpu":
+        notes.append("ran on the CPU: CPU autocast keeps softmax, exp, pow, layer_norm, sum and mean in FP16 where "
+                     "CUDA autocast runs them in FP32, so a verdict can differ on a GPU")
+    ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
+    cfg_dict = asdict(cfg)
+    cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
+    if ratio is not None:
+        cfg_dict["target_progress_vs_fp32"] = ratio
+    report = Report(
+        verdict=diag.verdict,
+        stages=[_summary(r, fp32) for r in results.values()],
+        findings=diag.findings,
+        layers=diag.layers,
+        scaler=diag.scaler,
+        fixes=diag.fixes,
+        environment=environment(device, argv),
+        config=cfg_dict,
+        notes=notes,
+    )
+    enrich(report, results)
+    if rp is not None:
+        m = rp.manifest
+        report.config["from_capture"] = str(rp.capture)
+        report.config["replay_step0"] = rp.step0
+        report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}): "
+                               f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
+                               f"failed again {rp.reproduced} of {rp.replays} times")
+        shift_steps(report, rp.step0)
+    return report

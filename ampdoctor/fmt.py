@@ -1,0 +1,99 @@
+"""One vocabulary for numbers in words: every renderer, the CLI tables and the rules' own
+explanations format through these, so a scale reads ``2^16`` and a share ``3.1%`` everywhere."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def num(x: Any, digits: int = 4) -> str:
+    """A compact number: ``digits`` significant digits, '-' for None, nan/inf spelled out."""
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def short(x: float) -> str:
+    """A number for a narrow table cell: 3 significant digits, or scientific outside [1e-3, 1e5)."""
+    if isinstance(x, float) and math.isnan(x):
+        return "-"
+    if x == 0:
+        return "0"
+    if 1e-3 <= abs(x) < 1e5:
+        return f"{x:.3g}"
+    return f"{x:.1e}"
+
+
+def pow2(x: float | None, op: str = "^") -> str:
+    """``2^k`` for an exact power of two (``op="**"`` writes Python: ``2**k``); else the number.
+
+    None and NaN are '-', 0 is '0', infinity 'inf'.
+    """
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x == 0:
+        return "0"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x > 0:
+        k = math.log2(x)
+        if k == int(k):
+            return f"2{op}{int(k)}"
+    return num(float(x)) if op == "^" else f"{x:g}"
+
+
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal: '0', '<0.1%', '3.1%'; '-' for None."""
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if x < 0.001:
+        return "<0.1%"
+    return f"{x:.1%}"
+
+
+def pct_short(x: float) -> str:
+    """A share for a narrow table cell: 3 significant digits, '<.01%' below 1e-4."""
+    if x == 0 or math.isnan(x):
+        return "0"
+    if x < 1e-4:
+        return "<.01%"
+    return f"{100 * x:.3g}%"
+
+
+def steps(xs: list[int], limit: int = 12) -> str:
+    """'0-3, 7, 9' for a sorted list of steps."""
+    if not xs:
+        return "none"
+    runs: list[tuple[int, int]] = []
+    for s in xs:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], s)
+        else:
+            runs.append((s, s))
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    more = f" (+{len(parts) - limit} more)" if len(parts) > limit else ""
+    return ", ".join(parts[:limit]) + more
+
+
+def option_value(v: Any) -> str:
+    """An option's value as typed on the command line: 0.5, fp16,bf16, auto."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)

@@ -1,0 +1,321 @@
+"""Materialise, validate, move and cast the user's batches; split them into model call and target."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ampdoctor.errors import AmpDoctorError, BatchError
+
+
+@dataclass
+class Batches:
+    """The batches every stage replays, in order."""
+
+    items: list[Any]
+    """Distinct batches taken from the dataloader."""
+    cycled: bool
+    """True when the dataloader had fewer batches than steps and is replayed from the start."""
+
+    def __getitem__(self, step: int) -> Any:
+        return self.items[step % len(self.items)]
+
+    def index(self, step: int) -> int:
+        return step % len(self.items)
+
+
+class LoaderError(BatchError):
+    """The user's iterator raised while yielding a batch; ``original`` is its exception."""
+
+    def __init__(self, index: int, original: Exception) -> None:
+        super().__init__(f"the dataloader raised {type(original).__name__} while yielding batch {index}: "
+                         f"{str(original).strip()[:200]}")
+        self.index = index
+        self.original = original
+
+
+class CacheFullError(BatchError):
+    """The batches would take more host memory than the batch cache allows."""
+
+
+def materialise(loader: Iterable[Any], steps: int, *, max_bytes: int | None = None, budget_source: str = "",
+                progress: Callable[[int], None] | None = None,
+                first_batch: Callable[[Iterator[Any]], Any] | None = None) -> Batches:
+    """Take up to ``steps`` batches once, onto the host; check that each holds at least one tensor.
+
+    ``max_bytes``: the host memory the batches may take. A loader with a length is refused before
+    anything is cached when its first batch times the batches to take is over it; any loader is
+    refused as soon as the cached batches pass it. ``progress(n)`` is called with the number of
+    batches taken so far. ``first_batch(it)`` fetches the first batch (e.g. under a deadline).
+    Raises BatchError (LoaderError when the iterator itself raises).
+    """
+    try:
+        it = iter(loader)
+    except TypeError as e:
+        raise BatchError(f"build_dataloader() returned {type(loader).__name__}, which is not iterable ({e})") from None
+    except Exception as e:
+        raise LoaderError(0, e) from None
+    sized = _length(loader)
+    items: list[Any] = []
+    size = _Footprint()
+    for i in range(steps):
+        try:
+            b = (first_batch(it) if first_batch is not None and i == 0 else next(it))
+        except StopIteration:
+            break
+        except AmpDoctorError:
+            raise
+        except Exception as e:
+            raise LoaderError(i, e) from None
+        _check_one(i, b)
+        b = to_host(b)
+        size.add(b)
+        if max_bytes is not None:
+            # views into a larger storage (windows over one token stream) say nothing about the next batches'
+            # memory: then only the running total counts
+            if i == 0 and sized is not None and not size.views and size.bytes * min(sized, steps) > max_bytes:
+                raise CacheFullError(_over_budget(size.bytes, min(sized, steps), steps, max_bytes, budget_source))
+            if size.bytes > max_bytes:
+                raise CacheFullError(_over_budget(size.bytes / (i + 1), steps if sized is None else min(sized, steps),
+                                                  steps, max_bytes, budget_source))
+        items.append(b)
+        if progress is not None:
+            progress(i + 1)
+    if not items:
+        raise BatchError("build_dataloader() yielded no batches; return a non-empty iterable of batches")
+    return Batches(items, cycled=len(items) < steps)
+
+
+def _check_one(i: int, b: Any) -> None:
+    if not any(isinstance(t, torch.Tensor) for t in _leaves(b)):
+        raise BatchError(
+            f"batch {i} holds no tensors (got {_describe(b)}); yield a tensor, an (inputs, targets) "
+            "tuple or a dict of tensors — tokenize strings in build_dataloader()"
+        )
+    for t in _leaves(b):
+        if isinstance(t, torch.Tensor) and t.is_complex():
+            raise BatchError(f"batch {i} holds a {t.dtype} tensor; ampdoctor supports real tensors")
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        n = len(loader)
+    except Exception:  # no __len__, or an IterableDataset's DataLoader that cannot tell
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def _over_budget(per_batch: float, n: int, steps: int, max_bytes: int, source: str) -> str:
+    from ampdoctor.input.limits import CACHE_ENV, human_bytes
+
+    fit = int(max_bytes // per_batch) if per_batch > 0 else n
+    need = per_batch * n
+    src = f" ({source})" if source else ""
+    return (f"{n} batches for --steps {steps} need about {human_bytes(need)} of host memory ({human_bytes(per_batch)} per "
+            f"batch), more than the {human_bytes(max_bytes)} batch cache{src}: lower --steps to at most {fit}, yield "
+            f"smaller batches, or raise the cache with {CACHE_ENV}={max(1, math.ceil(need / 1e9 * 1.1))}")
+
+
+TENSOR_OVERHEAD = 512
+"""Host bytes a cached tensor costs besides its data (Python object, TensorImpl, storage): 200,000
+batches of two 1-element float tensors took 1140 bytes a batch of resident memory (torch 2.13, CPU)."""
+
+
+class _Footprint:
+    """Host bytes held by the cached batches; views of one storage count at most that storage's size."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.views = False
+        """True once a tensor was seen that views a larger storage."""
+        self._per_storage: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def add(self, b: Any) -> None:
+        for t in _leaves(b):
+            if isinstance(t, np.ndarray):
+                self.bytes += int(t.nbytes)
+            if not isinstance(t, torch.Tensor):
+                continue
+            n = t.numel() * t.element_size()
+            self.bytes += TENSOR_OVERHEAD
+            try:
+                st = t.untyped_storage()
+                key, cap = (str(t.device), st.data_ptr()), st.nbytes()
+            except Exception:  # sparse and other storage-less layouts
+                self.bytes += n
+                continue
+            self.views = self.views or cap > n
+            seen, cap = self._per_storage.get(key, (0, cap))
+            grown = min(seen + n, cap)
+            self.bytes += grown - seen
+            self._per_storage[key] = (grown, cap)
+
+
+def to_host(b: Any) -> Any:
+    """The batch with its tensors in host memory (an accelerator's memory is left to the model)."""
+    return map_tensors(b, lambda t: t.cpu() if t.device.type != "cpu" else t)
+
+
+def _describe(b: Any) -> str:
+    if isinstance(b, (list, tuple)):
+        return f"{type(b).__name__} of " + ", ".join(sorted({type(x).__name__ for x in b}))
+    if isinstance(b, dict):
+        return "dict of " + ", ".join(sorted({type(x).__name__ for x in b.values()}))
+    return type(b).__name__
+
+
+def _leaves(b: Any) -> list[Any]:
+    if isinstance(b, dict):
+        return [x for v in b.values() for x in _leaves(v)]
+    if isinstance(b, (list, tuple)):
+        return [x for v in b for x in _leaves(v)]
+    return [b]
+
+
+def map_tensors(b: Any, fn: Any) -> Any:
+    """Apply fn to every tensor in a nested batch; other values pass through untouched."""
+    if isinstance(b, torch.Tensor):
+        return fn(b)
+    if isinstance(b, dict):
+        return type(b)({k: map_tensors(v, fn) for k, v in b.items()}) if type(b) is dict else {k: map_tensors(v, fn) for k, v in b.items()}
+    if isinstance(b, tuple):
+        return tuple(map_tensors(v, fn) for v in b)
+    if isinstance(b, list):
+        return [map_tensors(v, fn) for v in b]
+    return b
+
+
+def to_device(b: Any, device: torch.device) -> Any:
+    return map_tensors(b, lambda t: t.to(device))
+
+
+def cast_floating(b: Any, dtype: torch.dtype) -> Any:
+    """Cast floating tensors to dtype; integer tensors are never cast."""
+    return map_tensors(b, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """(args, kwargs, target) for one batch.
+
+    - ``(inputs, targets)``: model(inputs), target targets; longer tuples pass all but the last.
+    - ``{...}``: model(**batch); target ``batch["labels"]`` when present, else the dict itself.
+    - a tensor: model(tensor), target the tensor itself (reconstruction).
+    """
+    if isinstance(batch, dict):
+        return (), dict(batch), batch.get("labels", batch)
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 1:
+            return (batch[0],), {}, None
+        return tuple(batch[:-1]), {}, batch[-1]
+    return (batch,), {}, batch
+
+
+def filter_kwargs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keep the batch keys that model.forward accepts (all of them if it takes **kwargs).
+
+    Hugging Face style batches often carry extra fields (ids, raw text) that the model never sees.
+    """
+    if not kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+@dataclass
+class FieldCheck:
+    """Non-finite values or outliers of one batch field."""
+
+    field: str
+    nonfinite: int
+    samples: list[int]
+    absmax: float
+
+
+def fields(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Named floating tensors of a batch: 'inputs', 'targets', 'input_ids', '[0]' ..."""
+    if isinstance(batch, torch.Tensor):
+        return [(prefix or "batch", batch)] if batch.is_floating_point() else []
+    if isinstance(batch, dict):
+        return [x for k, v in batch.items() for x in fields(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
+    if isinstance(batch, (list, tuple)):
+        if not prefix and len(batch) == 2:
+            names = ["inputs", "targets"]
+            return [x for n, v in zip(names, batch, strict=True) for x in fields(v, n)]
+        return [x for i, v in enumerate(batch) for x in fields(v, f"{prefix}[{i}]")]
+    return []
+
+
+def check_batch(batch: Any) -> list[FieldCheck]:
+    """Per floating field: count of NaN/Inf, the sample indices (dim 0) holding them, finite absmax."""
+    out = []
+    for name, t in fields(batch):
+        t = t.detach()
+        bad = ~torch.isfinite(t)
+        n_bad = int(bad.sum())
+        if t.dim() > 0 and n_bad:
+            samples = torch.nonzero(bad.reshape(t.shape[0], -1).any(dim=1)).flatten().tolist()
+        else:
+            samples = []
+        fin = t[torch.isfinite(t)]
+        absmax = float(fin.abs().max()) if fin.numel() else 0.0
+        out.append(FieldCheck(name, n_bad, samples, absmax))
+    return out
+
+
+def outlier_ratio(batches: Batches, field: str, index: int) -> tuple[float, list[int]]:
+    """How many times the batch's absmax in ``field`` exceeds the median over all batches,
+    and which samples exceed 1000x that median."""
+    absmaxes = []
+    for b in batches.items:
+        d = dict(fields(b))
+        t = d.get(field)
+        absmaxes.append(float(t[torch.isfinite(t)].abs().max()) if t is not None and torch.isfinite(t).any() else 0.0)
+    med = float(np.median(absmaxes))
+    if med <= 0:
+        return 1.0, []
+    t = dict(fields(batches.items[index]))[field]
+    rows = t.detach().abs().nan_to_num(0.0, 0.0, 0.0).reshape(t.shape[0], -1).amax(dim=1) if t.dim() > 0 else t.abs().reshape(1)
+    samples = torch.nonzero(rows > 1000 * med).flatten().tolist()
+    return absmaxes[index] / med, samples
+
+
+def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a batch, named as in ``fields`` ('inputs', 'targets', 'input_ids', '[0]' ...)."""
+    if isinstance(batch, torch.Tensor):
+        return [(prefix or "batch", batch)]
+    if isinstance(batch, dict):
+        return [x for k, v in batch.items() for x in named_tensors(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
+    if isinstance(batch, (list, tuple)):
+        if not prefix and len(batch) == 2:
+            return [x for n, v in zip(["inputs", "targets"], batch, strict=True) for x in named_tensors(v, n)]
+        return [x for i, v in enumerate(batch) for x in named_tensors(v, f"{prefix}[{i}]")]
+    return []
+
+
+def layout(batch: Any) -> tuple[Any, ...]:
+    """What must match for two batches to go through the same model: structure, dtypes and every
+    dimension but the first (the batch size may differ, e.g. a short last batch)."""
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", batch.dtype, tuple(batch.shape[1:]))
+    if isinstance(batch, dict):
+        return ("dict", tuple((k, layout(v)) for k, v in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, tuple(layout(v) for v in batch))
+    return ("value", type(batch).__name__)
+
+
+def describe_layout(batch: Any) -> str:
+    """'inputs (4, 5) float32, targets (4, 1) float32'."""
+    return ", ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in named_tensors(batch))

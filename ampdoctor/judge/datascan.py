@@ -1,0 +1,112 @@
+"""Scan every batch for values FP16 training cannot take, whatever the verdict.
+
+Pure measurement over the cached batches; returns data (``DataIssue``), never English. Rules:
+
+* ``nonfinite``: NaN/±Inf elements (batch, field, samples, count);
+* ``sentinel``: one exact value that repeats (two or more elements of a field, over all batches)
+  and is an outlier (below): a fill constant such as -999999 or 9.97e36, not a measurement;
+* ``outlier``: finite elements at least ``OUTLIER_RATIO`` (three orders of magnitude) above the
+  field's typical magnitude, the median over batches of each batch's median non-zero |x|
+  (a median of medians: values in under half of the elements cannot move it);
+* ``beyond_fp16``: finite elements that are not outliers but overflow when cast to FP16
+  (|x| ≥ 65520), so raw FP16 (``model.half()``) or the first autocast op turns them into inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ampdoctor.formats import FP16
+from ampdoctor.input.batches import Batches, fields
+
+OUTLIER_RATIO = 1e3
+"""Three orders of magnitude above the field's typical magnitude (as diagnosis.OUTLIER_RATIO)."""
+
+
+@dataclass(frozen=True)
+class DataIssue:
+    kind: str
+    """nonfinite | sentinel | outlier | beyond_fp16"""
+    field: str
+    batches: tuple[int, ...]
+    """Batch indices holding it (the first is the one to look at)."""
+    samples: tuple[int, ...]
+    """Sample indices (dim 0) in the first batch."""
+    count: int
+    """Elements concerned, over all batches."""
+    value: float
+    """The sentinel value; the largest |x| for outliers and beyond_fp16; NaN for nonfinite."""
+    typical: float
+    """The field's typical magnitude (median of per-batch median non-zero |x|)."""
+    extra: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+
+
+def _rows(mask: torch.Tensor) -> list[int]:
+    if mask.dim() == 0:
+        return [0] if bool(mask) else []
+    return torch.nonzero(mask.reshape(mask.shape[0], -1).any(dim=1)).flatten().tolist()
+
+
+def typical_magnitudes(batches: Batches) -> dict[str, float]:
+    """Per field: median over batches of the batch's median non-zero finite |x|."""
+    meds: dict[str, list[float]] = {}
+    for b in batches.items:
+        for name, t in fields(b):
+            a = t.detach().float().abs()
+            a = a[torch.isfinite(a) & (a > 0)]
+            if a.numel():
+                meds.setdefault(name, []).append(float(a.median()))
+    return {k: float(np.median(v)) for k, v in meds.items()}
+
+
+def scan_batches(batches: Batches) -> list[DataIssue]:
+    """Every issue of every batch, in batch order (sentinels once per field and value)."""
+    typical = typical_magnitudes(batches)
+    # pass 1: collect big values per field to find repeated constants
+    big_vals: dict[str, dict[float, list[int]]] = {}
+    per_batch: list[list[tuple[str, torch.Tensor]]] = [[(n, t.detach().float()) for n, t in fields(b)] for b in batches.items]
+    for i, fs in enumerate(per_batch):
+        for name, t in fs:
+            typ = typical.get(name, 0.0)
+            fin = torch.isfinite(t)
+            big = fin & ((t.abs() >= OUTLIER_RATIO * typ) if typ > 0 else torch.zeros_like(fin))
+            if bool(big.any()):
+                vals, counts = torch.unique(t[big], return_counts=True)
+                for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
+                    big_vals.setdefault(name, {}).setdefault(float(v), []).extend([i] * int(c))
+    sentinels = {name: {v for v, where in d.items() if len(where) >= 2} for name, d in big_vals.items()}
+    out: list[DataIssue] = []
+    for name, d in big_vals.items():
+        for v in sorted(sentinels[name], key=lambda x: -len(d[x])):
+            where = sorted(set(d[v]))
+            t = dict(per_batch[where[0]])[name]
+            out.append(DataIssue("sentinel", name, tuple(where), tuple(_rows(t == v)), len(d[v]), v, typical[name]))
+    for i, fs in enumerate(per_batch):
+        for name, t in fs:
+            typ = typical.get(name, 0.0)
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                out.append(DataIssue("nonfinite", name, (i,), tuple(_rows(bad)), int(bad.sum()), float("nan"), typ))
+            fin = ~bad
+            a = torch.where(fin, t.abs(), torch.zeros_like(t))
+            sent = torch.zeros_like(fin)
+            for v in sentinels.get(name, ()):
+                sent |= t == v
+            free = fin & ~sent
+            outl = free & (a >= OUTLIER_RATIO * typ) if typ > 0 else torch.zeros_like(fin)
+            if bool(outl.any()):
+                out.append(DataIssue("outlier", name, (i,), tuple(_rows(outl)), int(outl.sum()),
+                                     float(a[outl].max()), typ, {"ratio": float(a[outl].max()) / typ}))
+            over = free & ~outl & (a >= FP16.overflow_threshold)
+            if bool(over.any()):
+                out.append(DataIssue("beyond_fp16", name, (i,), tuple(_rows(over)), int(over.sum()),
+                                     float(a[over].max()), typ))
+    return out
+
+
+def issues_in_batch(issues: list[DataIssue], batch: int) -> list[DataIssue]:
+    return [d for d in issues if batch in d.batches]

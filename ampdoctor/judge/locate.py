@@ -1,0 +1,141 @@
+"""Find the first offending module in one step's statistics. Pure functions over StepStats.
+
+Rules (from the issue that defines the product):
+- forward: the innermost module whose inputs are all finite and whose output is not, first in
+  execution order;
+- backward: the first module reached in backward whose incoming gradient (at its outputs) is
+  finite and whose outgoing gradient (at its inputs) or own parameter gradients are not; a
+  gradient already non-finite where it enters the model names the module producing the output;
+- underflow: the first module in backward order whose own parameter gradients are more than half
+  flushed to zero while non-zero in FP32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ampdoctor.records import Call, Col, StepStats, nonfinite
+
+MODEL = "<model>"
+
+
+def is_ancestor(a: str, b: str) -> bool:
+    """True when module a strictly contains module b."""
+    return a != b and (a == MODEL or b.startswith(a + "."))
+
+
+def innermost(names: Iterable[str]) -> list[str]:
+    """Drop every name that is an ancestor of another name in the list; keep order."""
+    ns = list(dict.fromkeys(names))
+    return [a for a in ns if not any(is_ancestor(a, b) for b in ns)]
+
+
+def _bad(rows: dict[int, np.ndarray], tids: list[int]) -> bool:
+    return any(t in rows and nonfinite(rows[t]) > 0 for t in tids)
+
+
+def forward_fault(st: StepStats) -> bool:
+    """Any module output non-finite in this step's forward."""
+    return any(_bad(st.act, c.outputs) for c in st.calls)
+
+
+def locate_forward(st: StepStats) -> str | None:
+    """Innermost module with all-finite inputs and a non-finite output (None if none)."""
+    cands = [c.module for c in st.calls if not _bad(st.act, c.inputs) and _bad(st.act, c.outputs)]
+    inner = innermost(cands)
+    return inner[0] if inner else None
+
+
+def first_consumer_of_inputs(st: StepStats) -> str | None:
+    """The first leaf module (in execution order) that reads one of the model's inputs."""
+    inputs = set(st.model_inputs)
+    leaves = innermost(c.module for c in st.calls if inputs & set(c.inputs))
+    return leaves[0] if leaves else None
+
+
+def producer(st: StepStats, tid: int) -> str | None:
+    """Innermost module that returned tensor ``tid``."""
+    names = innermost(c.module for c in st.calls if tid in c.outputs)
+    return names[0] if names else None
+
+
+def own_params(module: str, names: Iterable[str]) -> list[str]:
+    """Parameter names owned directly by ``module`` (not by its children)."""
+    prefix = "" if module == MODEL else module + "."
+    return [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]]
+
+
+def backward_fault(st: StepStats) -> bool:
+    return any(nonfinite(r) > 0 for r in st.grad.values()) or any(nonfinite(r) > 0 for r in st.pgrad.values())
+
+
+def locate_backward(st: StepStats) -> str | None:
+    """First module reached in backward with finite incoming and non-finite outgoing/param grads."""
+    for tid in st.model_outputs:
+        if tid in st.grad and nonfinite(st.grad[tid]) > 0:
+            p = producer(st, tid)
+            return entry_child(st) or p if p == MODEL else p
+    order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
+    cands: list[tuple[int, str]] = []
+    for c in st.calls:
+        incoming = [t for t in c.outputs if t in st.grad]
+        if not incoming or _bad(st.grad, incoming):
+            continue
+        pbad = any(nonfinite(st.pgrad[p]) > 0 for p in own_params(c.module, st.pgrad))
+        if _bad(st.grad, c.inputs) or pbad:
+            cands.append((min(order.get(t, 1 << 30) for t in incoming), c.module))
+    cands.sort()
+    inner = innermost(n for _, n in cands)
+    return inner[0] if inner else None
+
+
+def entry_child(st: StepStats) -> str | None:
+    """Innermost child (not the root) whose output receives a non-finite gradient, first reached in
+    backward: where a non-finite gradient made by the root's own code (a cat, a softplus) enters a child."""
+    order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
+    cands = sorted((min(order.get(t, 1 << 30) for t in c.outputs if t in st.grad), c.module) for c in st.calls
+                   if c.module != MODEL and _bad(st.grad, [t for t in c.outputs if t in st.grad]))
+    inner = innermost(n for _, n in cands)
+    return inner[0] if inner else None
+
+
+def module_of_param(param: str, modules: Iterable[str]) -> str:
+    """The module that owns a parameter name like 'encoder.0.weight'."""
+    head = param.rsplit(".", 1)[0] if "." in param else MODEL
+    return head if head in set(modules) or head == MODEL else head
+
+
+def zero_frac(row: np.ndarray) -> float:
+    """Share of elements that are zero or become zero in FP16."""
+    n = row[Col.NUMEL]
+    return float((row[Col.ZERO] + row[Col.UNDERFLOW]) / n) if n else 0.0
+
+
+def flushed_frac(target: np.ndarray, ref: np.ndarray) -> float:
+    """Share of the FP32-non-zero gradient elements that are zero in the target stage."""
+    zr = zero_frac_exact(ref)
+    zt = zero_frac_exact(target)
+    if zr >= 1.0:
+        return 0.0
+    return max(0.0, (zt - zr) / (1.0 - zr))
+
+
+def zero_frac_exact(row: np.ndarray) -> float:
+    n = row[Col.NUMEL]
+    return float(row[Col.ZERO] / n) if n else 0.0
+
+
+def backward_order(st: StepStats) -> list[str]:
+    """Module names in the order backward reached them (first gradient at one of their outputs)."""
+    first: dict[str, int] = {}
+    pos = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
+    for c in st.calls:
+        ps = [pos[t] for t in c.outputs if t in pos]
+        if ps:
+            first[c.module] = min(min(ps), first.get(c.module, 1 << 30))
+    return sorted(first, key=first.__getitem__)
+
+
+__all__ = ["Call", "locate_forward", "locate_backward", "forward_fault", "backward_fault", "innermost"]

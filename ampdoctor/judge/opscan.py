@@ -1,0 +1,170 @@
+"""Find the operation inside a module whose FP32 output first exceeds a format's range.
+
+Hooks see module boundaries only; an overflow inside a functional op (``q @ k.transpose(-2, -1)``
+inside ``attn``) needs a look inside. This replays one forward under a TorchFunctionMode that is
+active only while the named module runs, and records every op's finite absmax. Used once, at
+diagnosis time, never in the training loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ampdoctor.formats import FP16, Format
+from ampdoctor.tensors import iter_tensors
+
+
+@dataclass
+class OpRecord:
+    index: int
+    op: str
+    absmax: float
+    overflow_frac: float
+    """Share of the output's elements at or beyond FP16's overflow threshold."""
+    numel: int
+
+
+class _Scan(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.ops: list[OpRecord] = []
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.depth > 0:
+            name = getattr(func, "__name__", str(func))
+            if name not in ("__get__", "__set__", "size", "dim", "__len__"):
+                vals = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
+                if vals:
+                    with torch._C.DisableTorchFunction():
+                        a = [torch.nan_to_num(t.detach().float(), 0.0, 0.0, 0.0).abs() for t in vals]
+                        amax = max(float(x.max()) for x in a)
+                        numel = sum(x.numel() for x in a)
+                        over = sum(int((x >= FP16.overflow_threshold).sum()) for x in a)
+                    self.ops.append(OpRecord(len(self.ops), name.strip("_"), amax, over / numel, numel))
+        return out
+
+
+def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> list[OpRecord]:
+    """Run ``run()`` (a forward of ``model``) and return the ops executed inside ``module_name``."""
+    target = dict(model.named_modules()).get(module_name)
+    if target is None:
+        return []
+    scan = _Scan()
+
+    def enter(*_: Any) -> None:
+        scan.depth += 1
+
+    def leave(*_: Any) -> None:
+        scan.depth -= 1
+
+    h1 = target.register_forward_pre_hook(enter)
+    h2 = target.register_forward_hook(leave)
+    try:
+        with torch.no_grad(), scan:
+            run()
+    except Exception:
+        return scan.ops
+    finally:
+        h1.remove()
+        h2.remove()
+    return scan.ops
+
+
+def first_overflowing_op(ops: list[OpRecord], fmt: Format = FP16) -> OpRecord | None:
+    """The first op whose FP32 output has a finite value at or beyond the format's overflow threshold."""
+    return next((o for o in ops if o.absmax >= fmt.overflow_threshold), None)
+
+
+@dataclass
+class NonfiniteOp:
+    """The first op that turned finite inputs into a non-finite output, in one replayed forward."""
+
+    op: str
+    module: str | None
+    """Innermost module running the op: '<model>' for the root's own code, None outside the model (the loss)."""
+    line: str | None
+    """'file.py:42' of the code that called the op (the first frame outside torch and ampdoctor)."""
+    loss_only: bool = False
+    """Only the loss the model returned is non-finite; its other outputs are finite (a loss inside forward)."""
+
+
+_SKIP = ("__get__", "__set__", "size", "dim", "__len__", "numel", "is_floating_point", "__repr__", "__format__")
+
+
+def _all_finite(ts: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
+def _user_line() -> str | None:
+    import sys
+    from pathlib import Path
+
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    own_dir = str(Path(__file__).resolve().parent)
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith((torch_dir, own_dir)) and not fn.startswith("<"):
+            return f"{Path(fn).name}:{f.f_lineno}"
+        f = f.f_back  # type: ignore[assignment]
+    return None
+
+
+class _FirstNonfinite(TorchFunctionMode):
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.found: NonfiniteOp | None = None
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self.found is not None or name in _SKIP:
+            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            ins = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
+            ins_finite = _all_finite(ins)  # before the call: an in-place op overwrites its input
+        out = func(*args, **kwargs)
+        if ins_finite:
+            with torch._C.DisableTorchFunction():
+                outs = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
+                if outs and not _all_finite(outs):
+                    op = name[2:-2] if name.startswith("__") and name.endswith("__") else name  # __mul__ -> mul; keep mul_
+                    self.found = NonfiniteOp(op, self.stack[-1] if self.stack else None, _user_line())
+        return out
+
+
+def first_nonfinite_op(model: nn.Module, run: Callable[[], Any]) -> NonfiniteOp | None:
+    """Run ``run()`` (a forward of ``model`` and its loss, in the precision under test) and return
+    the first op whose inputs are all finite and whose output is not, with the module running it."""
+    from ampdoctor.judge.locate import MODEL
+
+    stack: list[str] = []
+    names = {m: n or MODEL for n, m in model.named_modules()}
+    handles = []
+
+    def leave(*_: Any) -> None:  # a forward hook must return None, or it replaces the output
+        if stack:
+            stack.pop()
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(lambda *_a, _n=names[m]: stack.append(_n)))
+        handles.append(m.register_forward_hook(leave))
+    scan = _FirstNonfinite(stack)
+    try:
+        with torch.no_grad(), scan:
+            run()
+    except Exception:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return scan.found

@@ -1,0 +1,94 @@
+"""Rules added by issue 12, as small pure functions over stage results that return data.
+
+The English is composed by the caller (``diagnosis.diagnose``). Each rule follows from FP16
+arithmetic and the definitions in docs/diagnosis.md:
+
+* ``loss_fault``: every module output of the step is finite, yet the loss is not: the NaN/Inf
+  was made inside the loss function (e.g. ``sigmoid`` rounds to exactly 1.0 in FP16, so
+  ``log(1 - p)`` is -inf). A forward fault of the FP16 configuration, module None.
+* ``frozen_params``: a parameter is frozen when most of its FP32-non-zero gradient elements are
+  zero in the target (flushed, as ``underflowing_params``) *and* its weights move less than
+  ``STALL_RATIO`` of the distance they move in FP32 over the same steps: the per-parameter form
+  of the loss stall, which needs no loss progress from FP32.
+* ``custom_function_dtype``: backward raised inside a custom ``autograd.Function`` with a dtype
+  error: its backward received FP16 tensors under autocast next to FP32 ones.
+* ``probe_on_flagged_batch``: the raw FP16 probe's first fault falls on a batch the data scan
+  flagged: the failure follows the data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ampdoctor.judge import locate
+from ampdoctor.judge.datascan import DataIssue
+from ampdoctor.records import StageError, StageResult, StepStats
+
+STALL_RATIO = 0.5
+"""As diagnosis.STALL_RATIO: under half of FP32's progress (here: of its weight movement)."""
+
+
+@dataclass(frozen=True)
+class LossFault:
+    step: int
+    loss: float
+
+
+def loss_fault(res: StageResult, step: int, st: StepStats | None) -> LossFault | None:
+    """The loss of ``step`` is non-finite while every module output of that step is finite."""
+    if st is None or step >= len(res.records):
+        return None
+    loss = res.records[step].loss
+    if math.isfinite(loss) or locate.forward_fault(st):
+        return None
+    return LossFault(step, loss)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    param: str
+    module: str
+    flushed: float
+    """Median share of FP32-non-zero gradient elements that are zero in the target."""
+    moved: float
+    """Target's weight movement ‖w_end − w_0‖ as a share of FP32's over the same steps."""
+
+
+def frozen_params(target: StageResult, fp32: StageResult, underflowing: list[tuple[str, float]]) -> list[Frozen]:
+    """Parameters from ``underflowing`` (already in backward order) that barely move against FP32."""
+    if not target.moved or not fp32.moved or len(target.records) != len(fp32.records) or target.stopped:
+        return []
+    out = []
+    for p, frac in underflowing:
+        d32, dt = fp32.moved.get(p), target.moved.get(p)
+        if d32 is None or dt is None or not d32 > 0 or not math.isfinite(dt):
+            continue
+        if dt < STALL_RATIO * d32:
+            out.append(Frozen(p, p.rsplit(".", 1)[0] if "." in p else locate.MODEL, frac, dt / d32))
+    return out
+
+
+@dataclass(frozen=True)
+class CustomFunctionDtype:
+    function: str
+    module: str | None
+
+
+_DTYPE_WORDS = ("dtype", "scalar type", "Half", "BFloat16", "c10::Half")
+
+
+def custom_function_dtype(err: StageError) -> CustomFunctionDtype | None:
+    """A dtype error raised in the backward of a custom autograd.Function."""
+    if err.custom_function is None or not any(w in err.message for w in _DTYPE_WORDS):
+        return None
+    return CustomFunctionDtype(err.custom_function, err.module)
+
+
+def probe_on_flagged_batch(step: int, batch_of: Callable[[int], int], issues: list[DataIssue]) -> list[DataIssue]:
+    """Data issues that explain the raw FP16 probe's first failure at ``step``: issues of that
+    step's batch that no earlier step's batch also holds (the probe got through those)."""
+    b = batch_of(step)
+    earlier = {batch_of(s) for s in range(step)}
+    return [d for d in issues if b in d.batches and not earlier & set(d.batches)]

@@ -1,0 +1,208 @@
+"""Plain records that every layer reads: stats rows, step statistics, step records, stage results,
+and the verdicts and findings the rules return.
+
+Nothing here computes or prints; the engine fills these, the rules judge them, the reports carry them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Col:
+    """Column indices of a stats row."""
+
+    NUMEL = 0
+    ZERO = 1
+    """Exactly zero already."""
+    UNDERFLOW = 2
+    """Non-zero, casts to 0."""
+    SUBNORMAL = 3
+    """Casts to a non-zero subnormal."""
+    NORMAL = 4
+    OVERFLOW = 5
+    """Finite, casts to ±inf (or is clamped)."""
+    POSINF = 6
+    NEGINF = 7
+    NAN = 8
+    ABSMAX = 9
+    """Largest finite |x| (0 when there is none)."""
+    MIN_NONZERO = 10
+    """Smallest finite non-zero |x| (inf when there is none)."""
+
+
+NCOLS = 11
+
+
+BINADE_MIN = -149
+"""Smallest ceil(log2|x|) of a non-zero float32 (the smallest subnormal, 2^-149)."""
+
+
+BINADE_MAX = 128
+"""Largest ceil(log2|x|) of a finite float32 (just below 2^128)."""
+
+
+NBINADES = BINADE_MAX - BINADE_MIN + 1
+
+
+@dataclass
+class Call:
+    """One forward call of a module in a step."""
+
+    module: str
+    inputs: list[int]
+    """Tensor ids (per step) of the floating inputs."""
+    outputs: list[int]
+    """Tensor ids (per step) of the floating outputs."""
+
+
+@dataclass
+class StepStats:
+    """What the monitor saw in one step, on the host. Rows are stats rows (see ``stats.Col``)."""
+
+    step: int
+    calls: list[Call] = field(default_factory=list)
+    act: dict[int, np.ndarray] = field(default_factory=dict)
+    """Forward value of each tensor id."""
+    grad: dict[int, np.ndarray] = field(default_factory=dict)
+    """Gradient w.r.t. each tensor id."""
+    grad_order: list[int] = field(default_factory=list)
+    """Tensor ids in the order their gradients arrived in backward."""
+    pgrad: dict[str, np.ndarray] = field(default_factory=dict)
+    param: dict[str, np.ndarray] = field(default_factory=dict)
+    model_inputs: list[int] = field(default_factory=list)
+    model_outputs: list[int] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Scalars the caller queued with ``Hooks.add_scalar`` (loss, norms, ...)."""
+
+
+def nonfinite(row: np.ndarray) -> float:
+    """Number of NaN/±Inf elements in a stats row."""
+    return float(row[Col.POSINF] + row[Col.NEGINF] + row[Col.NAN])
+
+
+@dataclass
+class StepRecord:
+    """One step of one stage: the step-log columns, plus what the stage measured."""
+
+    step: int
+    batch: int
+    lr: float
+    loss: float
+    grad_l2_pre_clip: float
+    grad_l2_post_clip: float
+    skipped: bool
+    skip_reason: str
+    scaler_scale: float | None
+    params_finite: bool = True
+    update_swallowed_frac: float | None = None
+    """fp16 stage: share of non-zero updates that FP16 weights would round away."""
+
+
+@dataclass
+class StageError:
+    """An exception raised by user code (or an unsupported kernel) during a stage."""
+
+    type: str
+    message: str
+    step: int
+    module: str | None
+    hint: str
+    custom_function: str | None = None
+    """Raised in the backward of this custom autograd.Function (its name), when it was one."""
+
+
+@dataclass
+class StageResult:
+    name: str
+    records: list[StepRecord] = field(default_factory=list)
+    stats: list[StepStats] = field(default_factory=list)
+    error: StageError | None = None
+    stopped: str | None = None
+    optimizer_underflow: list[str] = field(default_factory=list)
+    """Optimizer constants that round to 0 in FP16 (e.g. 'eps=1e-08')."""
+    master_weights: bool = True
+    snapshot: dict[str, torch.Tensor] | None = None
+    """FP32 weights before the first faulty step (target stage only), for the FP32 re-check."""
+    snapshot_step: int | None = None
+    moved: dict[str, float] = field(default_factory=dict)
+    """‖w_end − w_0‖ per parameter over the steps run (the weights the optimizer stepped)."""
+
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        for r in self.records:
+            if not math.isfinite(r.loss) or not math.isfinite(r.grad_l2_pre_clip) or not r.params_finite:
+                return r.step
+        return None
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return [r.step for r in self.records if r.skipped]
+
+
+@dataclass
+class Verdict:
+    cause: str
+    """One of CAUSES."""
+    first_module: str | None
+    first_step: int | None
+    stage: str | None
+    summary: str
+    device: str = "cpu"
+
+
+@dataclass
+class Finding:
+    code: str
+    """A cause from CAUSES, or a warning code such as 'calibration_skips'."""
+    severity: str
+    """error | warning | info"""
+    title: str
+    stage: str | None = None
+    module: str | None = None
+    step: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+
+
+@dataclass
+class LayerRow:
+    module: str
+    kind: str
+    """activation | grad | param_grad | op (an operation inside the module, found by the FP32 op scan)"""
+    absmax_fp32: float
+    """Largest finite |x| seen in the FP32 stage."""
+    overflow_frac: float
+    """Share of elements that overflow in FP16 (cast of the FP32 values)."""
+    underflow_frac: float
+    """Share of FP32-non-zero elements that are zero in the target stage (flushed)."""
+    nonfinite_frac: float
+    """Share of NaN/Inf in the target stage."""
+    headroom_binades: float
+    """log2(65504 / absmax_fp32)."""
+    first_nonfinite_step: int | None = None
+
+
+@dataclass
+class ScaleEvent:
+    step: int
+    scale: float
+    reason: str
+
+
+@dataclass
+class ScalerStory:
+    init_scale: float
+    final_scale: float
+    min_scale: float
+    max_scale: float
+    calibration_skips: int
+    skips: list[ScaleEvent]
+    pattern: str
+    """calibrating | stable | climbing | saturated | oscillating | collapsed | never_growing"""
+    explanation: str

@@ -1,0 +1,148 @@
+"""Extra report data built from the stages' per-step statistics (pure functions, no I/O).
+
+``layer_steps`` gives the cells of the layers × steps heatmap: for the most telling modules and
+parameters, per step of the target stage, the share of values that overflow or underflow when the
+FP32 stage's values are cast to FP16, the share that is NaN/Inf in the target stage, and the share
+the target stage flushed to zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from ampdoctor.formats import FP16
+from ampdoctor.judge import locate
+from ampdoctor.records import NCOLS, Col, StageResult, StepStats
+from ampdoctor.report.model import LayerStep, Report
+
+Key = tuple[str, str]
+"""(module or parameter name, kind)"""
+
+_SUM = (Col.NUMEL, Col.ZERO, Col.UNDERFLOW, Col.SUBNORMAL, Col.NORMAL, Col.OVERFLOW, Col.POSINF, Col.NEGINF, Col.NAN)
+
+
+def _merge(into: dict[Key, np.ndarray], key: Key, row: np.ndarray) -> None:
+    """Add the counts of ``row`` to ``into[key]`` (a module called twice in a step counts twice)."""
+    acc = into.get(key)
+    if acc is None:
+        into[key] = np.array(row, dtype=np.float64, copy=True)
+        return
+    for c in _SUM:
+        acc[c] += row[c]
+    acc[Col.ABSMAX] = max(acc[Col.ABSMAX], row[Col.ABSMAX])
+    acc[Col.MIN_NONZERO] = min(acc[Col.MIN_NONZERO], row[Col.MIN_NONZERO])
+
+
+def step_rows(st: StepStats) -> dict[Key, np.ndarray]:
+    """One stats row per (module, kind) for a step: module outputs, gradients at them, parameter gradients."""
+    out: dict[Key, np.ndarray] = {}
+    for c in st.calls:
+        for t in c.outputs:
+            r = st.act.get(t)
+            if r is not None and len(r) == NCOLS and r[Col.NUMEL]:
+                _merge(out, (c.module, "activation"), r)
+            g = st.grad.get(t)
+            if g is not None and len(g) == NCOLS and g[Col.NUMEL]:
+                _merge(out, (c.module, "grad"), g)
+    for p, r in st.pgrad.items():
+        if r[Col.NUMEL]:
+            _merge(out, (p, "param_grad"), r)
+    return out
+
+
+def _frac(row: np.ndarray | None, *cols: int) -> float:
+    if row is None or not row[Col.NUMEL]:
+        return 0.0
+    return float(sum(row[c] for c in cols) / row[Col.NUMEL])
+
+
+def layer_steps(results: dict[str, StageResult], target: str, *, limit: int = 16,
+                include: Iterable[str] = ()) -> list[LayerStep]:
+    """Heatmap cells for at most ``limit`` (module, kind) pairs over the target stage's recorded steps.
+
+    Pairs are chosen by what went wrong (non-finite, then overflow, flushed, underflow, then the
+    least headroom); names in ``include`` (e.g. the verdict's module) are always kept. Activations
+    and their gradients are reported for leaf-most modules only (a container repeats its last
+    child). Rows come in forward order, then parameters, each with steps ascending.
+    """
+    fp32, tgt = results.get("fp32"), results.get(target)
+    if fp32 is None or tgt is None or not tgt.stats or not fp32.stats:
+        return []
+    ref_by_step = {st.step: st for st in fp32.stats}
+    cells: dict[Key, dict[int, LayerStep]] = {}
+    order: dict[Key, int] = {}
+    for st in tgt.stats:
+        ref = ref_by_step.get(st.step)
+        if ref is None:
+            continue
+        rows_t, rows_r = step_rows(st), step_rows(ref)
+        for key, r in rows_r.items():
+            order.setdefault(key, len(order))
+            t = rows_t.get(key)
+            cell = LayerStep(
+                module=key[0], kind=key[1], step=st.step,
+                overflow_frac=_frac(r, Col.OVERFLOW),
+                underflow_frac=_frac(r, Col.UNDERFLOW),
+                nonfinite_frac=_frac(t, Col.POSINF, Col.NEGINF, Col.NAN),
+                flushed_frac=locate.flushed_frac(t, r) if t is not None and t[Col.NUMEL] == r[Col.NUMEL] else 0.0,
+                absmax_fp32=float(r[Col.ABSMAX]),
+            )
+            cells.setdefault(key, {})[st.step] = cell
+    if not cells:
+        return []
+    leaves = set(locate.innermost(m for m, k in cells if k != "param_grad"))
+    keep_always = set(include)
+    candidates = [k for k in cells if k[1] == "param_grad" or k[0] in leaves or k[0] in keep_always]
+
+    def score(key: Key) -> tuple[float, ...]:
+        cs = cells[key].values()
+        absmax = max(c.absmax_fp32 for c in cs)
+        return (
+            key[0] in keep_always,
+            max(c.nonfinite_frac for c in cs) > 0,
+            max(c.overflow_frac for c in cs),
+            max(c.flushed_frac for c in cs),
+            max(c.underflow_frac for c in cs),
+            -FP16.headroom_binades(absmax) if absmax > 0 else -math.inf,
+        )
+
+    chosen = sorted(candidates, key=score, reverse=True)[: max(0, limit)]
+    chosen.sort(key=lambda k: (k[1] == "param_grad", order[k]))
+    return [cells[k][s] for k in chosen for s in sorted(cells[k])]
+
+
+def enrich(report: Report, results: dict[str, StageResult]) -> Report:
+    """Fill ``report.layer_steps`` from the stages' statistics when it is empty (idempotent)."""
+    if not report.layer_steps:
+        target = str(report.config.get("target") or "amp")
+        include = [m for m in (report.verdict.first_module, *(r.module for r in report.layers)) if m]
+        report.layer_steps = layer_steps(results, target, include=include)
+    return report
+
+
+def shift_steps(report: Report, offset: int) -> Report:
+    """Number every step as the run did: a replay's step k is the run's step ``offset + k``."""
+    if offset == 0:
+        return report
+    v = report.verdict
+    if v.first_step is not None:
+        v.first_step += offset
+    for f in report.findings:
+        if f.step is not None:
+            f.step += offset
+    for s in report.stages:
+        if s.first_nonfinite_step is not None:
+            s.first_nonfinite_step += offset
+        s.skipped_steps = [k + offset for k in s.skipped_steps]
+    for row in report.layers:
+        if row.first_nonfinite_step is not None:
+            row.first_nonfinite_step += offset
+    if report.scaler is not None:
+        for e in report.scaler.skips:
+            e.step += offset
+    for ls in report.layer_steps:
+        ls.step += offset
+    return report

@@ -1,0 +1,1 @@
+"""Watching tensors: hooks on a model, on-device statistics, the per-step CSV log."""

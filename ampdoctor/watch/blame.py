@@ -1,0 +1,113 @@
+"""Name the module whose autograd node raised an exception in backward.
+
+Forward hooks remember, for the last forward, the autograd nodes of every module's inputs and
+outputs. A node belongs to a module's forward when it is reachable from the module's output nodes
+without passing its input nodes. When backward raises inside a custom ``torch.autograd.Function``,
+the node is the ``ctx`` of its backward frame in the traceback; the innermost module whose forward
+created it is the answer. Only the first forward of a step is recorded; nothing synchronises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.tensors import iter_tensors
+
+MODEL = "<model>"
+
+
+@dataclass(frozen=True)
+class BackwardBlame:
+    module: str | None
+    """Innermost module whose forward created the node that raised (None when not found)."""
+    node: str
+    """The autograd node's class name, e.g. 'MyFunctionBackward' for a custom Function."""
+    custom_function: str | None
+    """The custom autograd.Function's name when the node is one ('MyFunction'), else None."""
+
+
+def _nodes(obj: Any) -> list[Any]:
+    return [t.grad_fn for t in iter_tensors(obj) if t.grad_fn is not None]
+
+
+class GraphRecorder:
+    """Forward pre/post hooks on every module that keep (module, input nodes, output nodes)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.calls: list[tuple[str, list[Any], list[Any]]] = []
+        self._open: list[list[Any]] = []
+        names = {m: n or MODEL for n, m in model.named_modules()}
+        self.handles = []
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre(m), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(names[m]), with_kwargs=True))
+
+    def _pre(self, module: nn.Module) -> Any:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module is self.model:
+                self.calls, self._open = [], []
+            self._open.append(_nodes((args, kwargs)) if torch.is_grad_enabled() else [])
+
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            ins = self._open.pop() if self._open else []
+            if torch.is_grad_enabled():
+                self.calls.append((name, ins, _nodes(output)))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.calls = []
+
+    def owner(self, node: Any) -> str | None:
+        """Innermost module whose forward created ``node``."""
+        owners = []
+        for name, ins, outs in self.calls:
+            stop = {id(n) for n in ins}
+            seen: set[int] = set()
+            todo = [n for n in outs if id(n) not in stop]
+            while todo:
+                n = todo.pop()
+                if id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if n is node:
+                    owners.append(name)
+                    break
+                todo.extend(nx for nx, _ in getattr(n, "next_functions", ()) if nx is not None and id(nx) not in stop)
+        from ampdoctor.judge.locate import innermost
+
+        inner = innermost(owners)
+        return inner[0] if inner else None
+
+    def blame(self, exc: BaseException) -> BackwardBlame | None:
+        """The module behind the autograd node in whose backward ``exc`` was raised, if any."""
+        node = raising_node(exc)
+        if node is None:
+            return None
+        cls = type(node).__name__
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        fn = cls.removesuffix("Backward") if custom else None
+        return BackwardBlame(self.owner(node), cls, fn)
+
+
+def raising_node(exc: BaseException) -> Any:
+    """The deepest custom-Function node (its backward's ``ctx``) among the traceback's frames."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        for v in tb.tb_frame.f_locals.values():
+            if isinstance(v, torch.autograd.function.BackwardCFunction):
+                found = v
+        tb = tb.tb_next
+    return found
