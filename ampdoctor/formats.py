@@ -1,7 +1,7 @@
 """Floating-point target formats and the exact thresholds of a round-to-nearest-even cast.
 
-A value *overflows* in a format when casting it gives ±inf (or, for the saturating FP8 E4M3 cast,
-when it is clamped to ±max); it *underflows* when it is non-zero and the cast gives 0; it is
+A value *overflows* in a format when casting it gives ±inf (or, for FP8 E4M3FN, which has no inf
+and whose cast torch clamps to ±448, when round-to-nearest-even would take it beyond ±max); it *underflows* when it is non-zero and the cast gives 0; it is
 *subnormal* when the cast result is non-zero and below the format's smallest normal.
 The thresholds below are derived from the format's bit layout, not tuned: they are what
 ``tensor.to(dtype)`` does, and ``tests/test_formats.py`` checks them against the cast at the edges.
@@ -39,16 +39,36 @@ class Format:
         return self.min_normal * 2.0 ** (-self.mantissa_bits)
 
     @property
-    def overflow_threshold(self) -> float:
-        """Smallest |x| whose cast is ±inf: max plus half an ulp at max.
+    def max_significand_odd(self) -> bool:
+        """Whether the last fraction bit of ``max`` is 1 (the parity of its bit pattern).
 
-        For FP16, BF16 and E5M2, ``max`` has an all-ones significand (odd), so the tie rounds away
-        from it, to inf. E4M3FN has no inf and torch's cast clamps everything from 448 up to ±448;
-        for it this threshold (464) is a convention: the values a round-to-nearest cast would take
-        beyond max.
+        FP16 65504 is 0x7BFF, BF16's max 0x7F7F, E5M2 57344 0x7B: odd. E4M3FN 448 is 0x7E (its all-ones
+        pattern 0x7F is NaN): even.
         """
+        e = math.floor(math.log2(self.max))
+        return int(self.max * 2.0 ** (self.mantissa_bits - e)) % 2 == 1
+
+    @property
+    def overflow_tie(self) -> float:
+        """max plus half an ulp at max: the point halfway between max and the next value up."""
         ulp_at_max = 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits)
         return self.max + ulp_at_max / 2
+
+    @property
+    def overflow_threshold(self) -> float:
+        """Smallest float32 |x| that overflows: ``|x| >= overflow_threshold`` is the overflow test.
+
+        A round-to-nearest-even cast sends ``overflow_tie`` to whichever neighbour has an even
+        significand. When max's is odd (FP16, BF16, E5M2) the tie rounds up, past max: the tie
+        overflows (FP16: 65520). When max's is even (E4M3FN's 448) the tie rounds down to max and
+        only values above it overflow: the threshold is the next float32 after 464. E4M3FN has no
+        inf and torch's cast clamps to ±448; overflow there means what a round-to-nearest-even cast
+        would take beyond max.
+        """
+        tie = self.overflow_tie
+        if self.max_significand_odd:
+            return tie
+        return float(torch.nextafter(torch.tensor(tie, dtype=torch.float32), torch.tensor(math.inf)))
 
     @property
     def underflow_threshold(self) -> float:

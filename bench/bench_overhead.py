@@ -1,13 +1,16 @@
 """Per-step overhead of full per-layer monitoring against the tools users reach for today.
 
-    python bench/bench_overhead.py [--device cpu|cuda] [--rounds 7] [--steps 5] [--models deep_mlp,gpt,wide]
+    python bench/bench_overhead.py [--device cpu|cuda] [--rounds 7] [--steps 5] [--models deep_mlp,gpt,wide,word_lm]
+        [--variants bare,ampdoctor full,ampdoctor sentinel] [--threads N]
 
 One process, variants interleaved (A B C A B C ...), each variant with its own copy of the model
 (same initial weights), its own optimizer (AdamW) and GradScaler; autocast fp16 + GradScaler in
 every variant. Reports the median step time of each variant and its ratio to the bare step.
 
 Variants: bare | detect_anomaly (check_nan=True) | DebugUnderflowOverflow (if transformers is
-installed) | ampdoctor Monitor with full statistics every step | Monitor every 10th step.
+installed) | ampdoctor Monitor with full statistics every step | Monitor every 10th step |
+Monitor(mode="sentinel", full_every=1000), the always-on mode | Monitor with no statistics at all
+(``every=10**9``, variant "ampdoctor monitor only": loss check, norms, skip decision, log row).
 Then, per model: the statistics of one step against one plain pass over the same tensors
 (torch._foreach_norm), and, with --device cuda, the host syncs of a Monitor step counted with
 torch.cuda.set_sync_debug_mode.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import sys
 import time
@@ -36,6 +40,9 @@ from ampdoctor.formats import FP16  # noqa: E402
 from ampdoctor.watch.stats import StatsBuffer  # noqa: E402
 
 INIT_SCALE = 2.0**10  # low enough that no variant starts with overflow skips (detect_anomaly raises on them)
+
+CLOCK = time.perf_counter
+"""What a step is timed with (--clock)."""
 
 
 def sync(device: torch.device) -> None:
@@ -60,12 +67,17 @@ class Variant:
             from transformers.debug_utils import DebugUnderflowOverflow
 
             self.duo = DebugUnderflowOverflow(self.model)
+        elif name == "ampdoctor monitor only":  # the monitor's own per-step work: no statistics, no sentinel
+            self.monitor = Monitor(self.model, self.opt, self.scaler, every=10**9, keep_stats=False, alert_min_steps=10**9)
+        elif name == "ampdoctor sentinel":
+            self.monitor = Monitor(self.model, self.opt, self.scaler, mode="sentinel", full_every=1000, keep_stats=False,
+                                   alert_min_steps=10**9)
         elif name.startswith("ampdoctor"):
             every = 10 if name.endswith("every 10") else 1
             self.monitor = Monitor(self.model, self.opt, self.scaler, every=every, keep_stats=False, alert_min_steps=10**9)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         with self.ctx():
             with torch.autocast(self.device.type, dtype=torch.float16):
                 loss = loss_fn(self.model(x), y)
@@ -78,7 +90,7 @@ class Variant:
                 self.scaler.update()
                 self.opt.zero_grad(set_to_none=True)
         sync(self.device)
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(CLOCK() - t0)
 
 
 def step_tensors(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
@@ -116,10 +128,10 @@ def time_it(fn: Callable[[], Any], device: torch.device, repeats: int = 15) -> f
     ts = []
     for _ in range(repeats):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
         sync(device)
-        ts.append(time.perf_counter() - t0)
+        ts.append(CLOCK() - t0)
     return statistics.median(ts)
 
 
@@ -128,9 +140,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    ap.add_argument("--models", default="deep_mlp,gpt,wide")
+    ap.add_argument("--models", default="deep_mlp,gpt,wide,word_lm")
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (time.process_time), steadier on a shared machine")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--stats-only", action="store_true", help="only the statistics-against-one-pass measurement")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     device = torch.device(a.device)
     names = ["bare", "detect_anomaly"]
     try:
@@ -139,8 +157,12 @@ def main() -> None:
         names.append("DebugUnderflowOverflow")
     except ImportError:
         print("transformers not installed: DebugUnderflowOverflow skipped (pip install 'ampdoctor[transformers]')")
-    names += ["ampdoctor full", "ampdoctor every 10"]
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; "
+    names += ["ampdoctor full", "ampdoctor every 10", "ampdoctor sentinel"]
+    if a.variants:
+        names = a.variants.split(",")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, clock {a.clock}, load average {os.getloadavg()[0]:.1f}, device {device}, {torch.get_num_threads()} threads; "
           f"{a.rounds} rounds x {a.steps} steps per variant, interleaved; medians")
     for mname in a.models.split(","):
         torch.manual_seed(0)

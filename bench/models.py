@@ -1,7 +1,9 @@
-"""The three bench models of issue 6: a deep MLP, a small GPT-style transformer, a wide model."""
+"""The bench models: a deep MLP, a small GPT-style transformer, a wide model (issue 6), and
+pytorch/examples' word_language_model ``TransformerModel`` with a small vocabulary (issue 14)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -80,10 +82,62 @@ def wide() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, t
     return model, batch
 
 
+class PositionalEncoding(nn.Module):
+    """word_language_model's sinusoidal positions, then dropout (inputs are [seq, batch, d])."""
+
+    def __init__(self, d_model: int, dropout: float = 0.1, max_len: int = 5000) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(p=dropout)
+        pe = torch.zeros(max_len, d_model)
+        position = torch.arange(0, max_len, dtype=torch.float).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe.unsqueeze(0).transpose(0, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(x + self.pe[: x.size(0), :])
+
+
+class TransformerModel(nn.Module):
+    """pytorch/examples word_language_model's ``TransformerModel``: an nn.TransformerEncoder LM with
+    a causal mask, embeddings scaled by sqrt(d), a linear decoder and log_softmax."""
+
+    def __init__(self, ntoken: int, ninp: int, nhead: int, nhid: int, nlayers: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.pos_encoder = PositionalEncoding(ninp, dropout)
+        layer = nn.TransformerEncoderLayer(ninp, nhead, nhid, dropout)
+        self.encoder = nn.TransformerEncoder(layer, nlayers, enable_nested_tensor=False)
+        self.input_emb = nn.Embedding(ntoken, ninp)
+        self.ninp = ninp
+        self.decoder = nn.Linear(ninp, ntoken)
+        initrange = 0.1
+        nn.init.uniform_(self.input_emb.weight, -initrange, initrange)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -initrange, initrange)
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(len(src), device=src.device)
+        x = self.pos_encoder(self.input_emb(src) * math.sqrt(self.ninp))
+        return nn.functional.log_softmax(self.decoder(self.encoder(x, mask=mask)), dim=-1)
+
+
+def word_lm() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """word_language_model's defaults (emsize 200, nhid 200, 2 layers, 2 heads, dropout 0.2, bptt 35,
+    batch 20) with a vocabulary of 1,000 tokens instead of Wikitext-2's 33,278."""
+    model = TransformerModel(1000, 200, 2, 200, 2, 0.2)
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 1000, (36, 20), generator=g)  # [seq + 1, batch], as batchify/get_batch give
+        return ids[:-1], ids[1:]
+
+    return model, batch
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.long:
         return nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
     return nn.functional.mse_loss(out.float(), y)
 
 
-MODELS = {"deep_mlp": deep_mlp, "gpt": gpt, "wide": wide}
+MODELS = {"deep_mlp": deep_mlp, "gpt": gpt, "wide": wide, "word_lm": word_lm}

@@ -32,10 +32,10 @@ def expected_category(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     out = torch.full(x.shape, Col.NORMAL, dtype=torch.int64)
     finite = torch.isfinite(x)
     if fmt.saturates:
-        # torch's E4M3FN cast clamps to ±max; ampdoctor calls |x| >= overflow_threshold (464) overflow:
-        # where a non-saturating round-to-nearest-even cast would leave the format
+        # torch's E4M3FN cast clamps to ±max; ampdoctor calls overflow what a round-to-nearest-even
+        # cast without the clamp would take beyond max (computed here independently, in float64)
         assert bool((c[finite & (x.abs() >= fmt.max)].abs() == fmt.max).all())
-        over = finite & (x.abs() >= fmt.overflow_threshold)
+        over = finite & (rne(x, fmt.mantissa_bits).abs() > fmt.max)
     else:
         over = finite & torch.isinf(c)
     out[finite & (c != 0) & (c.abs() < fmt.min_normal)] = Col.SUBNORMAL
@@ -46,6 +46,15 @@ def expected_category(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     out[x == -math.inf] = Col.NEGINF
     out[torch.isnan(x)] = Col.NAN
     return out
+
+
+def rne(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """x rounded to ``mantissa_bits + 1`` significant bits, ties to even (no exponent limits), in float64."""
+    a = x.double().numpy()
+    m, e = np.frexp(a)  # a = m * 2**e, 0.5 <= |m| < 1; m * 2**p is exact, np.rint rounds half to even
+    p = mantissa_bits + 1
+    with np.errstate(invalid="ignore"):
+        return torch.from_numpy(np.ldexp(np.rint(np.ldexp(m, p)), e - p))
 
 
 def stats_category(x: torch.Tensor, fmt: Format, scale: float = 1.0) -> torch.Tensor:
@@ -96,10 +105,11 @@ def test_bf16_named_edges() -> None:
 
 
 def test_fp8_named_edges() -> None:
-    e4 = torch.tensor([448.0, 463.0, 464.0, 480.0, 2.0**-6, 2.0**-9, 2.0**-10, _next(2.0**-10, 1.0)])
-    assert stats_category(e4, FP8_E4M3).tolist() == [Col.NORMAL, Col.NORMAL, Col.OVERFLOW, Col.OVERFLOW, Col.NORMAL,
-                                                     Col.SUBNORMAL, Col.UNDERFLOW, Col.SUBNORMAL]
-    assert e4.to(torch.float8_e4m3fn).float()[:4].tolist() == [448.0] * 4  # torch saturates
+    # 464 is the tie between 448 (0x7E, even) and 480: round-to-nearest-even gives 448, so it fits
+    e4 = torch.tensor([448.0, 463.0, 464.0, _next(464.0, 480.0), 480.0, 2.0**-6, 2.0**-9, 2.0**-10, _next(2.0**-10, 1.0)])
+    assert stats_category(e4, FP8_E4M3).tolist() == [Col.NORMAL, Col.NORMAL, Col.NORMAL, Col.OVERFLOW, Col.OVERFLOW,
+                                                     Col.NORMAL, Col.SUBNORMAL, Col.UNDERFLOW, Col.SUBNORMAL]
+    assert e4.to(torch.float8_e4m3fn).float()[:5].tolist() == [448.0] * 5  # torch saturates
     e5 = torch.tensor([57344.0, _next(61440.0, 0.0), 61440.0, 2.0**-14, 2.0**-16, 2.0**-17, _next(2.0**-17, 1.0)])
     want = [Col.NORMAL, Col.NORMAL, Col.OVERFLOW, Col.NORMAL, Col.SUBNORMAL, Col.UNDERFLOW, Col.SUBNORMAL]
     assert stats_category(e5, FP8_E5M2).tolist() == want

@@ -80,7 +80,7 @@ def test_unknown_extension_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_force_overwrites_and_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ampdoctor.cli.main import reports as cli_report
+    from ampdoctor.cli import reports as cli_report
     from tests.report_fixtures import make_report
 
     path = tmp_path / "r.json"

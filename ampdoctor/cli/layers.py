@@ -13,6 +13,7 @@ import pandas as pd
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -28,6 +29,12 @@ from ampdoctor.judge.ranges import SORTS, tensor_name
 from ampdoctor.report.layers_doc import KIND_LABEL
 
 NAME_WIDTH = 30
+NAME_MIN_WIDTH = 18
+"""The tensor column folds long names onto more lines, never narrower than this (never one letter per line)."""
+WIDE = 100
+"""Below this many columns (an 80-column terminal, a pipe, a CI log) the min≠0 and subn columns are left
+out, so every number and the whole tensor name (.weight, .bias) still fit; --csv holds every column."""
+NARROW_HIDDEN = ("min≠0", "subn")
 _HEAD_STYLE = {"safe": "bold green", "safe_with_scale": "bold yellow", "unsafe": "bold red", "fp32_nonfinite": "bold red"}
 
 
@@ -83,14 +90,20 @@ def _short(name: str, width: int = NAME_WIDTH) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
-def _table(rows: pd.DataFrame, title: str) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-              padding=(0, 1))
-    t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=NAME_WIDTH)
-    t.add_column("kind", no_wrap=True)
-    for head in ("absmax", "min≠0", "ovf", "unf", "subn", "nan/inf", "head"):
-        t.add_column(head, justify="right", no_wrap=True)
-    t.add_column("window", justify="right", no_wrap=True)
+def _dividers(console_width: int) -> tuple[str, ...]:
+    """The columns of the layers table at this console width."""
+    cols = ("tensor", "kind", "absmax", "min≠0", "ovf", "unf", "subn", "nan/inf", "head", "window")
+    return cols if console_width >= WIDE else tuple(c for c in cols if c not in NARROW_HIDDEN)
+
+
+def _table(rows: pd.DataFrame, title: str, console_width: int = WIDE) -> Table:
+    cols = _dividers(console_width)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=0)
+    for head in cols:
+        if head == "tensor":
+            t.add_column(head, overflow="fold", min_width=NAME_MIN_WIDTH)
+        else:
+            t.add_column(head, justify="left" if head == "kind" else "right", no_wrap=True)
     for r in rows.itertuples(index=False):
         name = tensor_name(r.module, r.kind, r.param)
         bad = r.overflow_frac > 0 or r.nonfinite_frac > 0
@@ -99,10 +112,12 @@ def _table(rows: pd.DataFrame, title: str) -> Table:
             window = f"{_pow2(r.min_scale)}..{_pow2(r.max_scale)}"
             if r.min_scale > r.max_scale:  # no scale fits this gradient
                 window = f"[red]{window}[/]"
-        t.add_row(_short(name), KIND_LABEL.get(r.kind, r.kind), _num(r.absmax), _num(r.min_nonzero),
-                  _pct(r.overflow_frac), _pct(r.underflow_frac), _pct(r.subnormal_frac), _pct(r.nonfinite_frac),
-                  _num(round(r.headroom_binades, 1)) if math.isfinite(r.headroom_binades) else "inf", window,
-                  style="red" if bad else None)
+        cells = {"tensor": escape(name), "kind": KIND_LABEL.get(r.kind, r.kind), "absmax": _num(r.absmax),
+                 "min≠0": _num(r.min_nonzero), "ovf": _pct(r.overflow_frac), "unf": _pct(r.underflow_frac),
+                 "subn": _pct(r.subnormal_frac), "nan/inf": _pct(r.nonfinite_frac),
+                 "head": _num(round(r.headroom_binades, 1)) if math.isfinite(r.headroom_binades) else "inf",
+                 "window": window}
+        t.add_row(*(cells[c] for c in cols), style="red" if bad else None)
     return t
 
 
@@ -204,7 +219,10 @@ def layers(
         title = (f"[bold]{name}[/] — worst of {steps} FP32 step(s)"
                  + ((f"; gradients x {_pow2(s) if math.log2(s).is_integer() else f'{s:g}'}" if s != 1.0
                      else "; gradients unscaled") if grads else ""))
-        console.print(_table(rows, title))
+        console.print(_table(rows, title, console.width))
+        if console.width < WIDE:
+            console.print(f"  ({', '.join(NARROW_HIDDEN)} left out below {WIDE} columns; COLUMNS={WIDE} or --csv shows them)",
+                          style="dim", highlight=False)
         if len(summary) > len(rows):
             console.print(f"  ... {len(summary) - len(rows)} more rows (--top 0 shows all; --csv exports every step)",
                           style="dim")
@@ -224,4 +242,5 @@ def layers(
         write_layers_report(report, doc)
     for path in (csv, parquet, report):
         if path is not None:
-            console.print(f"{'report' if path is report else 'table'} written to {path}", style="dim", highlight=False)
+            console.print(f"{'report' if path is report else 'table'} written to {path}", style="dim", highlight=False,
+                          markup=False)

@@ -15,7 +15,7 @@ from ampdoctor.cli.common import err, fail, out
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import SpecNames
-from ampdoctor.io import check_writable, write_atomic
+from ampdoctor.io import write_atomic
 
 app = typer.Typer(
     add_completion=False,
@@ -72,7 +72,7 @@ def triage(
     data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
     loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
     optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path ('-': to stdout, the rest of the output to stderr).")] = None,
     report_path: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html.")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
@@ -81,19 +81,11 @@ def triage(
     from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
+    from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, write_json_stdout
+
+    human = err if is_stdout(json_path) else out  # `--json -`: the JSON alone on stdout
     try:
-        if json_path is not None:
-            check_writable(json_path, force)
-        if log is not None:
-            check_writable(log, force)
-        if report_path is not None:
-            from ampdoctor.cli.reports import check_report_path
-
-            check_report_path(report_path, force)
-        if dump_dir is not None:
-            from ampdoctor.cli.dump import check_dump_dir
-
-            check_dump_dir(dump_dir, force)
+        check_triage_outputs(json_path, report_path, log, dump_dir, force)
         given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                  "growth_interval": growth_interval, "backoff_factor": backoff_factor,
                  "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
@@ -142,16 +134,19 @@ def triage(
     if json_path is not None:
         from ampdoctor.render.json import render as render_json
 
-        write_atomic(json_path, render_json(report))
+        if is_stdout(json_path):
+            write_json_stdout(render_json(report))
+        else:
+            write_atomic(json_path, render_json(report))
     if quiet:
         v = report.verdict
-        out.print(f"{v.cause} module={v.first_module} step={v.first_step} stage={v.stage}", highlight=False)
+        human.print(f"{v.cause} module={v.first_module} step={v.first_step} stage={v.stage}", highlight=False, markup=False)
     else:
         from ampdoctor.render.terminal import render
 
-        render(report, out)
-        for w in ([json_path] if json_path is not None else []) + written:
-            out.print(f"report written to {w}", style="dim", highlight=False)
+        render(report, human)
+        for w in ([json_path] if json_path is not None and not is_stdout(json_path) else []) + written:
+            human.print(f"report written to {w}", style="dim", highlight=False, markup=False)
     raise typer.Exit(report.exit_code)
 
 

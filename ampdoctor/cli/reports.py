@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.errors import OutputExistsError, UsageError
-from ampdoctor.io import check_writable, write_atomic
+from ampdoctor.io import check_folder_writable, check_writable, write_atomic
 from ampdoctor.report.model import Report
 
 FORMATS = {".md": "markdown", ".markdown": "markdown", ".json": "json", ".html": "html", ".htm": "html"}
@@ -31,6 +31,8 @@ def check_report_path(path: Path, force: bool) -> Path:
             raise UsageError(f"{folder} is a file; the Markdown report puts its plots in that folder")
         if folder.is_dir() and any(folder.iterdir()) and not force:
             raise OutputExistsError(f"{folder} (the plots of {p.name}) exists; pass --force to overwrite it")
+        if folder.is_dir():
+            check_folder_writable(folder, f"the plots of {p}")
     return p
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ampdoctor.cli.common import fail, out
 from ampdoctor.errors import AmpDoctorError
@@ -38,11 +39,16 @@ def scaler(
             _need_matplotlib()
         log = read_step_log(csv)
     except AmpDoctorError as e:
-        fail(escape(str(e)))
+        fail(str(e))
         return
     skipped = log.skipped
     scales = log.scales
     steps = log.steps
+    bad = _first_bad_scale(scales)
+    if bad is not None:
+        fail(f"{csv}: column scaler_scale, step {steps[bad]}: {scales[bad]:g} is not a loss scale "  # type: ignore[index]
+             "(GradScaler's scale is a positive number); fix that row or leave the column empty")
+        return
     ledger = skip_ledger(skipped, log.reasons, scales, steps)
     rates = rolling_skip_rate(skipped, window)
     diag = diagnose_scale(scales, skipped, growth_interval=growth_interval, backoff_factor=backoff_factor,
@@ -52,43 +58,63 @@ def scaler(
         try:
             write_atomic(plot, _plot_png(log, diag))
         except AmpDoctorError as e:
-            fail(escape(str(e)))
+            fail(str(e))
             return
-        out.print(f"plot written to {plot}", style="dim")
+        out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
+
+
+def _indent(text: str, indent: int, hang: int = 0) -> Table:
+    """A paragraph indented by ``indent``; wrapped lines indented ``hang`` more (under the text after '- ')."""
+    g = Table.grid()
+    g.add_column(width=indent + hang, no_wrap=True)
+    g.add_column()
+    g.add_row(Text(" " * indent + text[:hang]), Text(text[hang:]))
+    return g
+
+
+def _first_bad_scale(scales: list[float] | None) -> int | None:
+    """Index of the first scale that is zero, negative or infinite (None when all are positive and finite)."""
+    if scales is None:
+        return None
+    import numpy as np
+
+    a = np.asarray(scales, dtype=np.float64)
+    bad = np.flatnonzero(~((a > 0) & np.isfinite(a)))
+    return int(bad[0]) if bad.size else None
 
 
 def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise AmpDoctorError("--plot needs matplotlib: pip install ampdoctor[plots]") from None
+        raise AmpDoctorError("--plot needs matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib") from None
 
 
 def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates: list[float], window: int,
            alert_rate: float) -> None:
     steps = log.steps
-    out.print(f"[bold]{log.path}[/]: {len(steps)} steps ({steps[0]}..{steps[-1]}), {ledger.count} skipped", highlight=False)
+    out.print(f"[bold]{escape(str(log.path))}[/]: {len(steps)} steps ({steps[0]}..{steps[-1]}), {ledger.count} skipped", highlight=False,
+              soft_wrap=True)
     for note in log.notes:
-        out.print(f"[yellow]note:[/] {note}", highlight=False)
+        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     out.print()
     if diag is None:
         out.print("[bold]Scale history[/]: none (the scaler_scale column is empty: a run without GradScaler)")
     else:
         out.print(f"[bold]Scale history[/]: [bold cyan]{diag.pattern}[/]", highlight=False)
-        out.print(f"  {diag.explanation}", highlight=False)
+        out.print(_indent(diag.explanation, 2))
         gi = f"{diag.growth_interval}" if diag.growth_interval else "not seen (no growth)"
         bo = f"{diag.backoff_factor:g}" if diag.backoff_factor else "not seen (no back-off)"
-        out.print(
-            f"  scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
+        out.print(_indent(
+            f"scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
             f"{len(diag.growths)} growth(s), {len(diag.backoffs)} back-off(s); growth_interval {gi}, backoff_factor {bo}",
-            highlight=False,
-        )
+            2))
     out.print()
     out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total_steps} steps ({ledger.rate:.2%}), "
               f"{len(ledger.runs)} run(s), longest {ledger.longest_run}", highlight=False)
     if ledger.count:
         for reason, n in ledger.by_reason().items():
-            out.print(f"  {n:6d}  {reason}", highlight=False)
+            out.print(f"  {n:6d}  {reason}", highlight=False, markup=False)
         t = Table(show_edge=False, pad_edge=False, box=None)
         for col in ("steps", "skips", "reason(s)", "scale"):
             t.add_column(col)
@@ -97,7 +123,7 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
             span = f"{run.start}" if run.start == run.end else f"{run.start}-{run.end}"
             reasons = ", ".join(dict.fromkeys(r or "(none)" for r in run.reasons))
             s = by_step.get(run.start)
-            t.add_row(span, str(run.length), reasons, "" if s is None else pow2(s))
+            t.add_row(span, str(run.length), escape(reasons), "" if s is None else pow2(s))
         out.print(t)
         if len(ledger.runs) > MAX_LEDGER_ROWS:
             out.print(f"  ... {len(ledger.runs) - MAX_LEDGER_ROWS} more run(s)", style="dim")
@@ -119,7 +145,7 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
         out.print()
         out.print("[bold]Recommendations[/]")
         for r in diag.recommendations:
-            out.print(f"  - {r}", highlight=False)
+            out.print(_indent(f"- {r}", 2, hang=2))
         if diag.settings:
             args = ", ".join(f"{k}={pow2(v) if k == 'init_scale' else f'{v:g}'}" for k, v in diag.settings.items())
             out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)

@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -62,8 +62,8 @@ from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
-from ampdoctor.records import StepStats
-from ampdoctor.watch.hooks import Hooks
+from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch.hooks import Hooks, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 
 log = logging.getLogger("ampdoctor")
@@ -106,6 +106,9 @@ class MonitorRecord:
     injected: str = ""
     """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
     stats: StepStats | None = None
+    tripped: bool = False
+    """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
+    ``full_after`` steps are recorded in full)."""
     capture: str = ""
     """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
 
@@ -179,6 +182,18 @@ class Monitor:
         snapshot_every: with ``capture``, keep a host copy of the state every this many steps (and
             the batches since), to re-reach a step whose applied update broke the weights.
         capture_max_bytes: cap on the capture's size; what did not fit is named in its manifest.
+        mode: ``"full"`` (per-layer statistics every ``every``-th step) or ``"sentinel"``, the
+            always-on mode for long runs: every step, only a sentinel (each parameter gradient's
+            L2 norm, which the monitor takes anyway: non-finite exactly when the gradient holds a
+            NaN/Inf, and an upper bound of its absmax; carried in the step's one host copy) and no
+            hook at all; full per-layer statistics every ``full_every`` steps, and from the step
+            that trips the sentinel (a non-finite loss or gradient, or a gradient norm beyond the
+            format's max) through the ``full_after`` steps after it. The step that trips gets the
+            full statistics of its parameter gradients and weights (a second host copy, on that
+            step only); its activations had passed unrecorded, the next steps' are recorded.
+            See docs/own-loop.md.
+        full_every: sentinel mode: full statistics on every ``full_every``-th step.
+        full_after: sentinel mode: how many steps after a trip are recorded in full.
     """
 
     def __init__(
@@ -208,6 +223,9 @@ class Monitor:
         capture: str | Path | None = None,
         snapshot_every: int = 100,
         capture_max_bytes: int = DEFAULT_MAX_BYTES,
+        mode: Literal["full", "sentinel"] = "full",
+        full_every: int = 1000,
+        full_after: int = 8,
     ) -> None:
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
@@ -215,6 +233,15 @@ class Monitor:
             raise UsageError(f"max_norm must be positive, got {max_norm}")
         if max_skip_rate is not None and not 0 <= max_skip_rate < 1:
             raise UsageError(f"max_skip_rate must be in [0, 1), got {max_skip_rate}")
+        if mode not in ("full", "sentinel"):
+            raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
+        if full_every < 1 or full_after < 0:
+            raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
+        self.mode = mode
+        self.full_every = full_every
+        self.full_after = full_after
+        self._full_until = -1
+        """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -235,12 +262,25 @@ class Monitor:
         if amp_dtype is None and self.scaler is not None:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
-        if inject_param is not None and inject_param not in {n for n, _ in model.named_parameters()}:
+        if mode not in ("full", "sentinel"):
+            raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
+        if full_every < 1 or full_after < 0:
+            raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
+        self.mode = mode
+        self.full_every = full_every
+        self.full_after = full_after
+        self._full_until = -1
+        """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
+        named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
+        if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
             raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
         self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
                            every=every)
+        if mode == "sentinel":
+            self.hooks.record_if = self._wants_full
         self.recipe = TrainStep(model, optimizer, self.scaler, hooks=self.hooks, max_norm=max_norm,
-                                precision=Precision("monitor", autocast=amp_dtype, loss_scaling=self.scaler is not None))
+                                precision=Precision("monitor", autocast=amp_dtype, loss_scaling=self.scaler is not None),
+                                sentinel=self.hooks.fmt.max if mode == "sentinel" else None)
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
         self._params = self.recipe.params
         self._names = self.recipe.names
@@ -324,7 +364,7 @@ class Monitor:
     def _inject_inf(self) -> str:
         if self.step_num not in self.inject_inf_at:
             return ""
-        named = dict(self.model.named_parameters())
+        named = dict(unwrap(self.model).named_parameters())
         if self.inject_param is not None:
             p = named[self.inject_param]
             if p.grad is None:
@@ -377,12 +417,38 @@ class Monitor:
         if self._spiked:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
+        if self.mode == "sentinel" and (m.skip or (m.stats is None and m.tripped)):
+            self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
+            if m.stats is None:  # the tripping step passed unrecorded: take what is still there, in full
+                st = self._trip_stats()
+                m.stats = st
+                if st.pgrad:
+                    m.bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
+                    m.bad_count = len(m.bad_params)
+                    if m.skip and m.reason.startswith("nonfinite_grad"):
+                        m.reason = self.recipe.grad_reason(st, m.bad_params)
         self._pending = _Pending(self.step_num, m, injected)
         if m.stats is not None:
             self._last_stats = m.stats
         if self.capture is not None:
             self.capture.before_update(self.step_num, batch)
         return self._pending
+
+    # sentinel mode -----------------------------------------------------------------------------
+    def _wants_full(self, step: int) -> bool:
+        """Sentinel mode: whether ``step`` gets full per-layer statistics."""
+        return step % self.full_every == 0 or step < self._full_until
+
+    def _trip_stats(self) -> StepStats:
+        """The sentinel tripped on a step not recorded: take what is still there in full now, the
+        parameter gradients (and weights with ``weights=True``). A second host copy, on this step only."""
+        h = self.hooks
+        h.begin_step(self.step_num, record=True)
+        h.after_backward()
+        h.after_step()
+        st = h.end_step()
+        st.extra["sentinel_trip"] = 1.0
+        return st
 
     def after_step(self, skipped: bool | None = None) -> MonitorRecord:
         """Your own loop: call after the optimizer step and ``scaler.update()``. No host sync.
@@ -417,6 +483,7 @@ class Monitor:
             pend.step, m.lr, m.grad_l2_pre_clip, m.grad_l2_post_clip, m.loss, sk, reason, m.scale,
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
+            m.stats is not None and "sentinel_trip" in m.stats.extra,
         )
         if self.writer is not None:
             self.writer.write(rec.row())

@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from ampdoctor.input.batches import cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
-from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.hooks import Hooks, unwrap
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class Measured:
     """The per-layer statistics (None on steps the hooks do not record)."""
     growth_tracker: int | None = None
     """GradScaler's growth tracker before this step (None without a GradScaler)."""
+    tripped: bool = False
+    """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
 
 
 _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
@@ -132,6 +135,9 @@ class TrainStep:
         max_norm: clip the global L2 norm to this (None: measure only).
         master: FP32 master parameters, parallel to ``model.parameters()`` (fp16 with master weights).
         names: parameter id → name, for the skip reason.
+        sentinel: a format's max: on steps the hooks do not record, each gradient's L2 norm (taken
+            for the global norm anyway) rides in the one host copy, and ``Measured.tripped`` says
+            whether one is non-finite or beyond that max (the Monitor's sentinel mode).
         skip_nonfinite: skip the optimizer step when the loss or a gradient is non-finite (with a
             GradScaler it always is). False does what a plain loop does: it applies them.
     """
@@ -148,6 +154,7 @@ class TrainStep:
         master: Sequence[torch.nn.Parameter] | None = None,
         names: dict[int, str] | None = None,
         skip_nonfinite: bool = True,
+        sentinel: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -156,17 +163,19 @@ class TrainStep:
         self.hooks = hooks
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or self.scaler is not None
+        self.sentinel = sentinel
         self.master = list(master) if master is not None else None
         self.model_params = list(model.parameters())
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         """What the optimizer steps: norms and clipping cover these."""
-        self.names = names if names is not None else {id(p): n for n, p in model.named_parameters()}
+        named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
+        self.names = names if names is not None else {id(p): n for n, p in named.named_parameters()}
         if self.master is not None:
             for (n, _), p32 in zip(model.named_parameters(), self.master, strict=True):
                 self.names.setdefault(id(p32), n)
         for i, p in enumerate(self.params):
             self.names.setdefault(id(p), f"<optimizer param {i}>")
-        self.modules = [n or locate.MODEL for n, _ in model.named_modules()]
+        self.modules = [n or locate.MODEL for n, _ in named.named_modules()]
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._loss_ok: torch.Tensor | None = None
@@ -273,6 +282,7 @@ class TrainStep:
                               (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
         hooks = self.hooks
         recording = hooks is not None and hooks.recording
+        tripped = False
         if hooks is not None and recording:
             hooks.after_backward()  # parameter gradients, as the optimizer will see them
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
@@ -282,6 +292,12 @@ class TrainStep:
             st: StepStats | None = hooks.end_step()  # the one host copy
             assert st is not None
             vals = [st.extra[n] for n in _PACKED]
+        elif self.sentinel is not None and grads:  # our scalars and each gradient's L2 norm (no extra pass)
+            st = None
+            host = torch.cat([packed, per.to(packed.device, torch.float64)]).cpu().numpy()
+            gnorms = host[len(_PACKED):]
+            tripped = bool(not np.isfinite(gnorms).all() or (gnorms > self.sentinel).any())
+            vals = host[: len(_PACKED)].tolist()
         else:  # nothing else queued this step: our scalars alone
             st = None
             vals = packed.cpu().numpy().tolist()
@@ -308,7 +324,8 @@ class TrainStep:
         else:
             after_ok = after_skip = None
         return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
-                        bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None), label
+                        bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None,
+                        tripped), label
 
     def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
         """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""

@@ -14,6 +14,7 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, scan_batches
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
+from ampdoctor.judge.progress import describe, loss_window
 from ampdoctor.judge.rules_extra import Frozen, custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.scaler import diagnose_scale
 from ampdoctor.records import Col, Finding, LayerRow, ScaleEvent, ScalerStory, StageResult, StepStats, Verdict, nonfinite
@@ -230,8 +231,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig) -> ScalerStory | None:
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
                        backoff_factor=cfg.backoff_factor, init_scale=cfg.init_scale)
     events = [ScaleEvent(r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
-    final = scales[-1] * (cfg.backoff_factor if skipped[-1] else 1.0)
-    return ScalerStory(cfg.init_scale, final, min(scales), max(scales), d.calibration_skips, events,
+    return ScalerStory(cfg.init_scale, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
                        d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
 
 
@@ -449,8 +449,9 @@ def diagnose(
     # 4. healthy, with warnings from the probes ---------------------------------------------------
     _warnings(results, tgt_name, fp32, story, uf, findings, fixes)
     summary = f"The {tgt_name} configuration trains like FP32"
-    if ratio is not None:
-        summary += f" ({ratio:.0%} of FP32's loss progress)"
+    window = loss_window(tgt, fp32, MIN_STALL_STEPS)
+    if ratio is not None and window is not None:
+        summary += f" ({describe(window, tgt_name)})"
     summary += "; no non-finite values reached the weights."
     if story and story.calibration_skips:
         summary += f" {story.calibration_skips} GradScaler skip(s) while the scale calibrated are normal."

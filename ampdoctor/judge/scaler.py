@@ -15,12 +15,18 @@ Patterns (``ScaleDiagnosis.pattern``), each with its meaning:
   ``scaler.update()`` is not called every step.
 - ``oscillating``: skips after calibration with growth in between: the gradients sit at the
   edge of FP16's range and each growth overflows again.
-- ``saturated``: the scale sits at 2^16 or above (up to about 2^24): the gradients are small and
-  far from FP16's max. Healthy; near 2^24 check that the loss is not vanishing.
+- ``saturated``: the scale sits at 2^16 or above (up to about 2^24) and the history shows why:
+  it bounced off a top there, came down from ``init_scale`` only that far, or grew to 2^24. The
+  gradients are small and far from FP16's max. Healthy; near 2^24 check that the loss is not vanishing.
 - ``climbing``: the scale is still growing: healthy, still searching upwards.
 - ``calibrating``: a few skips at the start bring the scale down from ``init_scale``, then no
   more: GradScaler found the largest scale the gradients allow. Normal.
-- ``stable``: the scale did not move (isolated skips, if any, are listed).
+- ``stable``: the scale did not move (isolated skips, if any, are listed). A scale that never moved
+  in fewer clean steps than ``growth_interval`` says nothing about the gradients' size: GradScaler
+  never tried a larger one.
+
+Every function is linear in the number of steps (numpy over the whole history; ``bench/bench_scaler.py``
+times a 1e6-step log).
 
 Recommendations give ``init_scale``, ``growth_interval`` and ``backoff_factor`` values computed
 from the history (the scale the run settled at, the clean steps between skips, the runs of
@@ -33,6 +39,8 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ampdoctor.fmt import pow2 as _fmt_pow2
 
@@ -98,9 +106,9 @@ def skip_ledger(
     """The skip ledger of a run. A run of consecutive skips is consecutive rows (steps)."""
     n = len(skipped)
     st = list(steps) if steps is not None else list(range(n))
-    rs = list(reasons) if reasons is not None else [""] * n
-    sc: list[float | None] = list(scales) if scales is not None else [None] * n
-    idx = [i for i in range(n) if skipped[i]]
+    rs = reasons if reasons is not None else [""] * n
+    sc: Sequence[float | None] = scales if scales is not None else [None] * n
+    idx = np.flatnonzero(np.asarray(skipped, dtype=bool)).tolist()
     runs: list[SkipRun] = []
     for i in idx:
         if runs and i > 0 and skipped[i - 1] and runs[-1].end == st[i - 1]:
@@ -131,6 +139,7 @@ class ScaleDiagnosis:
     backoff_factor: float | None = None
     """Given, or inferred from the scale ratio at each skip."""
     min_scale: float = math.nan
+    """The smallest scale of the history, ``final_scale`` included (so it is never above it)."""
     max_scale: float = math.nan
     final_scale: float = math.nan
     """The scale after the last step's update, where the history shows it (else the last scale used)."""
@@ -145,38 +154,39 @@ def floor_pow2(x: float) -> float:
     return 2.0 ** math.floor(math.log2(x)) if x > 0 and math.isfinite(x) else x
 
 
+def _arrays(scales: Sequence[float], skipped: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(scales, dtype=np.float64), np.asarray(skipped, dtype=bool)
+
+
 def infer_backoff(scales: Sequence[float], skipped: Sequence[bool]) -> float | None:
     """Median of ``scale[i+1] / scale[i]`` over skipped steps i where the scale fell."""
-    ratios = [scales[i + 1] / scales[i] for i in range(len(scales) - 1)
-              if skipped[i] and 0 < scales[i + 1] < scales[i]]
+    sc, sk = _arrays(scales, skipped)
+    a, b = sc[:-1], sc[1:]
+    fell = sk[:-1] & (b > 0) & (b < a)
+    ratios = (b[fell] / a[fell]).tolist()
     return float(statistics.median(ratios)) if ratios else None
 
 
 def infer_growth_interval(scales: Sequence[float], skipped: Sequence[bool]) -> int | None:
     """Fewest clean steps (since the last skip or scale change) that preceded a growth."""
-    runs: list[int] = []
-    clean = 0
-    for i in range(len(scales) - 1):
-        if skipped[i]:
-            clean = 0
-            continue
-        clean += 1
-        if scales[i + 1] > scales[i]:
-            runs.append(clean)
-            clean = 0
-        elif scales[i + 1] < scales[i]:
-            clean = 0
-    return min(runs) if runs else None
+    sc, sk = _arrays(scales, skipped)
+    if len(sc) < 2:
+        return None
+    grew = ~sk[:-1] & (sc[1:] > sc[:-1])
+    # the clean count restarts after every skip and every scale change; between two restarts all steps are clean
+    resets = np.flatnonzero(sk[:-1] | (sc[1:] != sc[:-1]))
+    clean = np.diff(resets, prepend=-1)[grew[resets]]
+    return int(clean.min()) if clean.size else None
 
 
 def _clean_runs_between(skip_idx: list[int], n: int, skipped: Sequence[bool]) -> list[int]:
     """Clean steps between consecutive (non-adjacent) skips in ``skip_idx``."""
-    out = []
-    for a, b in zip(skip_idx, skip_idx[1:], strict=False):
-        gap = sum(1 for i in range(a + 1, b) if not skipped[i])
-        if gap:
-            out.append(gap)
-    return out
+    if len(skip_idx) < 2:
+        return []
+    clean_before = np.concatenate([[0], np.cumsum(~np.asarray(skipped, dtype=bool))])  # clean steps in [0, i)
+    idx = np.asarray(skip_idx)
+    gaps = clean_before[idx[1:]] - clean_before[idx[:-1] + 1]
+    return [int(g) for g in gaps if g]
 
 
 def _nice(n: float) -> int:
@@ -208,8 +218,9 @@ def diagnose_scale(
     n = len(scales)
     if n == 0:
         return ScaleDiagnosis("empty", "no steps were recorded", 0, [], [], [])
-    sc = [float(s) for s in scales]
-    sk = [bool(s) for s in skipped]
+    sc_a, sk_a = _arrays(scales, skipped)
+    sc: list[float] = sc_a.tolist()
+    sk: list[bool] = sk_a.tolist()
     st = list(steps) if steps is not None else list(range(n))
     gi_given, bo_given = growth_interval, backoff_factor
     gi_inf, bo_inf = infer_growth_interval(sc, sk), infer_backoff(sc, sk)
@@ -217,18 +228,20 @@ def diagnose_scale(
     bo = bo_given or bo_inf or DEFAULT_BACKOFF
     init = init_scale if init_scale is not None else sc[0]
 
-    growth_i = [i for i in range(1, n) if sc[i] > sc[i - 1]]
-    backoff_i = [i for i in range(1, n) if sc[i] < sc[i - 1]]
-    applied = [i for i in range(n) if not sk[i]]
+    growth_i: list[int] = (np.flatnonzero(sc_a[1:] > sc_a[:-1]) + 1).tolist()
+    backoff_i: list[int] = (np.flatnonzero(sc_a[1:] < sc_a[:-1]) + 1).tolist()
+    applied = bool((~sk_a).any())
     # a calibration skip brings the scale to a new low on its way down from init_scale; a skip
     # at a scale the history has already come down from (after a growth) is an oscillation
-    calib_i = [i for i in range(n) if sk[i] and (i == 0 or sc[i] <= min(sc[:i])) and not any(g <= i for g in growth_i)]
-    later_i = [i for i in range(n) if sk[i] and i not in set(calib_i)]
-    smin, smax = min(sc), max(sc)
+    low_before = np.concatenate([[math.inf], np.minimum.accumulate(sc_a)[:-1]])  # min(sc[:i])
+    calib_m = sk_a & (sc_a <= low_before) & (np.arange(n) < (growth_i[0] if growth_i else n))
+    calib_i: list[int] = np.flatnonzero(calib_m).tolist()
+    later_i: list[int] = np.flatnonzero(sk_a & ~calib_m).tolist()
     final = sc[-1] * (bo if sk[-1] else 1.0)
+    smin, smax = min(sc), max(sc)
     ledger = skip_ledger(sk, None, None, list(range(n)))
     longest_skip_run = ledger.longest_run
-    longest_clean = _longest_run([not s for s in sk])
+    longest_clean = _longest_run(~sk_a)
     tail = sk[-max(1, n // 4):]
     tail_rate = sum(tail) / len(tail)
     fell = math.log2(sc[0] / smin) if smin > 0 else math.inf
@@ -238,7 +251,8 @@ def diagnose_scale(
     settled = final
     if calib_i:
         settled = sc[calib_i[-1]] * bo
-    safe = [sc[i] for i in applied if not later_i or sc[i] < min(sc[j] for j in later_i)]
+    later_min = float(sc_a[later_i].min()) if later_i else math.inf
+    safe: list[float] = sc_a[~sk_a & (sc_a < later_min)].tolist()
 
     def backoff_rec(why: str) -> None:
         b = min(0.8, max(0.7, round(math.sqrt(bo), 2)))
@@ -293,14 +307,17 @@ def diagnose_scale(
             settings["init_scale"] = held
             recs.append(f"init_scale={pow2(held)}: the scale that held between the last {len(recent)} overflows")
         backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
-    elif final >= SATURATION and (later_i or not growth_i or final >= CEILING):
+    elif final >= SATURATION and (later_i or (backoff_i and not growth_i) or final >= CEILING):
+        # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
+        # from init_scale only as far as 2^16 or more, or kept growing to 2^24; a scale that never
+        # moved is no evidence (it is "stable")
         pattern = "saturated"
         expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
         if final >= CEILING:
             expl += "; at 2**24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
         plateau = floor_pow2(max(safe) if safe else final)
         if plateau > init * 1.0001:
-            first = next(i for i in range(n) if sc[i] >= plateau)
+            first = int(np.argmax(sc_a >= plateau))
             settings["init_scale"] = plateau
             recs.append(f"init_scale={pow2(plateau)} starts at the plateau this run reached at step {st[first]}")
         if later_i:
@@ -331,6 +348,10 @@ def diagnose_scale(
     else:
         pattern = "stable"
         expl = f"the scale stayed at {pow2(sc[-1])}" + (f" with {len(later_i)} isolated skip(s)" if later_i else "")
+        if not growth_i and not backoff_i and not later_i:
+            expl = (f"the scale stayed at {pow2(sc[-1])} for all {n} step(s): no overflow, and fewer clean steps than "
+                    f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "
+                    "larger scale; the history cannot tell how far the gradients are from FP16's limits")
 
     if calib_i and pattern != "collapsed" and "init_scale" not in settings:
         settings["init_scale"] = settled
@@ -339,24 +360,23 @@ def diagnose_scale(
         recs.append(f"isolated skips at steps {', '.join(str(st[i]) for i in later_i[:10])}: check those batches")
     return ScaleDiagnosis(
         pattern, expl, len(calib_i), [st[i] for i in later_i], [st[i] for i in growth_i], [st[i] for i in backoff_i],
-        recs, settings, gi_given or gi_inf, bo_given or bo_inf, smin, smax, final,
+        # the scale after the last update belongs to the range too: a skip at the last step takes the
+        # scale below every scale used, and "final 2^13, min 2^14" would contradict itself
+        recs, settings, gi_given or gi_inf, bo_given or bo_inf, min(smin, final), smax, final,
     )
 
 
-def _longest_run(flags: Sequence[bool]) -> int:
-    best = cur = 0
-    for f in flags:
-        cur = cur + 1 if f else 0
-        best = max(best, cur)
-    return best
+def _longest_run(flags: Sequence[bool] | np.ndarray) -> int:
+    f = np.asarray(flags, dtype=bool)
+    if not f.any():
+        return 0
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], f.astype(np.int8), [0]])))  # run starts, run ends
+    return int((edges[1::2] - edges[::2]).max())
 
 
 def rolling_skip_rate(skipped: Sequence[bool], window: int = 1000) -> list[float]:
     """Skip rate over the last ``window`` steps (fewer at the start), one value per step."""
-    out, acc = [], 0
-    for i, s in enumerate(skipped):
-        acc += int(s)
-        if i >= window:
-            acc -= int(skipped[i - window])
-        out.append(acc / min(i + 1, window))
-    return out
+    c = np.concatenate([[0], np.cumsum(np.asarray(skipped, dtype=np.int64))])
+    i = np.arange(1, len(c))
+    counts = c[1:] - c[np.maximum(i - window, 0)]
+    return (counts / np.minimum(i, window)).tolist()

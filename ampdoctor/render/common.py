@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ampdoctor.fmt import num, option_value, pct, pow2, steps
@@ -37,7 +38,15 @@ def scaled_stage(report: Any) -> Any:
     return next((s for s in report.stages if any(x is not None for x in s.scales)), None)
 
 
-def skip_reasons(skips: list[Any]) -> str:
-    """'18 × nonfinite grad:head, 2 × nonfinite loss' for a list of ScaleEvents."""
+def reason_label(reason: str, module: Callable[[str], str] = str) -> str:
+    """'nonfinite grad at c_attn' for 'nonfinite_grad:c_attn': the code reads as words, the module name stays
+    exact (its underscores too), formatted by ``module`` (a code span in Markdown)."""
+    kind, sep, name = reason.partition(":")
+    label = kind.replace("_", " ")
+    return f"{label} at {module(name)}" if sep and name else label
+
+
+def skip_reasons(skips: list[Any], module: Callable[[str], str] = str) -> str:
+    """'18 × nonfinite grad at head, 2 × nonfinite loss' for a list of ScaleEvents."""
     reasons = Counter(x.reason or "unknown" for x in skips)
-    return ", ".join(f"{n} × {r.replace('_', ' ')}" for r, n in reasons.most_common()) or "none"
+    return ", ".join(f"{n} × {reason_label(r, module)}" for r, n in reasons.most_common()) or "none"

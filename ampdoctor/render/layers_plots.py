@@ -1,4 +1,4 @@
-"""PNG figures of a layers report (matplotlib Agg, the optional ``plots`` extra), per format.
+"""PNG figures of a layers report (matplotlib Agg, a base dependency), per format.
 
 ``figures(doc)`` returns ``{name: png_bytes}``: ``{dtype}_headroom`` (binades between each
 tensor's absmax and the format's max, the tightest tensors first) and ``{dtype}_fractions``

@@ -8,12 +8,24 @@ environment. Long tables fold into ``<details>``.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
+from ampdoctor.render.common import (
+    CAUSE_TITLES,
+    evidence,
+    num,
+    option_value,
+    pct,
+    reason_label,
+    scale,
+    scaled_stage,
+    skip_reasons,
+    steps,
+)
 from ampdoctor.report.model import Report, StageSummary
 
 SHOW_ROWS = 6
@@ -48,9 +60,22 @@ def reproduce_command(report: Report) -> str | None:
     return " ".join(parts)
 
 
+_CODE_SPAN = re.compile(r"(`[^`\n]*`|\[[^\]\n]*\]\(#[\w-]*\))")
+"""Left as they are: code spans, and the in-page links the renderers make themselves ([bf16](#bf16))."""
+_MD_SPECIAL = re.compile(r"([\\<>*\[\]]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+"""Markdown's specials; an underscore inside a word (c_attn) is literal on GitHub and stays bare."""
+
+
+def text(x: Any) -> str:
+    """Free text for Markdown: outside `code spans` (and in-page links), the characters Markdown or GitHub's HTML filter would
+    eat are backslash-escaped (``<model>`` stays visible, ``c_attn`` keeps its underscore, ``[0]`` is no link)."""
+    parts = _CODE_SPAN.split(str(x))
+    return "".join(p if i % 2 else _MD_SPECIAL.sub(r"\\\1", p) for i, p in enumerate(parts))
+
+
 def cell(x: Any) -> str:
-    """A table cell: pipes escaped, newlines folded."""
-    return str(x).replace("|", "\\|").replace("\n", " ")
+    """A table cell (or any inline text): Markdown escaped outside code spans, pipes escaped, newlines folded."""
+    return text(x).replace("|", "\\|").replace("\n", " ")
 
 
 def code(x: Any) -> str:
@@ -92,7 +117,7 @@ def _verdict(report: Report) -> list[str]:
     icon = "✅" if v.cause == "healthy" else "❓" if v.cause in ("inconclusive", "not_reproduced") else "❌"
     step_label = "First bad batch" if v.cause == "data" else "First bad step"
     lines = [f"# ampdoctor report: {title}", "", f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">",
-             f"> {v.summary}", ""]
+             f"> {text(v.summary)}", ""]
     lines += table(["", ""], [["First module", code(v.first_module)], [step_label, num(v.first_step)],
                               ["Stage", v.stage or "-"], ["Device", v.device],
                               ["Spec", code(report.config.get("spec"))]])
@@ -147,9 +172,9 @@ def _scaler(report: Report) -> list[str]:
     sc = report.scaler
     if sc is None:
         return []
-    why = skip_reasons(sc.skips)
+    why = skip_reasons(sc.skips, module=code)
     lines = ["", "## GradScaler", "",
-             f"**Pattern: {sc.pattern}.** {sc.explanation}", "",
+             f"**Pattern: {sc.pattern}.** {cell(sc.explanation)}", "",
              f"- scale: init {scale(sc.init_scale)}, final {scale(sc.final_scale)}, min {scale(sc.min_scale)}, "
              f"max {scale(sc.max_scale)}",
              f"- skipped steps ({len(sc.skips)}): {steps([e.step for e in sc.skips])}; why: {why}",
@@ -158,7 +183,7 @@ def _scaler(report: Report) -> list[str]:
     if stage is not None:
         lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage), "scale runs", {1, 2})]
     if sc.skips:
-        rows = [[str(e.step), scale(e.scale), e.reason.replace("_", " ")] for e in sc.skips]
+        rows = [[str(e.step), scale(e.scale), reason_label(e.reason, module=code) if e.reason else "-"] for e in sc.skips]
         lines += ["", f"<details><summary>Skipped steps and why ({len(rows)})</summary>", "",
                   *table(["step", "scale", "reason"], rows, {0, 1}), "", "</details>"]
     return lines

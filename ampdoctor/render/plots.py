@@ -1,4 +1,4 @@
-"""PNG figures of a Report, drawn with matplotlib's Agg backend (the optional ``plots`` extra).
+"""PNG figures of a Report, drawn with matplotlib's Agg backend (matplotlib is a base dependency).
 
 ``figures(report)`` returns ``{name: png_bytes}`` for every plot the report has data for:
 ``loss`` (loss per stage against step, FP32 as the reference line), ``scale`` (GradScaler scale,
@@ -15,7 +15,7 @@ from typing import Any
 from ampdoctor.render.common import scaled_stage
 from ampdoctor.report.model import Report
 
-INSTALL_HINT = "plots need matplotlib: pip install 'ampdoctor[plots]'"
+INSTALL_HINT = "plots need matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib"
 
 TITLES = {
     "loss": "Loss per stage against step",

@@ -43,6 +43,8 @@ class GraphRecorder:
         self._open: list[list[Any]] = []
         names = {m: n or MODEL for n, m in model.named_modules()}
         self.handles = []
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            return  # a compiled model runs its modules inside dynamo's graph: hooks there would break it
         for m in model.modules():
             self.handles.append(m.register_forward_pre_hook(self._pre(m), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post(names[m]), with_kwargs=True))

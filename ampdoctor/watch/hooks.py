@@ -9,11 +9,24 @@ A step is bracketed by ``begin_step`` and ``end_step``. During it:
 - ``after_step`` queues every parameter's value after the update.
 ``end_step`` reduces what is queued and copies it to the host in one transfer: the only host
 synchronisation the monitor makes in a step. Hooks never synchronise.
+
+Nothing is stored on the model. The forward hook is one process-wide module hook
+(``torch.nn.modules.module.register_module_forward_hook``), filtered to the watched model's
+modules, and registered only while a step is being recorded: steps that are not recorded run
+with no hook at all, and ``torch.save(model)`` never pickles an ampdoctor object. The global hook
+holds the ``Hooks`` weakly, so an unclosed monitor (a notebook cell run twice) does not keep the
+model alive; its hook goes away with it.
+
+A ``torch.compile``d model is watched through its original module (``_orig_mod``) without the
+forward hook: its modules run inside dynamo's graph, where a hook could only break the graph, so
+its parameter gradients and values are recorded and its activations are not. (Should the hook
+meet a compiled region anyway, it does nothing there: dynamo traces it as a no-op.)
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
@@ -24,6 +37,35 @@ from ampdoctor.formats import FP16, Format
 from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.stats import StatsBuffer
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``d model wraps (``_orig_mod``), else the model itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, Any], None]:
+    """The process-wide forward hook of one ``Hooks``: holds it weakly, does nothing under dynamo."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if torch.compiler.is_compiling():  # traced as a constant: the compiled graph holds no trace of us
+            return
+        h = ref()
+        if h is not None:
+            h._on_forward(module, args, kwargs, output)
+
+    return hook
+
+
+def _remove_all(handles: list[Any]) -> None:
+    kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
+    for h in handles:
+        h.remove()
+        # torch (2.13) leaves a with_kwargs global hook's flag behind on remove, and while any flag is
+        # there torch.compile'd modules warn about global hooks: take it away with the hook
+        kw.pop(h.id, None)
+    handles.clear()
 
 
 class Hooks:
@@ -53,29 +95,44 @@ class Hooks:
         self._handles: list[Any] = []
         self.tracker = ModuleTracker(model) if track else None
         """With ``track=True``: which module is running (names the module an exception came from)."""
-        self._names = {m: n or "<model>" for n, m in model.named_modules()}
-        self._param_names = [(n, p) for n, p in model.named_parameters()]
+        self._attached = False
+        root = unwrap(model)
+        self._compiled = root is not model
+        """A compiled model runs its modules inside dynamo's graph: no forward hook (see the module doc)."""
+        self._root_id = id(root)
+        # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
+        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
+        self._param_names = [(n, p) for n, p in root.named_parameters()]
         self._active = False
+        self.record_if: Callable[[int], bool] | None = None
+        """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
+        weakref.finalize(self, _remove_all, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
         self._reset(0)
 
     # lifecycle -----------------------------------------------------------------------------
     def attach(self) -> Hooks:
-        if self._handles:
-            return self
+        self._attached = True
+        self._sync_hook()
         if self.tracker is not None:
             self.tracker.attach()
-        for mod in self.model.modules():
-            self._handles.append(mod.register_forward_hook(self._on_forward, with_kwargs=True))
         return self
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._attached = False
+        self._active = False
+        self._sync_hook()
         if self.tracker is not None:
             self.tracker.detach()
-        self._active = False
+
+    def _sync_hook(self) -> None:
+        """The global forward hook is registered exactly while attached and recording."""
+        want = self._attached and self._active and not self._compiled
+        if want and not self._handles:
+            hook = _global_hook(weakref.ref(self))
+            self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
+        elif not want and self._handles:
+            _remove_all(self._handles)
 
     def __enter__(self) -> Hooks:
         self._training = self.model.training
@@ -95,12 +152,16 @@ class Hooks:
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
 
-    def begin_step(self, step: int) -> None:
-        """Start recording step ``step`` (statistics only every ``every``-th step)."""
+    def begin_step(self, step: int, record: bool | None = None) -> None:
+        """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
+        (when set), else every ``every``-th step. A step not recorded runs with no hook at all."""
         self._reset(step)
-        self._active = step % self.every == 0
         if self.tracker is not None:
             self.tracker.stack.clear()
+        if record is None:
+            record = self.record_if(step) if self.record_if is not None else step % self.every == 0
+        self._active = record
+        self._sync_hook()
 
     @property
     def recording(self) -> bool:
@@ -134,14 +195,14 @@ class Hooks:
         return [self._tid(t) for t in iter_tensors(obj) if t.is_floating_point()]
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._active:
+        name = self._names.get(id(module))
+        if name is None or not self._active:  # another model's module (the hook is process-wide)
             return
         self._grad_enabled = torch.is_grad_enabled()
         ins = self._tids_of(args if not kwargs else (args, kwargs))
         outs = self._tids_of(output)
-        name = self._names.get(module, type(module).__name__)
         self._cur.calls.append(Call(name, ins, outs))
-        if module is self.model:
+        if id(module) == self._root_id:
             self._cur.model_inputs = ins
             self._cur.model_outputs = outs
 
@@ -205,40 +266,48 @@ def _scalar_rows(values: torch.Tensor, device: torch.device, width: int = NCOLS)
 
 
 class ModuleTracker:
-    """Forward pre/post hooks that know which module is running, to name where an error came from.
+    """Which module is running, to name where an exception came from.
 
     ``current`` is the innermost module whose forward has started and not finished: after an
-    exception escapes the forward, the module that raised it.
+    exception escapes the forward, the module that raised it. Like ``Hooks``, it uses process-wide
+    pre/post forward hooks filtered to the model's modules, held weakly: nothing is stored on the model.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        root = unwrap(model)
+        self._compiled = root is not model
+        """A compiled model: no hooks (dynamo would trace them), so no module is named."""
+        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self.stack: list[str] = []
         self._handles: list[Any] = []
+        weakref.finalize(self, _remove_all, self._handles)
 
     def attach(self) -> None:
-        if self._handles:
+        if self._handles or self._compiled:
             return
         self.stack.clear()
-        for n, m in self.model.named_modules():
-            self._handles.append(m.register_forward_pre_hook(partial(_enter, self.stack, n or "<model>")))
-            self._handles.append(m.register_forward_hook(partial(_leave, self.stack)))
+        ref = weakref.ref(self)
+        self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(partial(_tracker_enter, ref)))
+        self._handles.append(torch.nn.modules.module.register_module_forward_hook(partial(_tracker_leave, ref)))
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _remove_all(self._handles)
 
     @property
     def current(self) -> str | None:
         return self.stack[-1] if self.stack else None
 
 
-def _enter(stack: list[str], name: str, *_: Any) -> None:
-    stack.append(name)
+def _tracker_enter(ref: weakref.ref[ModuleTracker], module: nn.Module, *_: Any) -> None:
+    t = ref()
+    if t is not None and not torch.compiler.is_compiling():
+        name = t._names.get(id(module))
+        if name is not None:
+            t.stack.append(name)
 
 
-def _leave(stack: list[str], *_: Any) -> None:
+def _tracker_leave(ref: weakref.ref[ModuleTracker], module: nn.Module, *_: Any) -> None:
     # hooks must return None, or they would replace the module's output
-    if stack:
-        stack.pop()
+    t = ref()
+    if t is not None and not torch.compiler.is_compiling() and id(module) in t._names and t.stack:
+        t.stack.pop()

@@ -205,19 +205,19 @@ class StepLog:
 
     @property
     def steps(self) -> list[int]:
-        return [int(s) for s in self.frame["step"]]
+        return self.frame["step"].astype("int64").tolist()  # type: ignore[no-any-return]
 
     @property
     def skipped(self) -> list[bool]:
-        return [bool(s) for s in self.frame["skipped"]]
+        return self.frame["skipped"].astype(bool).tolist()  # type: ignore[no-any-return]
 
     @property
     def reasons(self) -> list[str]:
-        return [str(s) for s in self.frame["skip_reason"]]
+        return self.frame["skip_reason"].astype(str).tolist()  # type: ignore[no-any-return]
 
     @property
     def losses(self) -> list[float]:
-        return [float(s) for s in self.frame["loss"]]
+        return self.frame["loss"].astype("float64").tolist()  # type: ignore[no-any-return]
 
     @property
     def scales(self) -> list[float] | None:
@@ -226,8 +226,8 @@ class StepLog:
         if col.isna().all():
             return None
         if col.isna().any():
-            return [float(s) for s in col.ffill().bfill()]
-        return [float(s) for s in col]
+            return col.ffill().bfill().astype("float64").tolist()  # type: ignore[no-any-return]
+        return col.astype("float64").tolist()  # type: ignore[no-any-return]
 
 
 _TRUE = {"1", "true", "True", "TRUE", "1.0"}
@@ -261,6 +261,11 @@ def read_step_log(path: str | Path) -> StepLog:
         if last_n < header_n:
             notes.append(f"the last line ({len(lines)}) is incomplete (a run killed mid-write?) and was ignored")
             text = "\n".join(lines[:-1]) + "\n"
+    from ampdoctor.watch.steplog_fast import read_clean
+
+    clean = read_clean(text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)  # a clean log in one vectorised read
+    if clean is not None:
+        return _finish(clean, p, notes)
     rows = list(csv.reader(io.StringIO(text)))
     width = len(rows[0]) if rows else 0
     for i, r in enumerate(rows[1:]):
@@ -313,6 +318,11 @@ def read_step_log(path: str | Path) -> StepLog:
         if c not in out.columns:
             out[c] = df[c]
     out = out[list(df.columns)]  # the file's column order
+    return _finish(out, p, notes)
+
+
+def _finish(out: Any, p: Path, notes: list[str]) -> StepLog:
+    """Drop steps logged twice (the later row wins), sort by step, wrap."""
     dup = out["step"].duplicated(keep="last")
     if dup.any():
         notes.append(f"{int(dup.sum())} step(s) were logged twice (a resumed run?); the later rows are used")

@@ -1,0 +1,51 @@
+"""Every output file of ``ampdoctor triage``, checked before any stage runs; ``--json -`` (JSON on stdout).
+
+A run can take minutes: an output that cannot be written must cost one line and exit code 2 at the
+start, not a traceback (or a wrong verdict) at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ampdoctor.errors import UsageError
+from ampdoctor.io import check_folder_writable, check_writable
+
+STDOUT = "-"
+"""``--json -`` writes the JSON to stdout (and the human output to stderr)."""
+
+
+def is_stdout(path: Path | None) -> bool:
+    return path is not None and str(path) == STDOUT
+
+
+def check_triage_outputs(json_path: Path | None, report_path: Path | None, log: Path | None, dump_dir: Path | None,
+                         force: bool) -> None:
+    """Refuse (UsageError / OutputExistsError) any output that exists without --force, lies in a missing or
+    unwritable folder, or names the same file as another output."""
+    named = [(opt, p) for opt, p in (("--json", json_path), ("--report", report_path), ("--log", log),
+                                      ("--dump-dir", dump_dir)) if p is not None and not is_stdout(p)]
+    for i, (opt_a, a) in enumerate(named):
+        for opt_b, b in named[i + 1:]:
+            if a.resolve() == b.resolve():
+                raise UsageError(f"{opt_a} and {opt_b} both name {a}; give each output its own path")
+    if json_path is not None and not is_stdout(json_path):
+        check_writable(json_path, force)
+    if log is not None:
+        check_writable(log, force)
+    if report_path is not None:
+        from ampdoctor.cli.reports import check_report_path
+
+        check_report_path(report_path, force)
+    if dump_dir is not None:
+        from ampdoctor.cli.dump import check_dump_dir
+
+        check_dump_dir(dump_dir, force)
+        check_folder_writable(dump_dir if dump_dir.is_dir() else dump_dir.parent, f"--dump-dir {dump_dir}")
+
+
+def write_json_stdout(text: str) -> None:
+    """The JSON report on stdout, newline-terminated, flushed (a pipe reader sees all of it)."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
