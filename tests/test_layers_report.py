@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli.main import app
 from ampdoctor.cli import reports as cli_report
+from ampdoctor.cli.main import app
 from ampdoctor.engine.layers import COLUMNS
 from ampdoctor.render import layers_html, layers_markdown
 from ampdoctor.report.layers_doc import build, to_json
