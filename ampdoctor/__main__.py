@@ -1,3 +1,3 @@
-from ampdoctor.cli.main import main
+from ampdoctor.cli.app import main
 
 main()

@@ -97,3 +97,18 @@ def option_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
     return str(v)
+
+
+def pct0(x: float) -> str:
+    """A share as a whole percentage: '42%' (for sentences; tables use ``pct``)."""
+    return f"{x:.0%}"
+
+
+def gen(x: float) -> str:
+    """A number as Python's general format writes it: 65504, 1e-08, 0.5."""
+    return f"{x:g}"
+
+
+def fixed(x: float, digits: int = 2) -> str:
+    """A number with a fixed number of decimals: 0.73."""
+    return f"{x:.{digits}f}"

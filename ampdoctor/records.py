@@ -152,7 +152,8 @@ class Verdict:
     first_module: str | None
     first_step: int | None
     stage: str | None
-    summary: str
+    summary: str = ""
+    """Written from the rule's facts by ``report.words`` when the Report is built."""
     device: str = "cpu"
 
 
@@ -162,12 +163,37 @@ class Finding:
     """A cause from CAUSES, or a warning code such as 'calibration_skips'."""
     severity: str
     """error | warning | info"""
-    title: str
+    title: str = ""
+    """Written from the code and evidence by ``report.words`` when the Report is built."""
     stage: str | None = None
     module: str | None = None
     step: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     fix: str = ""
+    """Written by ``report.words`` when the Report is built."""
+
+
+@dataclass
+class Fix:
+    """One change to make, as data: ``report.words`` turns the code and facts into a sentence."""
+
+    code: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """What a rule found, as data: the verdict (cause, module, step, stage), the facts its words need
+    (``facts["variant"]`` names the wording; keys ``step`` and ``*_step`` are step numbers), its
+    findings (no prose: code, severity, stage, module, step, evidence) and its fixes."""
+
+    cause: str
+    module: str | None
+    step: int | None
+    stage: str | None
+    facts: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    fixes: list[Fix] = field(default_factory=list)
 
 
 @dataclass

@@ -47,7 +47,7 @@ def write_log(path: Path, rows: int, seed: int = 0) -> None:
 
 def run_once(log: Path) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS in MiB) of one `ampdoctor scaler LOG` in a child process."""
-    code = "import sys; from ampdoctor.cli.main import main; sys.argv = ['ampdoctor', 'scaler', sys.argv[1]]; main()"
+    code = "import sys; from ampdoctor.cli.app import main; sys.argv = ['ampdoctor', 'scaler', sys.argv[1]]; main()"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)

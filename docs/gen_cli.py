@@ -16,7 +16,7 @@ os.environ["COLUMNS"] = "100"
 os.environ["NO_COLOR"] = "1"
 os.environ["TERM"] = "dumb"
 
-from ampdoctor.cli.main import app  # noqa: E402
+from ampdoctor.cli.app import app  # noqa: E402
 
 
 def generate() -> str:

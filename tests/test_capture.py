@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor import Monitor, TriageConfig, triage
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.engine.replay import read_capture
 from ampdoctor.errors import CaptureError
 
@@ -81,6 +81,15 @@ def test_triage_from_the_capture_names_cause_module_and_the_runs_step(capture: t
     amp = next(s for s in report.stages if s.name == "amp")
     assert amp.skipped_steps == [step] and amp.scales == [65536.0]
     assert report.layers[0].module == "logits > matmul" and report.layers[0].absmax_fp32 > 65504
+
+
+def test_the_replay_says_the_runs_own_step_in_every_sentence(capture: tuple[Path, int]) -> None:
+    """The words are written after the replay's steps are shifted: never the replay-relative 'step 0'."""
+    folder, step = capture
+    report, _ = triage(SAMPLE, TriageConfig(), from_capture=folder)
+    assert f"at step {step}" in report.verdict.summary, report.verdict.summary
+    assert "step 0" not in report.verdict.summary
+    assert report.findings[0].step == step and "step 0" not in report.findings[0].title + report.findings[0].fix
 
 
 def test_cli_from_capture_without_a_dataloader(capture: tuple[Path, int], tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from ampdoctor import layer_stats
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.engine.layers import COLUMNS, advise, choose_scale
 from ampdoctor.formats import FP16
 

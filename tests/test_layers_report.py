@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ampdoctor.cli import reports as cli_report
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.engine.layers import COLUMNS
 from ampdoctor.render import layers_html, layers_markdown
 from ampdoctor.report.layers_doc import build, to_json

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.records import LayerRow, ScaleEvent
 from ampdoctor.render import markdown as md_render
 from ampdoctor.render.terminal import render as render_terminal

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import ampdoctor.cli.main as cli
+import ampdoctor.cli.app as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "ampdoctor triage sample_models/forward_overflow.py"

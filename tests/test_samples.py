@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.engine.triage import triage
 from ampdoctor.input.config import TriageConfig
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ampdoctor.cli.main import app
+from ampdoctor.cli.app import app
 from ampdoctor.judge.scaler import diagnose_scale, infer_backoff, infer_growth_interval, rolling_skip_rate, skip_ledger
 from ampdoctor.watch.steplog import StepLogWriter
 

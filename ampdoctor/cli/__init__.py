@@ -1,5 +1,5 @@
 """The command line: one module per command, one error boundary."""
 
-from ampdoctor.cli.main import main
+from ampdoctor.cli.app import main
 
 __all__ = ["main"]

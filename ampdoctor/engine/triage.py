@@ -22,8 +22,9 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
-from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, stall_ratio
+from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.records import StageResult
+from ampdoctor.report import words
 from ampdoctor.report.build import enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
 from ampdoctor.tensors import iter_tensors
@@ -249,8 +250,9 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     if rp is not None:
         transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
         if transient is not None:
-            transient.layers, transient.scaler = diag.layers, diag.scaler
-            diag = transient
+            diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
+        diag = shift_diagnosis(diag, rp.step0)  # the run's own steps, before any word is written
+    verdict, findings, fixes, scaler = words.write(diag)
     run.reset()
     fp32 = results.get("fp32")
     notes = []
@@ -265,12 +267,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     if ratio is not None:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
-        verdict=diag.verdict,
+        verdict=verdict,
         stages=[_summary(r, fp32) for r in results.values()],
-        findings=diag.findings,
+        findings=findings,
         layers=diag.layers,
-        scaler=diag.scaler,
-        fixes=diag.fixes,
+        scaler=scaler,
+        fixes=fixes,
         environment=environment(device, argv),
         config=cfg_dict,
         notes=notes,
@@ -283,5 +285,5 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}): "
                                f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
                                f"failed again {rp.reproduced} of {rp.replays} times")
-        shift_steps(report, rp.step0)
+        shift_steps(report, rp.step0, judged=False)
     return report

@@ -53,10 +53,3 @@ def loss_window(target: Any, fp32: Any, min_steps: int = 8) -> LossWindow | None
     if head32 == 0 or head32 - tail32 <= 1e-2 * abs(head32):
         return None
     return LossWindow(n, k, head32, tail32, float(np.mean(tgt[-k:])))
-
-
-def describe(w: LossWindow, name: str) -> str:
-    """'mean loss over steps 36-47: amp 0.62, FP32 0.58, both down from FP32's 2.31 over steps 0-11 (107% of FP32's progress)'."""
-    last = f"{w.steps - w.window}-{w.steps - 1}"
-    return (f"mean loss over steps {last}: {name} {w.target_tail:.4g}, FP32 {w.fp32_tail:.4g}, from FP32's "
-            f"{w.fp32_head:.4g} over steps 0-{w.window - 1}: {w.ratio:.0%} of FP32's progress")

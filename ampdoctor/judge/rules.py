@@ -1,23 +1,33 @@
-"""From stage results to a verdict, findings and fixes. No I/O; the FP32 re-check is injected."""
+"""From stage results to a verdict, findings and fixes, as data. No I/O; the FP32 re-check is injected.
+
+Each rule is a small function over the records (``Ctx``: stage results, batches, config, the FP32
+re-check) that returns an ``Outcome`` (cause, module, step, stage, facts, findings, fixes) or None
+when it does not apply; ``RULES`` is their order and the first Outcome decides. No rule writes
+English: ``ampdoctor.report.words`` turns causes, finding codes and fix codes into sentences.
+"""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
+from ampdoctor.fmt import pow2
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, check_batch, outlier_ratio
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, scan_batches
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
-from ampdoctor.judge.progress import describe, loss_window
-from ampdoctor.judge.rules_extra import Frozen, custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
+from ampdoctor.judge.progress import loss_window
+from ampdoctor.judge.rules_extra import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.scaler import diagnose_scale
-from ampdoctor.records import Col, Finding, LayerRow, ScaleEvent, ScalerStory, StageResult, StepStats, Verdict, nonfinite
+from ampdoctor.records import Col, Finding, Fix, LayerRow, Outcome, ScaleEvent, ScalerStory, StageResult, StepStats, nonfinite
 
 OUTLIER_RATIO = 1e3
 """A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""
@@ -49,15 +59,15 @@ RecheckFn = Callable[[str, int], Recheck | None]
 
 @dataclass
 class Diagnosis:
-    verdict: Verdict
-    findings: list[Finding]
+    """The verdict as data: the deciding rule's Outcome (with the data scan's findings and every fix),
+    the layer table, GradScaler's story. ``report.words`` writes the English when the Report is built."""
+
+    outcome: Outcome
     layers: list[LayerRow]
     scaler: ScalerStory | None
-    fixes: list[str]
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}" if math.isfinite(x) else str(x)
+    device: str = "cpu"
+    scaler_note: str | None = None
+    """'overflows_hidden': the scale history looks healthy only because GradScaler never saw the overflows."""
 
 
 MIN_STALL_STEPS = 8
@@ -142,10 +152,6 @@ def _first_bad_step(res: StageResult, amp: bool) -> int | None:
         if not amp and not math.isfinite(r.grad_l2_pre_clip):
             return r.step
     return None
-
-
-def _hooks_in(model_hooks: list[str]) -> str:
-    return ", ".join(model_hooks[:5])
 
 
 def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, focus: str | None = None) -> list[LayerRow]:
@@ -235,6 +241,396 @@ def scaler_story(res: StageResult, cfg: TriageConfig) -> ScalerStory | None:
                        d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
 
 
+
+
+class Ctx:
+    """What every rule reads: the stage results and inputs, and the measurements derived from them
+    once (the FP32 re-check of the first bad step runs at most once, on first use)."""
+
+    def __init__(self, results: dict[str, StageResult], batches: Batches, cfg: TriageConfig, recheck: RecheckFn,
+                 device: str = "cpu", hooks: list[str] | None = None) -> None:
+        self.results, self.batches, self.cfg, self.recheck = results, batches, cfg, recheck
+        self.device, self.hooks = device, list(hooks or [])
+        self.fp32 = results["fp32"]
+        self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
+        self.tgt = results.get(self.tgt_name)
+        self.probe = results.get("fp16")
+        self.story = scaler_story(results["amp"], cfg) if "amp" in results else None
+
+    @cached_property
+    def ratio(self) -> float | None:
+        return stall_ratio(self.tgt, self.fp32) if self.tgt is not None else None
+
+    @property
+    def stalled(self) -> bool:
+        return self.ratio is not None and self.ratio < STALL_RATIO
+
+    @property
+    def collapsed(self) -> bool:
+        return self.story is not None and self.story.pattern == "collapsed"
+
+    @cached_property
+    def later_skips(self) -> list[int]:
+        """Skipped steps of the target after GradScaler's calibration."""
+        if self.tgt is None or self.story is None:
+            return []
+        calib = set(_calibration_steps(self.tgt)) if self.tgt_name == "amp" else set()
+        return [s for s in self.tgt.skipped_steps if s not in calib]
+
+    @property
+    def skip_alert(self) -> bool:
+        return bool(self.later_skips) and len(self.later_skips) / max(1, len(self.tgt.records if self.tgt else [])) > SKIP_RATE_ALERT
+
+    @cached_property
+    def bad(self) -> int | None:
+        """The target's first faulty step; for amp, a collapsed scale or skips above the alert rate count."""
+        tgt = self.tgt
+        if tgt is None:
+            return None
+        bad = _first_bad_step(tgt, amp=self.tgt_name == "amp")
+        if self.tgt_name == "amp" and bad is None and (self.collapsed or self.skip_alert):
+            bad = self.later_skips[0] if self.later_skips else (tgt.skipped_steps[0] if tgt.skipped_steps else None)
+        return bad
+
+    @cached_property
+    def st(self) -> StepStats | None:
+        return _stats_at(self.tgt, self.bad) if self.tgt is not None and self.bad is not None else None
+
+    @cached_property
+    def rc(self) -> Recheck | None:
+        return self.recheck(self.tgt_name, self.bad) if self.bad is not None else None
+
+    @property
+    def rc_ev(self) -> dict[str, Any]:
+        rc = self.rc
+        return {"fp32_recheck_loss": rc.loss, "fp32_recheck_finite": rc.finite, "fp32_recheck_weights": rc.weights} if rc else {}
+
+    @cached_property
+    def uf(self) -> list[tuple[str, float]]:
+        return underflowing_params(self.tgt, self.fp32) if self.tgt is not None else []
+
+    @property
+    def plain_fp16_weights(self) -> bool:
+        return self.tgt_name == "fp16" and self.tgt is not None and not self.tgt.master_weights
+
+
+Rule = Callable[[Ctx], Outcome | None]
+
+
+# 1. FP32 itself fails: data or a model bug ---------------------------------------------------------
+
+def fp32_raised(c: Ctx) -> Outcome | None:
+    """The FP32 reference raised: a model bug, whatever the precision."""
+    e = c.fp32.error
+    if e is None:
+        return None
+    facts = {"variant": "fp32_raised", "type": e.type, "message": e.message, "module": e.module, "step": e.step}
+    return Outcome("model_bug", e.module, e.step, "fp32", facts,
+                   [Finding("model_bug", "error", stage="fp32", module=e.module, step=e.step, evidence={"message": e.message})],
+                   [Fix("fix_exception", {"type": e.type, "module": e.module, "step": e.step, "message": e.message})])
+
+
+def fp32_nonfinite_data(c: Ctx) -> Outcome | None:
+    """FP32 goes non-finite on a batch that holds NaN/Inf: the data."""
+    s = _first_bad_step(c.fp32, amp=False)
+    if s is None:
+        return None
+    bad_fields = [fc for fc in check_batch(c.batches[s]) if fc.nonfinite]
+    if not bad_fields:
+        return None
+    fc, b = bad_fields[0], c.batches.index(s)
+    facts = {"variant": "fp32_data_nonfinite", "step": s, "batch": b, "field": fc.field, "count": fc.nonfinite,
+             "samples": list(fc.samples)}
+    return Outcome("data", None, b, "fp32", facts,
+                   [Finding("data", "error", stage="fp32", step=b,
+                            evidence={"field": fc.field, "nonfinite": fc.nonfinite, "samples": fc.samples})],
+                   [Fix("filter_nonfinite_batch", {"batch": b, "field": fc.field, "samples": list(fc.samples)})])
+
+
+def fp32_outlier(c: Ctx) -> Outcome | None:
+    """FP32 goes non-finite on a batch orders of magnitude larger than the median batch: the data."""
+    s = _first_bad_step(c.fp32, amp=False)
+    out = _outlier(c.batches, s) if s is not None else None
+    if s is None or out is None:
+        return None
+    field_, ratio, samples = out
+    b = c.batches.index(s)
+    facts = {"variant": "fp32_data_outlier", "step": s, "batch": b, "field": field_, "ratio": ratio, "samples": samples}
+    return Outcome("data", None, b, "fp32", facts,
+                   [Finding("data", "error", stage="fp32", step=b,
+                            evidence={"field": field_, "ratio_to_median": ratio, "samples": samples})],
+                   [Fix("outlier_batch", {"batch": b, "field": field_, "samples": samples, "ratio": ratio})])
+
+
+def fp32_model_bug(c: Ctx) -> Outcome | None:
+    """FP32 goes non-finite on finite data: diverged weights (the batch trains from the initial
+    weights) or a bug in the model or loss."""
+    s = _first_bad_step(c.fp32, amp=False)
+    if s is None:
+        return None
+    st = _stats_at(c.fp32, s)
+    module = locate.locate_forward(st) if st is not None else None
+    where = "forward"
+    if module is None and st is not None and locate.backward_fault(st):
+        module = locate.locate_backward(st)
+        where = "backward"
+    rc = c.recheck("initial", s)
+    rec = c.fp32.records[s]
+    ev: dict[str, Any] = {"loss": rec.loss, "grad_l2": rec.grad_l2_pre_clip}
+    if rc is not None:
+        ev.update(replay_from_initial_weights_finite=rc.finite, replay_loss=rc.loss)
+    facts: dict[str, Any] = {"step": s, "batch": c.batches.index(s), "module": module}
+    if rc is not None and rc.finite:
+        norms = [r.grad_l2_pre_clip for r in c.fp32.records[:s] if math.isfinite(r.grad_l2_pre_clip)]
+        gmax = max(norms) if norms else float("nan")
+        ev["max_grad_l2_before"] = gmax
+        facts.update(variant="fp32_diverged", steps_before=s, max_grad_l2=gmax)
+        fix = Fix("lower_lr")
+    else:
+        loc = "module" if module else "loss" if st is not None and not locate.forward_fault(st) else "model"
+        facts.update(variant="fp32_bug", where=where, location=loc)
+        fix = Fix("guard_op", {"module": module})
+    return Outcome("model_bug", module, s, "fp32", facts,
+                   [Finding("model_bug", "error", stage="fp32", module=module, step=s, evidence=ev)], [fix])
+
+
+# 2. the target stage ----------------------------------------------------------------------------
+
+def no_target(c: Ctx) -> Outcome | None:
+    if c.tgt is not None:
+        return None
+    return Outcome("healthy", None, None, None, {"variant": "no_target"})
+
+
+def custom_function(c: Ctx) -> Outcome | None:
+    """The target raised a dtype error in the backward of a custom autograd.Function."""
+    e = c.tgt.error if c.tgt is not None else None
+    cfd = custom_function_dtype(e) if e is not None else None
+    if e is None or cfd is None:
+        return None
+    dev = c.device.split(":")[0]
+    facts = {"variant": "custom_function", "function": cfd.function, "module": cfd.module, "type": e.type,
+             "message": e.message, "step": e.step, "device": dev}
+    fix = Fix("custom_fwd_bwd", {"function": cfd.function, "device": dev})
+    return Outcome("amp_misuse", cfd.module, e.step, c.tgt_name, facts,
+                   [Finding("amp_misuse", "error", stage=c.tgt_name, module=cfd.module, step=e.step,
+                            evidence={"error": f"{e.type}: {e.message}", "function": cfd.function})], [fix])
+
+
+def target_raised(c: Ctx) -> Outcome | None:
+    """The target raised: a kernel the device lacks (inconclusive) or code that breaks under the precision."""
+    e = c.tgt.error if c.tgt is not None else None
+    if e is None:
+        return None
+    device_limit = "device limitation" in e.hint
+    cause = "inconclusive" if device_limit else "amp_misuse"
+    facts = {"variant": "target_raised", "stage": c.tgt_name, "type": e.type, "message": e.message, "module": e.module,
+             "step": e.step, "hint": e.hint, "device": c.device, "device_limit": device_limit}
+    fix = Fix("device_limit", {"hint": e.hint}) if device_limit else \
+        Fix("work_under_autocast", {"module": e.module, "type": e.type, "message": e.message})
+    return Outcome(cause, e.module, e.step, c.tgt_name, facts,
+                   [Finding(cause, "error", stage=c.tgt_name, module=e.module, step=e.step,
+                            evidence={"error": f"{e.type}: {e.message}"})], [fix])
+
+
+def outlier_at_event(c: Ctx) -> Outcome | None:
+    """A target-stage event (the first fault, or a skip) falls on an outlier batch: the data."""
+    if c.tgt is None:
+        return None
+    events = sorted(set(([c.bad] if c.bad is not None else []) + c.tgt.skipped_steps))
+    for s in events:
+        out = _outlier(c.batches, s)
+        if out is not None:
+            field_, ratio, samples = out
+            b = c.batches.index(s)
+            facts = {"variant": "target_outlier", "stage": c.tgt_name, "step": s, "batch": b, "field": field_,
+                     "ratio": ratio, "samples": samples}
+            return Outcome("data", None, b, c.tgt_name, facts,
+                           [Finding("data", "error", stage=c.tgt_name, step=b,
+                                    evidence={"field": field_, "ratio_to_median": ratio, "samples": samples})],
+                           [Fix("outlier_batch", {"batch": b, "field": field_, "samples": samples, "ratio": ratio})])
+    return None
+
+
+def damaged_weights(c: Ctx) -> Outcome | None:
+    """amp: the weights reached at the bad step fail in FP32 too: AMP let damaged updates through."""
+    rc = c.rc
+    if c.bad is None or rc is None or rc.finite or c.tgt_name != "amp":
+        return None
+    return _amp_misuse(c, c.bad, c.rc_ev, {"why": "damaged"})
+
+
+def forward_in_root(c: Ctx) -> Outcome | None:
+    """A forward fault made by the root's own code (outside every child module): name the op."""
+    st = c.st
+    if c.bad is None or st is None or not locate.forward_fault(st) or locate.locate_forward(st) != locate.MODEL:
+        return None
+    nop = c.rc.nonfinite_op() if c.rc is not None and c.rc.nonfinite_op is not None else None
+    kind = "root" if nop is None else "loss" if nop.module is None else "model_loss" if nop.loss_only else "root"
+    return _forward_in_code(c, kind, nop, c.rc_ev)
+
+
+def loss_in_fp16(c: Ctx) -> Outcome | None:
+    """Every module output is finite, yet the loss is not: the loss function made the NaN/Inf."""
+    if c.bad is None or c.tgt is None:
+        return None
+    lf = loss_fault(c.tgt, c.bad, c.st)
+    if lf is None:
+        return None
+    nop = c.rc.nonfinite_op() if c.rc is not None and c.rc.nonfinite_op is not None else None
+    return _forward_in_code(c, "loss", nop, dict(c.rc_ev, loss=lf.loss))
+
+
+def forward_overflow(c: Ctx) -> Outcome | None:
+    """A module's output becomes non-finite in the target while FP32 stays finite."""
+    st, bad = c.st, c.bad
+    if bad is None or st is None or not locate.forward_fault(st):
+        return None
+    module = locate.locate_forward(st)
+    if module is None and st.model_inputs and any(nonfinite(st.act[t]) > 0 for t in st.model_inputs if t in st.act):
+        module = locate.first_consumer_of_inputs(st)
+    ref = _stats_at(c.fp32, bad)
+    ev = dict(c.rc_ev)
+    rc = c.rc
+    if rc is not None and rc.ops is not None and module is not None:
+        op = first_overflowing_op(rc.ops(module))
+        if op is not None:
+            ev.update(op=op.op, op_overflow_frac=op.overflow_frac, fp32_absmax=op.absmax, fp16_max=FP16.max)
+    if "fp32_absmax" not in ev and ref is not None and module is not None:
+        amax = _module_absmax(ref, module)
+        if amax is not None:
+            ev.update(fp32_absmax=amax, fp16_max=FP16.max)
+    dev = c.device.split(":")[0]
+    facts = {"variant": "forward_overflow", "stage": c.tgt_name, "module": module, "step": bad, "op": ev.get("op"),
+             "fp32_absmax": ev.get("fp32_absmax"), "recheck_loss": rc.loss if rc is not None and rc.finite else None,
+             "device": dev}
+    fixes = [Fix("keep_fp32", {"module": module, "device": dev}), Fix("bf16_autocast"), Fix("into_range", {"module": module})]
+    return Outcome("fp16_forward_overflow", module, bad, c.tgt_name, facts,
+                   [Finding("fp16_forward_overflow", "error", stage=c.tgt_name, module=module, step=bad, evidence=ev)], fixes)
+
+
+def grad_overflow(c: Ctx) -> Outcome | None:
+    """Gradients overflow in backward (or GradScaler's scale collapses / keeps skipping); for amp,
+    when raw FP16 without scaling has no such problem, AMP itself is defeated."""
+    st, bad, tgt, sd = c.st, c.bad, c.tgt, c.story
+    if bad is None or tgt is None:
+        return None
+    if not ((st is not None and locate.backward_fault(st)) or c.collapsed or c.skip_alert):
+        return None
+    if c.tgt_name == "amp" and c.probe is not None and not _probe_grad_problem(c.probe):
+        return _amp_misuse(c, bad, c.rc_ev, {"why": "probe_clean"})
+    module = locate.locate_backward(st) if st is not None else None
+    if module is None and c.probe is not None:
+        pb = _first_bad_step(c.probe, amp=False)
+        ps = _stats_at(c.probe, pb) if pb is not None else None
+        module = locate.locate_backward(ps) if ps is not None else None
+    ev = dict(c.rc_ev)
+    if sd is not None:
+        ev.update(min_scale=sd.min_scale, skipped_steps=len(sd.skips), pattern=sd.pattern)
+    ev["grad_l2_fp32_step"] = c.fp32.records[min(bad, len(c.fp32.records) - 1)].grad_l2_pre_clip
+    how = "collapsed" if c.collapsed and sd else "skips" if c.later_skips else "nonfinite"
+    facts = {"variant": "grad_overflow", "module": module, "step": bad, "how": how,
+             "min_scale": sd.min_scale if sd else None, "skips_after_calibration": len(c.later_skips)}
+    dev = c.device.split(":")[0]
+    fixes = ([Fix("keep_fp32_backward", {"module": module, "device": dev})] if module else []) + [Fix("reduce_loss"), Fix("bf16_no_overflow")]
+    if sd is not None and sd.min_scale < 1:
+        fixes.append(Fix("scale_below_one", {"min_scale": sd.min_scale}))
+    return Outcome("fp16_grad_overflow", module, bad, c.tgt_name, facts,
+                   [Finding("fp16_grad_overflow", "error", stage=c.tgt_name, module=module, step=bad, evidence=ev)], fixes)
+
+
+def nonfinite_weights(c: Ctx) -> Outcome | None:
+    """The weights become non-finite with finite gradients: FP16 weights swallow the updates
+    (raw fp16 without master weights), else AMP is defeated."""
+    st, bad, tgt = c.st, c.bad, c.tgt
+    if bad is None or tgt is None:
+        return None
+    rec = tgt.records[bad] if bad < len(tgt.records) else tgt.records[-1]
+    if rec.params_finite and not (st is not None and any(nonfinite(r) > 0 for r in st.param.values())):
+        return None
+    if c.plain_fp16_weights:
+        return _swallowed(c, bad)
+    return _amp_misuse(c, bad, c.rc_ev, {"why": "nonfinite_weights"})
+
+
+# 3. overflows that something hid from GradScaler, then silent stalls -------------------------------
+
+def masked_overflow(c: Ctx) -> Outcome | None:
+    """amp: a scaled gradient must overflow FP16, yet arrived at unscale_ as finite zeros."""
+    if c.tgt_name != "amp" or c.tgt is None:
+        return None
+    masked = masked_overflows(c.tgt, c.fp32)
+    if not masked:
+        return None
+    p, step, scaled = masked[0]
+    ev = {"parameter": p, "fp32_grad_absmax_x_scale": scaled, "fp16_max": FP16.max, "progress_vs_fp32": c.ratio}
+    return _amp_misuse(c, step, ev, {"why": "masked", "parameter": p, "scaled": scaled})
+
+
+def stall(c: Ctx) -> Outcome | None:
+    """The target makes under half of FP32's loss progress without any non-finite value."""
+    tgt = c.tgt
+    if tgt is None or not c.stalled:
+        return None
+    if c.plain_fp16_weights and (tgt.optimizer_underflow or _mean_swallowed(tgt) > 0.5):
+        return _swallowed(c, None)
+    if c.uf:
+        return _underflow(c, c.uf)
+    if c.tgt_name == "amp":
+        return _amp_misuse(c, None, {"progress_vs_fp32": c.ratio}, {"why": "stall"})
+    facts = {"variant": "stall", "stage": c.tgt_name, "ratio": c.ratio}
+    return Outcome("fp16_grad_underflow", None, None, c.tgt_name, facts,
+                   [Finding("fp16_grad_underflow", "error", stage=c.tgt_name, evidence={"progress_vs_fp32": c.ratio})])
+
+
+def optimizer_underflow(c: Ctx) -> Outcome | None:
+    """FP16 weights and optimizer state with an optimizer constant that rounds to 0 in FP16."""
+    if c.plain_fp16_weights and c.tgt is not None and c.tgt.optimizer_underflow:
+        return _swallowed(c, None)
+    return None
+
+
+def frozen(c: Ctx) -> Outcome | None:
+    """Parameters frozen by underflow while the loss still falls: the underflow verdict, per parameter."""
+    if c.tgt is None:
+        return None
+    fz = frozen_params(c.tgt, c.fp32, c.uf)
+    if not fz:
+        return None
+    out = _underflow(c, [(f.param, f.flushed) for f in fz])
+    f0 = fz[0]
+    out.findings[0].evidence["weight_movement_vs_fp32"] = {f.param: round(f.moved, 4) for f in fz[:10]}
+    out.facts.update(variant="frozen", frozen=len(fz), moved=f0.moved, steps=len(c.tgt.records))
+    return out
+
+
+def healthy(c: Ctx) -> Outcome:
+    """No rule applies: the target trains like FP32; the probes and the layer table add warnings."""
+    story = c.story
+    window = loss_window(c.tgt, c.fp32, MIN_STALL_STEPS) if c.tgt is not None else None
+    facts = {"variant": "healthy", "stage": c.tgt_name, "ratio": c.ratio, "window": window,
+             "calibration_skips": story.calibration_skips if story else 0}
+    return Outcome("healthy", None, None, c.tgt_name, facts, warnings(c))
+
+
+RULES: tuple[Rule, ...] = (
+    fp32_raised, fp32_nonfinite_data, fp32_outlier, fp32_model_bug,
+    no_target, custom_function, target_raised, outlier_at_event,
+    damaged_weights, forward_in_root, loss_in_fp16, forward_overflow, grad_overflow, nonfinite_weights,
+    masked_overflow, stall, optimizer_underflow, frozen,
+)
+"""In order: the first rule that returns an Outcome decides the verdict; ``healthy`` when none does."""
+
+
+def judge(c: Ctx) -> Outcome:
+    """The first rule's Outcome, or the healthy one with its warnings."""
+    for rule in RULES:
+        out = rule(c)
+        if out is not None:
+            return out
+    return healthy(c)
+
+
 def diagnose(
     results: dict[str, StageResult],
     batches: Batches,
@@ -243,231 +639,222 @@ def diagnose(
     device: str = "cpu",
     model_hooks: list[str] | None = None,
 ) -> Diagnosis:
-    """Apply the rules in order: FP32 → target stage (with probes and the FP32 re-check) → healthy."""
-    findings: list[Finding] = []
-    fixes: list[str] = []
-    fp32 = results["fp32"]
-    target = cfg.target
-    tgt_name = "amp" if target == "amp" else target
-    tgt = results.get(tgt_name)
-    layers = layer_table(results, tgt_name)
-    story = scaler_story(results["amp"], cfg) if "amp" in results else None
-    hooks = model_hooks or []
-    data_issues = scan_batches(batches)  # always: findings whatever the verdict
-
-    def verdict(cause: str, module: str | None, step: int | None, stage: str | None, summary: str) -> Diagnosis:
-        table = layer_table(results, tgt_name, focus=module) if module else layers
-        ev = findings[0].evidence if findings else {}
-        if module and "op" in ev and "fp32_absmax" in ev:
-            op_row = LayerRow(f"{module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
-                              0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), step)
-            table = [op_row, *table]
-        if cause == "amp_misuse" and story is not None and not story.skips:
-            # the history looks healthy only because the overflows never reached GradScaler
-            story.explanation = ("the scale never backed off, but not because the gradients fit: the overflows were "
-                                 "hidden from GradScaler before unscale_ (see the verdict)")
-        if cause.startswith("fp16_") and "bf16" in results and target != "bf16":
-            fixes.append(_bf16_check(results["bf16"], fp32))
-        findings.extend(_data_findings(data_issues, findings, results, batches))
-        return Diagnosis(Verdict(cause, module, step, stage, summary, device), findings, table, story, fixes)
-
-    # 1. FP32 itself fails: data or a model bug ---------------------------------------------------
-    if fp32.error is not None:
-        e = fp32.error
-        findings.append(Finding("model_bug", "error", f"fp32 stage raised {e.type} at step {e.step}", "fp32",
-                                e.module, e.step, {"message": e.message}, "Fix the exception; it is not a precision issue."))
-        fixes.append(f"Fix the {e.type} raised in {e.module or 'your code'} at step {e.step}: {e.message}")
-        return verdict("model_bug", e.module, e.step, "fp32",
-                       f"The FP32 reference raises {e.type} at step {e.step}: {e.message}")
-    s32 = _first_bad_step(fp32, amp=False)
-    if s32 is not None:
-        return _fp32_failure(fp32, s32, batches, recheck, findings, fixes, verdict)
-
-    # 2. the target stage ------------------------------------------------------------------------
-    if tgt is None:
-        return verdict("healthy", None, None, None, "FP32 trains cleanly; no target stage was run.")
-    if tgt.error is not None:
-        e = tgt.error
-        cfd = custom_function_dtype(e)
-        if cfd is not None:
-            dev = device.split(":")[0]
-            fix = (f"Decorate {cfd.function}.forward with `@torch.amp.custom_fwd(device_type='{dev}', cast_inputs=torch.float32)` "
-                   f"and {cfd.function}.backward with `@torch.amp.custom_bwd(device_type='{dev}')`: forward then runs in FP32 "
-                   "with autocast off, and backward gets the same dtypes forward saw.")
-            where = f"{cfd.module}'s custom autograd.Function {cfd.function}" if cfd.module else f"custom autograd.Function {cfd.function}"
-            findings.append(Finding("amp_misuse", "error", f"{where} raises {e.type} in backward under autocast", tgt_name,
-                                    cfd.module, e.step, {"error": f"{e.type}: {e.message}", "function": cfd.function}, fix))
-            fixes.append(fix)
-            return verdict("amp_misuse", cfd.module, e.step, tgt_name,
-                           f"The backward of {where} raises {e.type} at step {e.step} ({e.message[:120]}): under autocast it "
-                           "receives FP16 tensors next to FP32 ones, because the Function has no custom_fwd/custom_bwd.")
-        device_limit = "device limitation" in e.hint
-        cause = "inconclusive" if device_limit else "amp_misuse"
-        findings.append(Finding(cause, "error", f"{tgt_name} stage raised {e.type} in {e.module or 'user code'} at step {e.step}",
-                                tgt_name, e.module, e.step, {"error": f"{e.type}: {e.message}"}, e.hint))
-        fixes.append(e.hint if device_limit else
-                     f"Make {e.module or 'the model'} work under autocast: it raised {e.type}: {e.message}")
-        what = "cannot run" if device_limit else "breaks"
-        return verdict(cause, e.module, e.step, tgt_name,
-                       f"The {tgt_name} configuration {what} on {device}: {e.type} in {e.module or 'user code'} "
-                       f"at step {e.step} ({e.message[:120]}). {e.hint}")
-
-    probe = results.get("fp16")
-    ratio = stall_ratio(tgt, fp32)
-    stalled = ratio is not None and ratio < STALL_RATIO
-    sd = story
-    collapsed = sd is not None and sd.pattern == "collapsed"
-    calib_steps = set(_calibration_steps(tgt)) if tgt_name == "amp" else set()
-    later_skips = [s for s in tgt.skipped_steps if s not in calib_steps] if sd else []
-    skip_alert = bool(later_skips) and len(later_skips) / max(1, len(tgt.records)) > SKIP_RATE_ALERT
-    bad = _first_bad_step(tgt, amp=tgt_name == "amp")
-    if tgt_name == "amp" and bad is None and (collapsed or skip_alert):
-        bad = later_skips[0] if later_skips else (tgt.skipped_steps[0] if tgt.skipped_steps else None)
-
-    # data outliers at any target-stage event (skip or fault)
-    events = sorted(set(([bad] if bad is not None else []) + tgt.skipped_steps))
-    for s in events:
-        out = _outlier(batches, s)
-        if out is not None:
-            field_, ratio_o, samples = out
-            b = batches.index(s)
-            findings.append(Finding("data", "error", f"batch {b} is an outlier: {field_} is {ratio_o:.3g}x the median batch",
-                                    tgt_name, None, b, {"field": field_, "ratio_to_median": ratio_o, "samples": samples},
-                                    f"Fix batch {b} ({field_}, samples {samples[:10]}): normalise or drop it in build_dataloader()."))
-            fixes.append(f"Fix batch {b}: {field_} samples {samples[:10]} are {ratio_o:.3g}x larger than a typical batch")
-            return verdict("data", None, b, tgt_name,
-                           f"Step {s} of the {tgt_name} stage fails on batch {b}, whose field {field_!r} is {ratio_o:.3g}x larger "
-                           "than the median batch: the failure follows the data.")
-
-    if bad is not None:
-        st = _stats_at(tgt, bad)
-        rc = recheck(tgt_name, bad)
-        rc_ev = {"fp32_recheck_loss": rc.loss, "fp32_recheck_finite": rc.finite, "fp32_recheck_weights": rc.weights} if rc else {}
-        rec = tgt.records[bad] if bad < len(tgt.records) else tgt.records[-1]
-        if rc is not None and not rc.finite:
-            # the weights were already damaged: not a range problem at this step
-            if tgt_name == "amp":
-                return _amp_misuse(tgt, fp32, probe, bad, hooks, rc_ev, findings, fixes, verdict,
-                                   "weights reached at this step fail in FP32 too: AMP let damaged updates through")
-        if st is not None and locate.forward_fault(st) and locate.locate_forward(st) == locate.MODEL:
-            # the root's own code made it: never answer <model>; name the op (a loss inside forward is the loss)
-            nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
-            kind = "root" if nop is None else "loss" if nop.module is None else "model_loss" if nop.loss_only else "root"
-            return _forward_in_code(kind, nop,
-                                    tgt_name, bad, rc_ev, device, findings, fixes, verdict)
-        lf = loss_fault(tgt, bad, st)
-        if lf is not None:
-            nop = rc.nonfinite_op() if rc is not None and rc.nonfinite_op is not None else None
-            return _forward_in_code("loss", nop, tgt_name, bad, dict(rc_ev, loss=lf.loss), device, findings, fixes, verdict)
-        if st is not None and locate.forward_fault(st):
-            module = locate.locate_forward(st)
-            if module is None and st.model_inputs and any(nonfinite(st.act[t]) > 0 for t in st.model_inputs if t in st.act):
-                module = locate.first_consumer_of_inputs(st)
-            ref = _stats_at(fp32, bad)
-            ev = dict(rc_ev)
-            if rc is not None and rc.ops is not None and module is not None:
-                op = first_overflowing_op(rc.ops(module))
-                if op is not None:
-                    ev["op"] = op.op
-                    ev["op_overflow_frac"] = op.overflow_frac
-                    ev["fp32_absmax"] = op.absmax
-                    ev["fp16_max"] = FP16.max
-            if "fp32_absmax" not in ev and ref is not None and module is not None:
-                amax = _module_absmax(ref, module)
-                if amax is not None:
-                    ev["fp32_absmax"] = amax
-                    ev["fp16_max"] = FP16.max
-            findings.append(Finding("fp16_forward_overflow", "error",
-                                    f"{module or 'the input'} overflows FP16 in the forward pass", tgt_name, module, bad, ev,
-                                    _fix_forward(module, device)))
-            fixes.extend(_fixes_forward(module, device, ev))
-            op_s = f"its {ev['op']} op " if "op" in ev else ""
-            amax_s = (f" ({op_s}reaches {_fmt(float(ev['fp32_absmax']))} in FP32, above FP16's max {FP16.max:g})"  # type: ignore[arg-type]
-                      if "fp32_absmax" in ev and float(ev["fp32_absmax"]) > FP16.max else "")  # type: ignore[arg-type]
-            return verdict("fp16_forward_overflow", module, bad, tgt_name,
-                           f"In the {tgt_name} stage the output of {module or 'the input cast'} becomes non-finite at step "
-                           f"{bad}{amax_s} while FP32 stays finite" + (" (FP32 re-check of that step from the same weights: "
-                           f"loss {_fmt(rc.loss)})" if rc and rc.finite else "") + ".")
-        grads_bad = st is not None and locate.backward_fault(st)
-        if grads_bad or collapsed or skip_alert:
-            if tgt_name == "amp" and probe is not None and not _probe_grad_problem(probe):
-                return _amp_misuse(tgt, fp32, probe, bad, hooks, rc_ev, findings, fixes, verdict,
-                                   "GradScaler keeps skipping while raw FP16 gradients (no scaling) stay finite")
-            module = locate.locate_backward(st) if st is not None else None
-            if module is None and probe is not None:
-                pb = _first_bad_step(probe, amp=False)
-                ps = _stats_at(probe, pb) if pb is not None else None
-                module = locate.locate_backward(ps) if ps is not None else None
-            ev = dict(rc_ev)
-            if sd is not None:
-                ev.update(min_scale=sd.min_scale, skipped_steps=len(sd.skips), pattern=sd.pattern)
-            ev["grad_l2_fp32_step"] = fp32.records[min(bad, len(fp32.records) - 1)].grad_l2_pre_clip
-            findings.append(Finding("fp16_grad_overflow", "error", f"gradients overflow FP16 in backward ({module or 'at the loss'})",
-                                    tgt_name, module, bad, ev, _fix_grad_overflow(module, sd)))
-            fixes.extend(_fixes_grad_overflow(module, sd, fp32, device))
-            how = (f"GradScaler's scale collapsed to {_fmt(sd.min_scale)}" if collapsed and sd else
-                   f"{len(later_skips)} steps skipped after calibration" if later_skips else "gradients became non-finite")
-            return verdict("fp16_grad_overflow", module, bad, tgt_name,
-                           f"The forward pass is finite but gradients overflow FP16 in backward at step {bad} "
-                           f"(first at {module or 'the loss'}); {how}.")
-        if not rec.params_finite or (st is not None and any(nonfinite(r) > 0 for r in st.param.values())):
-            if tgt_name == "fp16" and not tgt.master_weights:
-                return _swallowed(tgt, fp32, bad, findings, fixes, verdict, probe)
-            return _amp_misuse(tgt, fp32, probe, bad, hooks, rc_ev, findings, fixes, verdict,
-                               "weights became non-finite with finite gradients")
-
-    # 3. overflows that something hid from GradScaler, then silent stalls -------------------------
-    if tgt_name == "amp":
-        masked = masked_overflows(tgt, fp32)
-        if masked:
-            p, step, scaled = masked[0]
-            ev_m: dict[str, object] = {"parameter": p, "fp32_grad_absmax_x_scale": scaled, "fp16_max": FP16.max,
-                                       "progress_vs_fp32": ratio}
-            return _amp_misuse(tgt, fp32, probe, step, hooks, ev_m, findings, fixes, verdict,
-                               f"{p}'s gradient times the loss scale is {scaled:.3g}, beyond FP16's max, so it must "
-                               "overflow, yet it arrived at unscale_ as finite zeros: something replaced the infs, "
-                               "GradScaler never backed off and those gradients were dropped")
-    uf = underflowing_params(tgt, fp32)
-    if stalled or (tgt_name == "fp16" and not tgt.master_weights and tgt.optimizer_underflow and stalled):
-        if tgt_name == "fp16" and not tgt.master_weights and (tgt.optimizer_underflow or _mean_swallowed(tgt) > 0.5):
-            return _swallowed(tgt, fp32, None, findings, fixes, verdict, probe)
-        if uf:
-            return _underflow(tgt_name, uf, ratio, findings, fixes, verdict, story, fp32)
-        if tgt_name == "amp":
-            return _amp_misuse(tgt, fp32, probe, None, hooks, {"progress_vs_fp32": ratio}, findings, fixes, verdict,
-                               "AMP's loss stalls against FP32 while raw FP16 shows no range problem")
-        findings.append(Finding("fp16_grad_underflow", "error", "training stalls against FP32", tgt_name, None, None,
-                                {"progress_vs_fp32": ratio}, "Use GradScaler (autocast + loss scaling) or bf16."))
-        return verdict("fp16_grad_underflow", None, None, tgt_name,
-                       f"The {tgt_name} stage makes {ratio:.0%} of FP32's loss progress without any non-finite value.")
-    if tgt_name == "fp16" and not tgt.master_weights and tgt.optimizer_underflow:
-        return _swallowed(tgt, fp32, None, findings, fixes, verdict, probe)
-    frozen = frozen_params(tgt, fp32, uf)
-    if frozen:
-        return _frozen(tgt_name, frozen, uf, ratio, len(tgt.records), findings, fixes, verdict, story, fp32)
-
-    # 4. healthy, with warnings from the probes ---------------------------------------------------
-    _warnings(results, tgt_name, fp32, story, uf, findings, fixes)
-    summary = f"The {tgt_name} configuration trains like FP32"
-    window = loss_window(tgt, fp32, MIN_STALL_STEPS)
-    if ratio is not None and window is not None:
-        summary += f" ({describe(window, tgt_name)})"
-    summary += "; no non-finite values reached the weights."
-    if story and story.calibration_skips:
-        summary += f" {story.calibration_skips} GradScaler skip(s) while the scale calibrated are normal."
-    return verdict("healthy", None, None, tgt_name, summary)
+    """Apply the rules in order (FP32 → target stage, with probes and the FP32 re-check → healthy),
+    then add what every verdict carries: the layer table led by the verdict's module, the bf16
+    stage's word on switching, and the data scan's findings."""
+    c = Ctx(results, batches, cfg, recheck, device, model_hooks)
+    out = judge(c)
+    table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
+    ev = out.findings[0].evidence if out.findings else {}
+    if out.module and "op" in ev and "fp32_absmax" in ev:
+        op_row = LayerRow(f"{out.module} > {ev['op']}", "op", float(ev["fp32_absmax"]), float(ev.get("op_overflow_frac", 0.0)),
+                          0.0, 0.0, FP16.headroom_binades(float(ev["fp32_absmax"])), out.step)
+        table = [op_row, *table]
+    story = c.story
+    # the history looks healthy only because the overflows never reached GradScaler
+    note = "overflows_hidden" if out.cause == "amp_misuse" and story is not None and not story.skips else None
+    extra: list[Fix] = []
+    if out.cause.startswith("fp16_") and "bf16" in results and cfg.target != "bf16":
+        extra.append(bf16_check(results["bf16"], c.fp32))
+    findings = [*out.findings, *data_findings(scan_batches(batches), out.findings, results, batches)]
+    return Diagnosis(replace(out, findings=findings, fixes=[*out.fixes, *extra]), table, story, device, note)
 
 
-def _bf16_check(bf16: StageResult, fp32: StageResult) -> str:
+def shift_diagnosis(d: Diagnosis, offset: int) -> Diagnosis:
+    """Number every step as the run did (a replay's step k is the run's step ``offset + k``): the
+    verdict's step, the findings' steps, and every fact or fix fact whose key is ``step`` or ends in
+    ``_step``. A copy; the layer table and scaler story are shifted with the rest of the report."""
+    if offset == 0:
+        return d
+    out = copy.deepcopy(d.outcome)
+    if out.step is not None:
+        out.step += offset
+    _shift_facts(out.facts, offset)
+    for f in out.findings:
+        if f.step is not None:
+            f.step += offset
+    for fx in out.fixes:
+        _shift_facts(fx.facts, offset)
+    return replace(d, outcome=out)
+
+
+def _shift_facts(facts: dict[str, Any], offset: int) -> None:
+    for k, v in facts.items():
+        if (k == "step" or k.endswith("_step")) and isinstance(v, int) and not isinstance(v, bool):
+            facts[k] = v + offset
+
+
+def bf16_check(bf16: StageResult, fp32: StageResult) -> Fix:
     """What the bf16 stage of this very run says about switching to bf16."""
     if bf16.error is not None:
-        return f"bf16 was tried in this run and raised {bf16.error.type} at step {bf16.error.step}: {bf16.error.message[:120]}"
+        return Fix("bf16_tried", {"variant": "raised", "type": bf16.error.type, "step": bf16.error.step,
+                                  "message": bf16.error.message})
     bad = _first_bad_step(bf16, amp=False)
     if bad is not None:
-        return f"bf16 was tried in this run and also goes non-finite (step {bad}): the range is not the only problem."
-    ratio = stall_ratio(bf16, fp32)
-    how = f", {ratio:.0%} of FP32's loss progress" if ratio is not None else ""
-    return f"bf16 was tried in this run: no non-finite values in {len(bf16.records)} steps{how}. Switching to bf16 autocast fixes this."
+        return Fix("bf16_tried", {"variant": "nonfinite", "step": bad})
+    return Fix("bf16_tried", {"variant": "clean", "steps": len(bf16.records), "ratio": stall_ratio(bf16, fp32)})
+
+
+def _amp_misuse(c: Ctx, step: int | None, ev: dict[str, Any], why: dict[str, Any]) -> Outcome:
+    """AMP itself is defeated: ``why["why"]`` names how (damaged | probe_clean | nonfinite_weights | masked | stall)."""
+    ev = dict(ev)
+    if c.hooks:
+        ev["hooks"] = c.hooks
+    fix = Fix("let_scaler_see", {"hooks": c.hooks}) if c.hooks else Fix("check_amp_recipe")
+    facts = {"variant": "amp_defeated", "step": step, "hooks": c.hooks, **why}
+    return Outcome("amp_misuse", None, step, "amp", facts,
+                   [Finding("amp_misuse", "error", stage="amp", step=step, evidence=ev)], [fix])
+
+
+def _swallowed(c: Ctx, step: int | None) -> Outcome:
+    tgt = c.tgt
+    assert tgt is not None
+    sw = _mean_swallowed(tgt)
+    ev: dict[str, Any] = {"lost_update_share": sw, "optimizer_constants_underflowing": tgt.optimizer_underflow}
+    facts = {"variant": "swallowed", "step": step, "optimizer_underflow": list(tgt.optimizer_underflow), "lost_share": sw}
+    return Outcome("fp16_update_swallowed", None, step, "fp16", facts,
+                   [Finding("fp16_update_swallowed", "error", stage="fp16", step=step, evidence=ev)], [Fix("master_weights")])
+
+
+def _underflow(c: Ctx, uf: list[tuple[str, float]]) -> Outcome:
+    """Gradients flush to zero in the target and the loss stalls (or the weights freeze)."""
+    stage, ratio, story = c.tgt_name, c.ratio, c.story
+    param, frac = uf[0]
+    module = param.rsplit(".", 1)[0] if "." in param else locate.MODEL
+    ev: dict[str, Any] = {"flushed": {p: round(f, 4) for p, f in uf[:10]}, "progress_vs_fp32": ratio}
+    gmax = max((float(r[Col.ABSMAX]) for st in c.fp32.stats for r in st.pgrad.values() if nonfinite(r) == 0), default=0.0)
+    fixes: list[Fix]
+    if stage == "amp":
+        if gmax > 0:
+            # the largest power-of-two scale that keeps the largest gradient one binade below FP16's max
+            k = math.floor(math.log2(FP16.max / gmax)) - 1
+            ev["largest_fp32_grad"] = gmax
+            ev["largest_safe_scale"] = pow2(2.0**k, "**")
+            used = story.max_scale if story else 65536.0
+            if 2.0**k > used:
+                fixes = [Fix("raise_init_scale", {"largest_grad": gmax, "exponent": k,
+                                                  "growth_steps": int(math.log2(2.0**k / used)) * 2000})]
+            else:
+                fixes = [Fix("no_single_scale", {"module": module})]
+        else:
+            fixes = [Fix("module_fp32", {"module": module})]
+    else:
+        fixes = [Fix("use_loss_scaling"), Fix("gradscaler_explained")]
+    facts = {"variant": "underflow", "stage": stage, "param": param, "flushed": frac, "ratio": ratio,
+             "module": module, "parameters": len(uf)}
+    return Outcome("fp16_grad_underflow", module, None, stage, facts,
+                   [Finding("fp16_grad_underflow", "error", stage=stage, module=module, evidence=ev)], fixes)
+
+
+def _forward_in_code(c: Ctx, kind: str, op: NonfiniteOp | None, rc_ev: dict[str, Any]) -> Outcome:
+    """A forward fault made by code outside every child module: the loss function ('loss'), a loss
+    the model computes in its own forward ('model_loss'), or other code of the root ('root')."""
+    stage, step = c.tgt_name, c.bad
+    ev = dict(rc_ev)
+    module = op.module if op is not None and op.module not in (None, locate.MODEL) else None
+    if op is not None:
+        ev.update(op=op.op, op_line=op.line, op_in={"loss": "loss function", "model_loss": "model's forward (its loss)",
+                                                     "root": "model's forward"}[kind])
+    dev = c.device.split(":")[0]
+    place = "root" if kind == "root" and module is None else "module" if kind == "root" else kind
+    facts = {"variant": "forward_in_code", "place": place, "op": op.op if op else None, "op_line": op.line if op else None,
+             "module": module, "stage": stage, "step": step, "device": dev,
+             "recheck_finite": bool(rc_ev.get("fp32_recheck_finite"))}
+    op_facts = {"op": facts["op"], "op_line": facts["op_line"], "device": dev}
+    first = (Fix("op_fp32", op_facts) if place == "root" else
+             Fix("keep_fp32_forward", {"module": module, "device": dev}) if place == "module" else Fix("loss_fp32", {"device": dev}))
+    return Outcome("fp16_forward_overflow", module, step, stage, facts,
+                   [Finding("fp16_forward_overflow", "error", stage=stage, module=module, step=step, evidence=ev)],
+                   [first, Fix("bf16_target")])
+
+
+def warnings(c: Ctx) -> list[Finding]:
+    """Warnings for a healthy verdict: GradScaler's calibration, flushed gradients, what the raw FP16
+    probe shows, and module outputs close to FP16's max."""
+    out: list[Finding] = []
+    story, fp32, tgt_name = c.story, c.fp32, c.tgt_name
+    if story and story.calibration_skips:
+        out.append(Finding("calibration_skips", "info", stage="amp", step=0,
+                           evidence={"scales": [e.scale for e in story.skips[: story.calibration_skips]],
+                                     "_count": story.calibration_skips, "_init_scale": story.init_scale}))
+    if c.uf:
+        out.append(Finding("fp16_grad_underflow", "warning", stage=tgt_name, module=c.uf[0][0].rsplit(".", 1)[0],
+                           evidence={"flushed": dict(c.uf[:10]), "_count": len(c.uf)}))
+    probe = c.probe
+    if probe is not None and tgt_name != "fp16":
+        puf = underflowing_params(probe, fp32)
+        if puf:
+            out.append(Finding("probe_underflow", "warning", stage="fp16", module=puf[0][0].rsplit(".", 1)[0],
+                               evidence={"flushed": {p: round(f, 4) for p, f in puf[:10]}, "_count": len(puf)}))
+        pb = _first_bad_step(probe, amp=False)
+        if pb is not None and probe.stats:
+            out.append(Finding("probe_nonfinite", "warning", stage="fp16", step=pb, evidence={}))
+        sw = _mean_swallowed(probe)
+        if sw > 0.1:
+            out.append(Finding("probe_swallowed", "warning", stage="fp16", evidence={"lost_update_share": sw}))
+    thin = [(r.module, r.absmax_fp32, r.headroom_binades) for r in layer_table(c.results, tgt_name, 50)
+            if r.kind == "activation" and r.headroom_binades < 1 and r.overflow_frac == 0]
+    for m, amax, h in thin[:3]:
+        out.append(Finding("thin_headroom", "warning", stage=tgt_name, module=m, evidence={"absmax": amax, "headroom_binades": h}))
+    return out
+
+
+def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, last: list[dict[str, float | None]],
+                   precision: str, step0: int, device: str) -> Diagnosis | None:
+    """A captured failure that the replay in the run's own precision, from the captured state, does not
+    repeat: a transient (nondeterminism, a hardware fault), not a property of the weights and the batch.
+
+    None when at least one replay failed again. ``step0`` is the run's number of the first replayed step;
+    every step here counts from it (replay-relative), as the records do: ``shift_diagnosis`` adds it back.
+    """
+    if reproduced > 0:
+        return None
+    step = int(str(manifest.get("step", step0)))
+    module = manifest.get("module")
+    mod = str(module) if isinstance(module, str) else None
+    ev: dict[str, Any] = {"captured_reason": manifest.get("reason"), "captured_loss": manifest.get("loss"),
+                          "captured_grad_l2": manifest.get("grad_l2_pre_clip"), "captured_scale": manifest.get("scale"),
+                          "replays": replays, "replays_failed": reproduced, "replay_results": last}
+    rel = step - step0
+    facts = {"variant": "not_reproduced", "step": rel, "reason": manifest.get("reason"), "precision": precision,
+             "replays": replays, "losses": [x.get("loss") for x in last]}
+    out = Outcome("not_reproduced", mod, rel, precision, facts,
+                  [Finding("not_reproduced", "error", stage=precision, module=mod, step=rel, evidence=ev)], [Fix("transient")])
+    return Diagnosis(out, [], None, device)
+
+
+def data_findings(issues: list[DataIssue], findings: list[Finding], results: dict[str, StageResult],
+                  batches: Batches) -> list[Finding]:
+    """The data scan as findings (always), and whether the raw FP16 probe's failure follows the data."""
+    named = {(f.step, f.evidence.get("field")) for f in findings if f.code == "data"}
+    out = []
+    for d in issues:
+        if (d.batches[0], d.field) in named:
+            continue
+        ev: dict[str, Any] = {"kind": d.kind, "field": d.field, "batches": list(d.batches[:20]),
+                              "samples": list(d.samples[:20]), "count": d.count, "typical_magnitude": d.typical}
+        if d.kind != "nonfinite":
+            ev["value"] = d.value
+        ev["_issue"] = _issue_facts(d)
+        out.append(Finding(f"data_{d.kind}", "warning", step=d.batches[0], evidence=ev))
+    probe = results.get("fp16")
+    if probe is not None:
+        pb = _first_bad_step(probe, amp=False)
+        pb = probe.error.step if pb is None and probe.error is not None else pb
+        if pb is not None:
+            b = batches.index(pb)
+            on = probe_on_flagged_batch(pb, batches.index, issues)
+            if on:
+                out.append(Finding("probe_follows_data", "warning", stage="fp16", step=pb,
+                                   evidence={"batch": b, "kinds": sorted({d.kind for d in on}), "_issue": _issue_facts(on[0])}))
+    return out
+
+
+def _issue_facts(d: DataIssue) -> dict[str, Any]:
+    """What the words say about a data issue (``report.words.data_issue``)."""
+    ratio = abs(d.value) / d.typical if d.kind == "sentinel" else d.value / d.typical if d.kind == "outlier" else None
+    return {"kind": d.kind, "field": d.field, "batch": d.batches[0], "batches": len(d.batches), "samples": list(d.samples[:10]),
+            "count": d.count, "value": d.value, "typical": d.typical, "ratio": ratio}
 
 
 def _calibration_steps(res: StageResult) -> list[int]:
@@ -503,329 +890,3 @@ def _mean_swallowed(res: StageResult) -> float:
     return float(np.mean(v)) if v else 0.0
 
 
-def _fp32_failure(fp32: StageResult, s: int, batches: Batches, recheck: RecheckFn, findings: list[Finding],
-                  fixes: list[str], verdict: Callable[..., Diagnosis]) -> Diagnosis:
-    b = batches.index(s)
-    bad_fields = [fc for fc in check_batch(batches[s]) if fc.nonfinite]
-    if bad_fields:
-        fc = bad_fields[0]
-        findings.append(Finding("data", "error", f"batch {b} holds {fc.nonfinite} NaN/Inf value(s) in {fc.field}", "fp32",
-                                None, b, {"field": fc.field, "nonfinite": fc.nonfinite, "samples": fc.samples}, ""))
-        fixes.append(f"Fix batch {b}: {fc.field} has NaN/Inf in samples {fc.samples[:10]}; filter them in "
-                     "build_dataloader() (e.g. keep rows where torch.isfinite(x).all()) or fix the source data.")
-        return verdict("data", None, b, "fp32",
-                       f"Batch {b} holds {fc.nonfinite} NaN/Inf value(s) in {fc.field} (samples {fc.samples[:10]}); "
-                       f"FP32 fails on it at step {s}, so precision is not the cause.")
-    out = _outlier(batches, s)
-    if out is not None:
-        field_, ratio, samples = out
-        findings.append(Finding("data", "error", f"batch {b} is an outlier ({field_} {ratio:.3g}x the median)", "fp32",
-                                None, b, {"field": field_, "ratio_to_median": ratio, "samples": samples}, ""))
-        fixes.append(f"Fix batch {b}: {field_} samples {samples[:10]} are {ratio:.3g}x larger than a typical batch")
-        return verdict("data", None, b, "fp32",
-                       f"FP32 fails at step {s} on batch {b}, whose field {field_!r} is {ratio:.3g}x larger than the median batch.")
-    st = _stats_at(fp32, s)
-    module = locate.locate_forward(st) if st is not None else None
-    where = "forward"
-    if module is None and st is not None and locate.backward_fault(st):
-        module = locate.locate_backward(st)
-        where = "backward"
-    rc = recheck("initial", s)
-    rec = fp32.records[s]
-    ev: dict[str, object] = {"loss": rec.loss, "grad_l2": rec.grad_l2_pre_clip}
-    if rc is not None:
-        ev.update(replay_from_initial_weights_finite=rc.finite, replay_loss=rc.loss)
-    diverged = rc is not None and rc.finite
-    if diverged:
-        norms = [r.grad_l2_pre_clip for r in fp32.records[:s] if math.isfinite(r.grad_l2_pre_clip)]
-        gmax = max(norms) if norms else float("nan")
-        ev["max_grad_l2_before"] = gmax
-        detail = (f"batch {b} is finite and trains from the initial weights, so the weights diverged over {s} steps "
-                  f"(largest gradient norm before: {_fmt(gmax)})")
-        fix = "Lower the learning rate or clip gradients (--max-norm 1.0 to check), then rerun triage."
-    else:
-        loc = f"{module} ({where})" if module else "the loss function" if st is not None and not locate.forward_fault(st) else "the model"
-        detail = f"batch {b} is finite, yet FP32 produces NaN/Inf in {loc} even from the initial weights"
-        fix = (f"Guard the operation in {module or 'the loss'}: clamp before log/sqrt (x.clamp_min(eps)), "
-               "add eps to denominators; check it with FP32 before touching precision.")
-    findings.append(Finding("model_bug", "error", f"FP32 fails at step {s} on finite data", "fp32", module, s, ev, fix))
-    fixes.append(fix)
-    return verdict("model_bug", module, s, "fp32", f"FP32 fails at step {s} on finite data: {detail}.")
-
-
-def _fix_forward(module: str | None, device: str) -> str:
-    m = module or "the first layer"
-    return (f"Run {m} in FP32: inside its forward, `with torch.autocast('{device.split(':')[0]}', enabled=False):` "
-            "and cast its input with .float(); or train in bf16.")
-
-
-def _fixes_forward(module: str | None, device: str, ev: dict[str, object]) -> list[str]:
-    m = module or "the first layer"
-    out = [f"Keep {m} in FP32: wrap its computation in `torch.autocast(device_type='{device.split(':')[0]}', enabled=False)` "
-           "and call it on `x.float()`."]
-    out.append("Or switch to bf16 autocast (FP32's exponent range, no GradScaler needed) if the device supports it: "
-               "rerun with --target bf16 to check.")
-    out.append(f"Or bring the values of {m} into range: normalise its input, scale before the product "
-               "(e.g. divide q by sqrt(d) before q @ k^T), or use a numerically stable formulation.")
-    return out
-
-
-def _fix_grad_overflow(module: str | None, sd: ScalerStory | None) -> str:
-    return (f"Gradients at {module or 'the loss'} exceed FP16's range even unscaled: normalise the loss "
-            "(mean instead of sum), keep that module in FP32, or use bf16.")
-
-
-def _fixes_grad_overflow(module: str | None, sd: ScalerStory | None, fp32: StageResult, device: str) -> list[str]:
-    out = []
-    if module:
-        out.append(f"Keep {module} in FP32 under `torch.autocast('{device.split(':')[0]}', enabled=False)`: its gradients overflow FP16.")
-    out.append("Reduce the loss magnitude (mean instead of sum over tokens/batch, or divide the loss by a constant): "
-               "gradients scale with it.")
-    out.append("Or switch to bf16 autocast (no overflow below 3.4e38, no scaler): rerun with --target bf16 to check.")
-    if sd is not None and sd.min_scale < 1:
-        out.append(f"GradScaler went down to {sd.min_scale:g}: below 1, it shrinks the gradients to fit FP16, so FP16 has no "
-                   "headroom for them; any growth or a larger batch overflows again.")
-    return out
-
-
-def _underflow(stage: str, uf: list[tuple[str, float]], ratio: float | None, findings: list[Finding], fixes: list[str],
-               verdict: Callable[..., Diagnosis], story: ScalerStory | None, fp32: StageResult) -> Diagnosis:
-    param, frac = uf[0]
-    module = param.rsplit(".", 1)[0] if "." in param else locate.MODEL
-    ev: dict[str, object] = {"flushed": {p: round(f, 4) for p, f in uf[:10]}, "progress_vs_fp32": ratio}
-    gmax = max((float(r[Col.ABSMAX]) for st in fp32.stats for r in st.pgrad.values() if nonfinite(r) == 0), default=0.0)
-    if stage == "amp":
-        if gmax > 0:
-            # the largest power-of-two scale that keeps the largest gradient one binade below FP16's max
-            k = math.floor(math.log2(FP16.max / gmax)) - 1
-            ev["largest_fp32_grad"] = gmax
-            ev["largest_safe_scale"] = f"2**{k}"
-            used = story.max_scale if story else 65536.0
-            if 2.0**k > used:
-                fix = (f"The gradients are tiny (largest {gmax:.3g}): scale the loss up (normalise by fewer tokens), "
-                       f"or start GradScaler at init_scale=2**{k} (the largest scale that still leaves a binade of headroom; "
-                       f"it would take ~{int(math.log2(2.0**k / used)) * 2000} steps to grow there by itself); or use bf16.")
-            else:
-                fix = (f"No single loss scale fits every layer: keep {module} in FP32 under autocast(enabled=False), or use bf16; "
-                       "a larger init_scale would overflow the largest gradients.")
-        else:
-            fix = f"Keep {module} in FP32 under autocast(enabled=False), or use bf16."
-    else:
-        fix = "Use loss scaling: torch.amp.GradScaler with autocast (the amp target), or bf16."
-    findings.append(Finding("fp16_grad_underflow", "error", f"gradients of {len(uf)} parameter(s) flush to zero in FP16",
-                            stage, module, None, ev, fix))
-    fixes.append(fix)
-    if stage != "amp":
-        fixes.append("GradScaler multiplies the loss (init 65536) so small gradients stay above FP16's 6e-8, and unscales "
-                     "them in FP32 before the step.")
-    return verdict("fp16_grad_underflow", module, None, stage,
-                   f"{frac:.0%} of {param}'s gradient flushes to zero in the {stage} stage (non-zero in FP32) and the "
-                   f"loss makes {ratio:.0%} of FP32's progress." if ratio is not None else
-                   f"{frac:.0%} of {param}'s gradient flushes to zero in the {stage} stage.")
-
-
-def _swallowed(tgt: StageResult, fp32: StageResult, step: int | None, findings: list[Finding], fixes: list[str],
-               verdict: Callable[..., Diagnosis], probe: StageResult | None) -> Diagnosis:
-    sw = _mean_swallowed(tgt)
-    ev: dict[str, object] = {"lost_update_share": sw, "optimizer_constants_underflowing": tgt.optimizer_underflow}
-    why = []
-    if tgt.optimizer_underflow:
-        why.append(f"optimizer constant {', '.join(tgt.optimizer_underflow)} rounds to 0 in FP16")
-    if sw > 0:
-        why.append(f"{sw:.0%} of updates are lost in FP16 weights")
-    fix = ("Keep FP32 master weights: train with autocast + GradScaler instead of model.half() "
-           "(the optimizer then steps FP32 weights); if you must keep FP16 weights, raise Adam's eps to 1e-4.")
-    findings.append(Finding("fp16_update_swallowed", "error", "updates are lost with FP16 weights", "fp16", None, step, ev, fix))
-    fixes.append(fix)
-    what = f"weights become non-finite at step {step}" if step is not None else "the loss stalls against FP32"
-    return verdict("fp16_update_swallowed", None, step, "fp16",
-                   f"With FP16 weights and optimizer state {what}: {'; '.join(why) or 'updates are lost'}, while FP32 trains.")
-
-
-def _amp_misuse(tgt: StageResult, fp32: StageResult, probe: StageResult | None, step: int | None, hooks: list[str],
-                ev: dict[str, object], findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis],
-                why: str) -> Diagnosis:
-    ev = dict(ev)
-    if hooks:
-        ev["hooks"] = hooks
-    fix = ("Let GradScaler see overflows: remove gradient hooks that clamp or replace non-finite values "
-           f"({_hooks_in(hooks)})" if hooks else
-           "Check the AMP recipe: scale(loss).backward → unscale_ → clip → step → update, no gradient "
-           "manipulation before unscale_, no hard-coded .half() inside the model")
-    findings.append(Finding("amp_misuse", "error", "AMP itself is defeated", "amp", None, step, ev, fix))
-    fixes.append(fix)
-    st = f" at step {step}" if step is not None else ""
-    return verdict("amp_misuse", None, step, "amp",
-                   f"FP32 and raw FP16 train, but the amp stage fails{st}: {why}" + (f" (hooks found: {_hooks_in(hooks)})" if hooks else "") + ".")
-
-
-def _warnings(results: dict[str, StageResult], tgt_name: str, fp32: StageResult, story: ScalerStory | None,
-              uf: list[tuple[str, float]], findings: list[Finding], fixes: list[str]) -> None:
-    if story and story.calibration_skips:
-        findings.append(Finding("calibration_skips", "info",
-                                f"{story.calibration_skips} GradScaler skip(s) while the scale calibrated from {story.init_scale:g}",
-                                "amp", None, 0, {"scales": [e.scale for e in story.skips[: story.calibration_skips]]},
-                                story.explanation))
-    if uf:
-        findings.append(Finding("fp16_grad_underflow", "warning",
-                                f"{len(uf)} parameter gradient(s) flush to zero in {tgt_name} without stalling training",
-                                tgt_name, uf[0][0].rsplit(".", 1)[0], None, {"flushed": dict(uf[:10])},
-                                "Watch these layers; bf16 or keeping them in FP32 removes the flush."))
-    probe = results.get("fp16")
-    if probe is not None and tgt_name != "fp16":
-        puf = underflowing_params(probe, fp32)
-        if puf:
-            findings.append(Finding("probe_underflow", "warning",
-                                    f"raw FP16 without scaling flushes {len(puf)} parameter gradient(s) to zero; GradScaler cures it",
-                                    "fp16", puf[0][0].rsplit(".", 1)[0], None, {"flushed": {p: round(f, 4) for p, f in puf[:10]}},
-                                    "Keep GradScaler on; never train this model in FP16 without loss scaling."))
-        pb = _first_bad_step(probe, amp=False)
-        if pb is not None and probe.stats:
-            findings.append(Finding("probe_nonfinite", "warning",
-                                    f"raw FP16 without scaling goes non-finite at step {pb}; the target configuration avoids it",
-                                    "fp16", None, pb, {}, "Keep autocast and GradScaler; do not train with model.half()."))
-        sw = _mean_swallowed(probe)
-        if sw > 0.1:
-            findings.append(Finding("probe_swallowed", "warning",
-                                    f"{sw:.0%} of the FP32 updates would be lost with FP16 weights",
-                                    "fp16", None, None, {"lost_update_share": sw}, "Keep FP32 master weights (autocast does)."))
-    thin = [(r.module, r.absmax_fp32, r.headroom_binades) for r in layer_table(results, tgt_name, 50)
-            if r.kind == "activation" and r.headroom_binades < 1 and r.overflow_frac == 0]
-    for m, amax, h in thin[:3]:
-        findings.append(Finding("thin_headroom", "warning", f"{m} reaches {amax:.4g}, {h:.2f} binades below FP16's max",
-                                tgt_name, m, None, {"absmax": amax, "headroom_binades": h},
-                                f"Fine now; if it keeps growing, keep {m} in FP32 or use bf16."))
-
-
-def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, last: list[dict[str, float | None]],
-                   precision: str, step0: int, device: str) -> Diagnosis | None:
-    """A captured failure that the replay in the run's own precision, from the captured state, does not
-    repeat: a transient (nondeterminism, a hardware fault), not a property of the weights and the batch.
-
-    None when at least one replay failed again. ``step0`` is the run's number of the first replayed step.
-    """
-    if reproduced > 0:
-        return None
-    step = int(str(manifest.get("step", step0)))
-    module = manifest.get("module")
-    mod = str(module) if isinstance(module, str) else None
-    got = ", ".join(f"loss {_fmt(lv)}" if (lv := x.get("loss")) is not None else "no step" for x in last)
-    ev: dict[str, object] = {"captured_reason": manifest.get("reason"), "captured_loss": manifest.get("loss"),
-                             "captured_grad_l2": manifest.get("grad_l2_pre_clip"), "captured_scale": manifest.get("scale"),
-                             "replays": replays, "replays_failed": reproduced, "replay_results": last}
-    fix = ("Treat the step as transient: resume from the last checkpoint and watch whether it recurs. If it does, "
-           "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
-           "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
-           "on another GPU).")
-    rel = step - step0  # records count from the first replayed step; the report adds step0 back
-    finding = Finding("not_reproduced", "error", f"the {precision} replay of step {step} from the captured state "
-                      f"finished cleanly {replays} of {replays} times", precision, mod, rel, ev, fix)
-    summary = (f"The run failed at step {step} ({manifest.get('reason')}), but replaying that step in {precision} from "
-               f"the captured weights, optimizer and scaler state, on the captured batch, finished cleanly {replays} "
-               f"times ({got}): the failure does not follow from the weights and the batch. It is a transient: "
-               f"nondeterminism or a hardware fault, not FP16 range.")
-    return Diagnosis(Verdict("not_reproduced", mod, rel, precision, summary, device), [finding], [], None, [fix])
-
-
-def _forward_in_code(kind: str, op: NonfiniteOp | None, stage: str, step: int, rc_ev: dict[str, object], device: str,
-                     findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis]) -> Diagnosis:
-    """A forward fault made by code outside every child module: the loss function ('loss'), a loss
-    the model computes in its own forward ('model_loss'), or other code of the root ('root')."""
-    ev = dict(rc_ev)
-    module = op.module if op is not None and op.module not in (None, locate.MODEL) else None
-    if op is not None:
-        ev.update(op=op.op, op_line=op.line, op_in={"loss": "loss function", "model_loss": "model's forward (its loss)",
-                                                     "root": "model's forward"}[kind])
-    op_s = f"`{op.op}`" + (f" at {op.line}" if op.line else "") if op is not None else "an op"
-    dev = device.split(":")[0]
-    if kind == "root" and module is None:
-        what = f"{op_s} in the model's own forward (outside every submodule)"
-        fix = (f"Run {op_s} in FP32: `with torch.autocast('{dev}', enabled=False):` around it, on `.float()` inputs; "
-               "or rescale its inputs into FP16's range; or use bf16.")
-        title = f"{op_s} in the model's forward overflows FP16"
-    elif kind == "root":
-        what = f"{op_s} inside {module}"
-        fix = _fix_forward(module, device)
-        title = f"{module} overflows FP16 in the forward pass"
-    else:
-        where = "the loss function" if kind == "loss" else "the loss the model computes in its forward"
-        what = f"{op_s} in {where}"
-        fix = (f"Compute the loss in FP32: on `.float()` logits under `torch.autocast('{dev}', enabled=False)`; or use the "
-               "fused stable op: `F.binary_cross_entropy_with_logits` instead of sigmoid then log, `F.log_softmax` / "
-               "`F.cross_entropy` instead of softmax then log (in FP16, sigmoid rounds to exactly 1.0 above ~8.3 "
-               "and log(1 - p) is -inf).")
-        title = f"the loss becomes non-finite in FP16 ({op_s})"
-    findings.append(Finding("fp16_forward_overflow", "error", title, stage, module, step, ev, fix))
-    fixes.append(fix)
-    fixes.append("Or switch to bf16 autocast (FP32's exponent range) if the device supports it: rerun with --target bf16.")
-    return verdict("fp16_forward_overflow", module, step, stage,
-                   f"In the {stage} stage every module output is finite at step {step} but {what} turns finite values "
-                   "into NaN/Inf" + (" while the FP32 re-check of that step from the same weights stays finite"
-                                     if rc_ev.get("fp32_recheck_finite") else "") + ".")
-
-
-def _frozen(stage: str, frozen: list[Frozen], uf: list[tuple[str, float]], ratio: float | None, steps: int,
-            findings: list[Finding], fixes: list[str], verdict: Callable[..., Diagnosis], story: ScalerStory | None,
-            fp32: StageResult) -> Diagnosis:
-    """Parameters frozen by underflow while the loss still falls: the underflow verdict, said per parameter."""
-    d = _underflow(stage, [(f.param, f.flushed) for f in frozen], ratio, findings, fixes, verdict, story, fp32)
-    f0 = frozen[0]
-    d.findings[0].evidence["weight_movement_vs_fp32"] = {f.param: round(f.moved, 4) for f in frozen[:10]}
-    d.findings[0].title = f"{len(frozen)} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move"
-    prog = f"; the loss still makes {ratio:.0%} of FP32's progress" if ratio is not None else ""
-    d.verdict.summary = (f"{f0.flushed:.0%} of {f0.param}'s gradient (non-zero in FP32) flushes to zero in the {stage} stage "
-                         f"and its weights move {f0.moved:.0%} as far as in FP32 over the same {steps} steps: "
-                         f"{len(frozen)} parameter(s) are frozen{prog}.")
-    return d
-
-
-_DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", "outlier": "an outlier",
-               "beyond_fp16": "values beyond FP16's range"}
-
-
-def _describe_issue(d: DataIssue) -> str:
-    if d.kind == "nonfinite":
-        return f"batch {d.batches[0]} holds {d.count} NaN/Inf value(s) in {d.field} (samples {list(d.samples[:10])})"
-    if d.kind == "sentinel":
-        return (f"{d.field} holds the constant {d.value:g} {d.count} time(s) in {len(d.batches)} batch(es) (first: batch "
-                f"{d.batches[0]}, samples {list(d.samples[:10])}), {abs(d.value) / d.typical:.3g}x its typical magnitude "
-                f"{d.typical:.3g}: a fill value, not a measurement")
-    if d.kind == "outlier":
-        return (f"batch {d.batches[0]} holds an outlier: {d.field} reaches {d.value:.4g} in samples {list(d.samples[:10])}, "
-                f"{d.value / d.typical:.3g}x its typical magnitude {d.typical:.3g}")
-    return (f"batch {d.batches[0]} holds {d.field} values up to {d.value:.4g} (samples {list(d.samples[:10])}), "
-            f"beyond FP16's max {FP16.max:g}")
-
-
-def _data_findings(issues: list[DataIssue], findings: list[Finding], results: dict[str, StageResult],
-                   batches: Batches) -> list[Finding]:
-    """The data scan as findings (always), and whether the raw FP16 probe's failure follows the data."""
-    named = {(f.step, f.evidence.get("field")) for f in findings if f.code == "data"}
-    out = []
-    for d in issues:
-        if (d.batches[0], d.field) in named:
-            continue
-        ev: dict[str, object] = {"kind": d.kind, "field": d.field, "batches": list(d.batches[:20]),
-                                 "samples": list(d.samples[:20]), "count": d.count, "typical_magnitude": d.typical}
-        if d.kind != "nonfinite":
-            ev["value"] = d.value
-        fix = (f"Drop or fix these rows in build_dataloader() (e.g. mask {d.value:g} as missing)" if d.kind == "sentinel" else
-               "Filter them in build_dataloader() (keep rows where torch.isfinite(x).all())" if d.kind == "nonfinite" else
-               "Normalise this field (or clip it) in build_dataloader(); check the source of these samples")
-        out.append(Finding(f"data_{d.kind}", "warning", _describe_issue(d), None, None,
-                           d.batches[0], ev, fix))
-    probe = results.get("fp16")
-    if probe is not None:
-        pb = _first_bad_step(probe, amp=False)
-        pb = probe.error.step if pb is None and probe.error is not None else pb
-        if pb is not None:
-            b = batches.index(pb)
-            on = probe_on_flagged_batch(pb, batches.index, issues)
-            if on:
-                out.append(Finding("probe_follows_data", "warning",
-                                   f"raw FP16 first fails at step {pb}, on batch {b}, which holds {_DATA_WORDS[on[0].kind]} "
-                                   f"that no earlier batch holds: the failure follows the data ({_describe_issue(on[0])})",
-                                   "fp16", None, pb,
-                                   {"batch": b, "kinds": sorted({d.kind for d in on})},
-                                   f"Fix batch {b} first; then rerun triage."))
-    return out

@@ -123,14 +123,18 @@ def enrich(report: Report, results: dict[str, StageResult]) -> Report:
     return report
 
 
-def shift_steps(report: Report, offset: int) -> Report:
-    """Number every step as the run did: a replay's step k is the run's step ``offset + k``."""
+def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
+    """Number every step as the run did: a replay's step k is the run's step ``offset + k``.
+
+    ``judged=False``: the verdict and findings already carry the run's steps (``rules.shift_diagnosis``
+    shifted them before their words were written); shift the rest only.
+    """
     if offset == 0:
         return report
     v = report.verdict
-    if v.first_step is not None:
+    if judged and v.first_step is not None:
         v.first_step += offset
-    for f in report.findings:
+    for f in report.findings if judged else []:
         if f.step is not None:
             f.step += offset
     for s in report.stages:

@@ -1,0 +1,440 @@
+"""The English of a diagnosis, in one place: verdict summaries, finding titles and fixes, fix sentences.
+
+The rules (``ampdoctor.judge.rules``) return data: a cause with a ``facts["variant"]``, findings
+with a code and evidence, fixes as ``Fix(code, facts)``. This module turns them into the plain
+sentences the Report carries (its JSON keeps the strings), formatting every number through
+``ampdoctor.fmt``. It runs when the Report is built, after a replay's steps were shifted to the
+run's own numbers, so every step in every sentence is the run's.
+
+Evidence keys that start with ``_`` are facts for these words only; ``write`` drops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from ampdoctor.fmt import fixed, gen, num, pct0
+from ampdoctor.formats import FP16
+from ampdoctor.judge.progress import LossWindow
+from ampdoctor.judge.rules import Diagnosis
+from ampdoctor.records import Finding, Fix, ScalerStory, Verdict
+
+Facts = Mapping[str, Any]
+
+
+def _g3(x: Any) -> str:
+    return num(float(x), 3)
+
+
+def _g4(x: Any) -> str:
+    return num(float(x), 4)
+
+
+def _op(f: Facts) -> str:
+    """The op that made the NaN/Inf, as 'the `exp` at spec.py:13' names it (without 'the')."""
+    op = f.get("op")
+    if op is None:
+        return "an op"
+    line = f.get("op_line")
+    return f"`{op}`" + (f" at {line}" if line else "")
+
+
+def _first_layer(f: Facts) -> str:
+    return f.get("module") or "the first layer"
+
+
+def _hooks_in(hooks: list[str]) -> str:
+    return ", ".join(hooks[:5])
+
+
+# fixes ---------------------------------------------------------------------------------------------
+
+def _bf16_tried(f: Facts) -> str:
+    if f["variant"] == "raised":
+        return f"bf16 was tried in this run and raised {f['type']} at step {f['step']}: {f['message'][:120]}"
+    if f["variant"] == "nonfinite":
+        return f"bf16 was tried in this run and also goes non-finite (step {f['step']}): the range is not the only problem."
+    how = f", {pct0(f['ratio'])} of FP32's loss progress" if f.get("ratio") is not None else ""
+    return f"bf16 was tried in this run: no non-finite values in {f['steps']} steps{how}. Switching to bf16 autocast fixes this."
+
+
+FIXES: dict[str, Callable[[Facts], str]] = {
+    "fix_exception": lambda f: f"Fix the {f['type']} raised in {f.get('module') or 'your code'} at step {f['step']}: {f['message']}",
+    "filter_nonfinite_batch": lambda f: (
+        f"Fix batch {f['batch']}: {f['field']} has NaN/Inf in samples {f['samples'][:10]}; filter them in "
+        "build_dataloader() (e.g. keep rows where torch.isfinite(x).all()) or fix the source data."),
+    "outlier_batch": lambda f: (
+        f"Fix batch {f['batch']}: {f['field']} samples {f['samples'][:10]} are {_g3(f['ratio'])}x larger than a typical batch"),
+    "lower_lr": lambda f: "Lower the learning rate or clip gradients (--max-norm 1.0 to check), then rerun triage.",
+    "guard_op": lambda f: (
+        f"Guard the operation in {f.get('module') or 'the loss'}: clamp before log/sqrt (x.clamp_min(eps)), "
+        "add eps to denominators; check it with FP32 before touching precision."),
+    "custom_fwd_bwd": lambda f: (
+        f"Decorate {f['function']}.forward with `@torch.amp.custom_fwd(device_type='{f['device']}', cast_inputs=torch.float32)` "
+        f"and {f['function']}.backward with `@torch.amp.custom_bwd(device_type='{f['device']}')`: forward then runs in FP32 "
+        "with autocast off, and backward gets the same dtypes forward saw."),
+    "device_limit": lambda f: str(f["hint"]),
+    "work_under_autocast": lambda f: (
+        f"Make {f.get('module') or 'the model'} work under autocast: it raised {f['type']}: {f['message']}"),
+    "let_scaler_see": lambda f: (
+        "Let GradScaler see overflows: remove gradient hooks that clamp or replace non-finite values "
+        f"({_hooks_in(f['hooks'])})"),
+    "check_amp_recipe": lambda f: (
+        "Check the AMP recipe: scale(loss).backward → unscale_ → clip → step → update, no gradient "
+        "manipulation before unscale_, no hard-coded .half() inside the model"),
+    "op_fp32": lambda f: (
+        f"Run {_op(f)} in FP32: `with torch.autocast('{f['device']}', enabled=False):` around it, on `.float()` inputs; "
+        "or rescale its inputs into FP16's range; or use bf16."),
+    "keep_fp32_forward": lambda f: (
+        f"Run {_first_layer(f)} in FP32: inside its forward, `with torch.autocast('{f['device']}', enabled=False):` "
+        "and cast its input with .float(); or train in bf16."),
+    "loss_fp32": lambda f: (
+        f"Compute the loss in FP32: on `.float()` logits under `torch.autocast('{f['device']}', enabled=False)`; or use the "
+        "fused stable op: `F.binary_cross_entropy_with_logits` instead of sigmoid then log, `F.log_softmax` / "
+        "`F.cross_entropy` instead of softmax then log (in FP16, sigmoid rounds to exactly 1.0 above ~8.3 "
+        "and log(1 - p) is -inf)."),
+    "bf16_target": lambda f: "Or switch to bf16 autocast (FP32's exponent range) if the device supports it: rerun with --target bf16.",
+    "keep_fp32": lambda f: (
+        f"Keep {_first_layer(f)} in FP32: wrap its computation in `torch.autocast(device_type='{f['device']}', enabled=False)` "
+        "and call it on `x.float()`."),
+    "bf16_autocast": lambda f: (
+        "Or switch to bf16 autocast (FP32's exponent range, no GradScaler needed) if the device supports it: "
+        "rerun with --target bf16 to check."),
+    "into_range": lambda f: (
+        f"Or bring the values of {_first_layer(f)} into range: normalise its input, scale before the product "
+        "(e.g. divide q by sqrt(d) before q @ k^T), or use a numerically stable formulation."),
+    "keep_fp32_backward": lambda f: (
+        f"Keep {f['module']} in FP32 under `torch.autocast('{f['device']}', enabled=False)`: its gradients overflow FP16."),
+    "reduce_loss": lambda f: (
+        "Reduce the loss magnitude (mean instead of sum over tokens/batch, or divide the loss by a constant): "
+        "gradients scale with it."),
+    "bf16_no_overflow": lambda f: "Or switch to bf16 autocast (no overflow below 3.4e38, no scaler): rerun with --target bf16 to check.",
+    "scale_below_one": lambda f: (
+        f"GradScaler went down to {gen(f['min_scale'])}: below 1, it shrinks the gradients to fit FP16, so FP16 has no "
+        "headroom for them; any growth or a larger batch overflows again."),
+    "master_weights": lambda f: (
+        "Keep FP32 master weights: train with autocast + GradScaler instead of model.half() "
+        "(the optimizer then steps FP32 weights); if you must keep FP16 weights, raise Adam's eps to 1e-4."),
+    "raise_init_scale": lambda f: (
+        f"The gradients are tiny (largest {_g3(f['largest_grad'])}): scale the loss up (normalise by fewer tokens), "
+        f"or start GradScaler at init_scale=2**{f['exponent']} (the largest scale that still leaves a binade of headroom; "
+        f"it would take ~{f['growth_steps']} steps to grow there by itself); or use bf16."),
+    "no_single_scale": lambda f: (
+        f"No single loss scale fits every layer: keep {f['module']} in FP32 under autocast(enabled=False), or use bf16; "
+        "a larger init_scale would overflow the largest gradients."),
+    "module_fp32": lambda f: f"Keep {f['module']} in FP32 under autocast(enabled=False), or use bf16.",
+    "use_loss_scaling": lambda f: "Use loss scaling: torch.amp.GradScaler with autocast (the amp target), or bf16.",
+    "gradscaler_explained": lambda f: (
+        "GradScaler multiplies the loss (init 65536) so small gradients stay above FP16's 6e-8, and unscales "
+        "them in FP32 before the step."),
+    "transient": lambda f: (
+        "Treat the step as transient: resume from the last checkpoint and watch whether it recurs. If it does, "
+        "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
+        "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
+        "on another GPU)."),
+    "bf16_tried": _bf16_tried,
+}
+"""Fix code → the sentence, from the fix's facts."""
+
+
+def fix_text(fix: Fix) -> str:
+    return FIXES[fix.code](fix.facts)
+
+
+# verdicts and the deciding rule's finding ---------------------------------------------------------
+
+_AMP_WHY: dict[str, Callable[[Facts], str]] = {
+    "damaged": lambda f: "weights reached at this step fail in FP32 too: AMP let damaged updates through",
+    "probe_clean": lambda f: "GradScaler keeps skipping while raw FP16 gradients (no scaling) stay finite",
+    "nonfinite_weights": lambda f: "weights became non-finite with finite gradients",
+    "masked": lambda f: (
+        f"{f['parameter']}'s gradient times the loss scale is {_g3(f['scaled'])}, beyond FP16's max, so it must "
+        "overflow, yet it arrived at unscale_ as finite zeros: something replaced the infs, "
+        "GradScaler never backed off and those gradients were dropped"),
+    "stall": lambda f: "AMP's loss stalls against FP32 while raw FP16 shows no range problem",
+}
+
+
+def _amp_defeated(f: Facts) -> str:
+    st = f" at step {f['step']}" if f.get("step") is not None else ""
+    hooks = f.get("hooks") or []
+    return (f"FP32 and raw FP16 train, but the amp stage fails{st}: {_AMP_WHY[f['why']](f)}"
+            + (f" (hooks found: {_hooks_in(hooks)})" if hooks else "") + ".")
+
+
+def _fp32_bug(f: Facts) -> str:
+    loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
+    return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
+            f"{loc} even from the initial weights.")
+
+
+def _custom_where(f: Facts) -> str:
+    fn = f["function"]
+    return f"{f['module']}'s custom autograd.Function {fn}" if f.get("module") else f"custom autograd.Function {fn}"
+
+
+_CODE_WHAT = {
+    "root": lambda f: f"{_op(f)} in the model's own forward (outside every submodule)",
+    "module": lambda f: f"{_op(f)} inside {f['module']}",
+    "loss": lambda f: f"{_op(f)} in the loss function",
+    "model_loss": lambda f: f"{_op(f)} in the loss the model computes in its forward",
+}
+
+
+def _forward_overflow(f: Facts) -> str:
+    amax = f.get("fp32_absmax")
+    op_s = f"its {f['op']} op " if f.get("op") is not None else ""
+    amax_s = f" ({op_s}reaches {_g4(amax)} in FP32, above FP16's max {gen(FP16.max)})" if amax is not None and amax > FP16.max else ""
+    rc = f.get("recheck_loss")
+    return (f"In the {f['stage']} stage the output of {f.get('module') or 'the input cast'} becomes non-finite at step "
+            f"{f['step']}{amax_s} while FP32 stays finite"
+            + (f" (FP32 re-check of that step from the same weights: loss {_g4(rc)})" if rc is not None else "") + ".")
+
+
+def _grad_overflow(f: Facts) -> str:
+    how = {"collapsed": lambda: f"GradScaler's scale collapsed to {_g4(f['min_scale'])}",
+           "skips": lambda: f"{f['skips_after_calibration']} steps skipped after calibration",
+           "nonfinite": lambda: "gradients became non-finite"}[f["how"]]()
+    return (f"The forward pass is finite but gradients overflow FP16 in backward at step {f['step']} "
+            f"(first at {f.get('module') or 'the loss'}); {how}.")
+
+
+def _swallowed(f: Facts) -> str:
+    why = []
+    if f["optimizer_underflow"]:
+        why.append(f"optimizer constant {', '.join(f['optimizer_underflow'])} rounds to 0 in FP16")
+    if f["lost_share"] > 0:
+        why.append(f"{pct0(f['lost_share'])} of updates are lost in FP16 weights")
+    what = f"weights become non-finite at step {f['step']}" if f.get("step") is not None else "the loss stalls against FP32"
+    return f"With FP16 weights and optimizer state {what}: {'; '.join(why) or 'updates are lost'}, while FP32 trains."
+
+
+def _underflow(f: Facts) -> str:
+    head = f"{pct0(f['flushed'])} of {f['param']}'s gradient flushes to zero in the {f['stage']} stage"
+    if f.get("ratio") is None:
+        return head + "."
+    return f"{head} (non-zero in FP32) and the loss makes {pct0(f['ratio'])} of FP32's progress."
+
+
+def _frozen(f: Facts) -> str:
+    prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    return (f"{pct0(f['flushed'])} of {f['param']}'s gradient (non-zero in FP32) flushes to zero in the {f['stage']} stage "
+            f"and its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps: "
+            f"{f['frozen']} parameter(s) are frozen{prog}.")
+
+
+def _healthy(f: Facts) -> str:
+    s = f"The {f['stage']} configuration trains like FP32"
+    if f.get("ratio") is not None and f.get("window") is not None:
+        s += f" ({describe(f['window'], f['stage'])})"
+    elif f.get("ratio") is not None:
+        s += f" ({pct0(f['ratio'])} of FP32's loss progress)"
+    s += "; no non-finite values reached the weights."
+    if f.get("calibration_skips"):
+        s += f" {f['calibration_skips']} GradScaler skip(s) while the scale calibrated are normal."
+    return s
+
+
+def _not_reproduced(f: Facts) -> str:
+    got = ", ".join(f"loss {_g4(lv)}" if lv is not None else "no step" for lv in f["losses"])
+    return (f"The run failed at step {f['step']} ({f['reason']}), but replaying that step in {f['precision']} from "
+            f"the captured weights, optimizer and scaler state, on the captured batch, finished cleanly {f['replays']} "
+            f"times ({got}): the failure does not follow from the weights and the batch. It is a transient: "
+            "nondeterminism or a hardware fault, not FP16 range.")
+
+
+SUMMARIES: dict[str, Callable[[Facts], str]] = {
+    "fp32_raised": lambda f: f"The FP32 reference raises {f['type']} at step {f['step']}: {f['message']}",
+    "fp32_data_nonfinite": lambda f: (
+        f"Batch {f['batch']} holds {f['count']} NaN/Inf value(s) in {f['field']} (samples {f['samples'][:10]}); "
+        f"FP32 fails on it at step {f['step']}, so precision is not the cause."),
+    "fp32_data_outlier": lambda f: (
+        f"FP32 fails at step {f['step']} on batch {f['batch']}, whose field {f['field']!r} is {_g3(f['ratio'])}x larger "
+        "than the median batch."),
+    "fp32_diverged": lambda f: (
+        f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite and trains from the initial weights, "
+        f"so the weights diverged over {f['steps_before']} steps (largest gradient norm before: {_g4(f['max_grad_l2'])})."),
+    "fp32_bug": _fp32_bug,
+    "no_target": lambda f: "FP32 trains cleanly; no target stage was run.",
+    "custom_function": lambda f: (
+        f"The backward of {_custom_where(f)} raises {f['type']} at step {f['step']} ({f['message'][:120]}): under autocast it "
+        "receives FP16 tensors next to FP32 ones, because the Function has no custom_fwd/custom_bwd."),
+    "target_raised": lambda f: (
+        f"The {f['stage']} configuration {'cannot run' if f['device_limit'] else 'breaks'} on {f['device']}: {f['type']} in "
+        f"{f.get('module') or 'user code'} at step {f['step']} ({f['message'][:120]}). {f['hint']}"),
+    "target_outlier": lambda f: (
+        f"Step {f['step']} of the {f['stage']} stage fails on batch {f['batch']}, whose field {f['field']!r} is "
+        f"{_g3(f['ratio'])}x larger than the median batch: the failure follows the data."),
+    "amp_defeated": _amp_defeated,
+    "forward_in_code": lambda f: (
+        f"In the {f['stage']} stage every module output is finite at step {f['step']} but {_CODE_WHAT[f['place']](f)} turns "
+        "finite values into NaN/Inf" + (" while the FP32 re-check of that step from the same weights stays finite"
+                                        if f.get("recheck_finite") else "") + "."),
+    "forward_overflow": _forward_overflow,
+    "grad_overflow": _grad_overflow,
+    "swallowed": _swallowed,
+    "underflow": _underflow,
+    "frozen": _frozen,
+    "stall": lambda f: f"The {f['stage']} stage makes {pct0(f['ratio'])} of FP32's loss progress without any non-finite value.",
+    "healthy": _healthy,
+    "not_reproduced": _not_reproduced,
+}
+"""Verdict variant (``Outcome.facts["variant"]``) → the verdict's summary."""
+
+
+def _code_title(f: Facts) -> str:
+    if f["place"] == "root":
+        return f"{_op(f)} in the model's forward overflows FP16"
+    if f["place"] == "module":
+        return f"{f['module']} overflows FP16 in the forward pass"
+    return f"the loss becomes non-finite in FP16 ({_op(f)})"
+
+
+RULE_TITLES: dict[str, Callable[[Facts], str]] = {
+    "fp32_raised": lambda f: f"fp32 stage raised {f['type']} at step {f['step']}",
+    "fp32_data_nonfinite": lambda f: f"batch {f['batch']} holds {f['count']} NaN/Inf value(s) in {f['field']}",
+    "fp32_data_outlier": lambda f: f"batch {f['batch']} is an outlier ({f['field']} {_g3(f['ratio'])}x the median)",
+    "fp32_diverged": lambda f: f"FP32 fails at step {f['step']} on finite data",
+    "fp32_bug": lambda f: f"FP32 fails at step {f['step']} on finite data",
+    "custom_function": lambda f: f"{_custom_where(f)} raises {f['type']} in backward under autocast",
+    "target_raised": lambda f: f"{f['stage']} stage raised {f['type']} in {f.get('module') or 'user code'} at step {f['step']}",
+    "target_outlier": lambda f: f"batch {f['batch']} is an outlier: {f['field']} is {_g3(f['ratio'])}x the median batch",
+    "amp_defeated": lambda f: "AMP itself is defeated",
+    "forward_in_code": _code_title,
+    "forward_overflow": lambda f: f"{f.get('module') or 'the input'} overflows FP16 in the forward pass",
+    "grad_overflow": lambda f: f"gradients overflow FP16 in backward ({f.get('module') or 'at the loss'})",
+    "swallowed": lambda f: "updates are lost with FP16 weights",
+    "underflow": lambda f: f"gradients of {f['parameters']} parameter(s) flush to zero in FP16",
+    "frozen": lambda f: f"{f['frozen']} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move",
+    "stall": lambda f: "training stalls against FP32",
+    "not_reproduced": lambda f: (
+        f"the {f['precision']} replay of step {f['step']} from the captured state finished cleanly {f['replays']} of "
+        f"{f['replays']} times"),
+}
+"""Verdict variant → the title of the deciding rule's finding."""
+
+RULE_FINDING_FIX: dict[str, Callable[[Facts], str]] = {
+    "fp32_raised": lambda f: "Fix the exception; it is not a precision issue.",
+    "fp32_data_nonfinite": lambda f: "",
+    "fp32_data_outlier": lambda f: "",
+    "target_outlier": lambda f: (
+        f"Fix batch {f['batch']} ({f['field']}, samples {f['samples'][:10]}): normalise or drop it in build_dataloader()."),
+    "target_raised": lambda f: str(f["hint"]),
+    "forward_overflow": lambda f: fix_text(Fix("keep_fp32_forward", {"module": f.get("module"), "device": f["device"]})),
+    "grad_overflow": lambda f: (
+        f"Gradients at {f.get('module') or 'the loss'} exceed FP16's range even unscaled: normalise the loss "
+        "(mean instead of sum), keep that module in FP32, or use bf16."),
+    "stall": lambda f: "Use GradScaler (autocast + loss scaling) or bf16.",
+}
+"""Verdict variant → the fix its finding carries, where that is not the outcome's first fix."""
+
+
+def _rule_fix(variant: str, facts: Facts, fixes: list[Fix]) -> str:
+    if variant in RULE_FINDING_FIX:
+        return RULE_FINDING_FIX[variant](facts)
+    return fix_text(fixes[0]) if fixes else ""
+
+
+# findings that stand on their evidence: warnings and the data scan --------------------------------
+
+_DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", "outlier": "an outlier",
+               "beyond_fp16": "values beyond FP16's range"}
+
+
+def data_issue(d: Facts) -> str:
+    """One data-scan issue (``rules._issue_facts``) in words."""
+    b, field, samples = d["batch"], d["field"], d["samples"]
+    if d["kind"] == "nonfinite":
+        return f"batch {b} holds {d['count']} NaN/Inf value(s) in {field} (samples {samples})"
+    if d["kind"] == "sentinel":
+        return (f"{field} holds the constant {gen(d['value'])} {d['count']} time(s) in {d['batches']} batch(es) (first: batch "
+                f"{b}, samples {samples}), {_g3(d['ratio'])}x its typical magnitude {_g3(d['typical'])}: a fill value, "
+                "not a measurement")
+    if d["kind"] == "outlier":
+        return (f"batch {b} holds an outlier: {field} reaches {_g4(d['value'])} in samples {samples}, "
+                f"{_g3(d['ratio'])}x its typical magnitude {_g3(d['typical'])}")
+    return f"batch {b} holds {field} values up to {_g4(d['value'])} (samples {samples}), beyond FP16's max {gen(FP16.max)}"
+
+
+def _data_fix(d: Facts) -> str:
+    if d["kind"] == "sentinel":
+        return f"Drop or fix these rows in build_dataloader() (e.g. mask {gen(d['value'])} as missing)"
+    if d["kind"] == "nonfinite":
+        return "Filter them in build_dataloader() (keep rows where torch.isfinite(x).all())"
+    return "Normalise this field (or clip it) in build_dataloader(); check the source of these samples"
+
+
+def _probe_follows(f: Finding) -> str:
+    ev, issue = f.evidence, f.evidence["_issue"]
+    return (f"raw FP16 first fails at step {f.step}, on batch {ev['batch']}, which holds {_DATA_WORDS[issue['kind']]} "
+            f"that no earlier batch holds: the failure follows the data ({data_issue(issue)})")
+
+
+FindingWords = Callable[[Finding, ScalerStory | None], tuple[str, str]]
+
+FINDINGS: dict[str, FindingWords] = {
+    "calibration_skips": lambda f, s: (
+        f"{f.evidence['_count']} GradScaler skip(s) while the scale calibrated from {gen(f.evidence['_init_scale'])}",
+        s.explanation if s is not None else ""),
+    "fp16_grad_underflow": lambda f, s: (
+        f"{f.evidence['_count']} parameter gradient(s) flush to zero in {f.stage} without stalling training",
+        "Watch these layers; bf16 or keeping them in FP32 removes the flush."),
+    "probe_underflow": lambda f, s: (
+        f"raw FP16 without scaling flushes {f.evidence['_count']} parameter gradient(s) to zero; GradScaler cures it",
+        "Keep GradScaler on; never train this model in FP16 without loss scaling."),
+    "probe_nonfinite": lambda f, s: (
+        f"raw FP16 without scaling goes non-finite at step {f.step}; the target configuration avoids it",
+        "Keep autocast and GradScaler; do not train with model.half()."),
+    "probe_swallowed": lambda f, s: (
+        f"{pct0(f.evidence['lost_update_share'])} of the FP32 updates would be lost with FP16 weights",
+        "Keep FP32 master weights (autocast does)."),
+    "thin_headroom": lambda f, s: (
+        f"{f.module} reaches {_g4(f.evidence['absmax'])}, {fixed(f.evidence['headroom_binades'])} binades below FP16's max",
+        f"Fine now; if it keeps growing, keep {f.module} in FP32 or use bf16."),
+    **{f"data_{k}": (lambda f, s: (data_issue(f.evidence["_issue"]), _data_fix(f.evidence["_issue"]))) for k in _DATA_WORDS},
+    "probe_follows_data": lambda f, s: (_probe_follows(f), f"Fix batch {f.evidence['batch']} first; then rerun triage."),
+}
+"""Finding code → (title, fix) for findings that are not the deciding rule's own."""
+
+SCALER_NOTES = {
+    "overflows_hidden": ("the scale never backed off, but not because the gradients fit: the overflows were "
+                         "hidden from GradScaler before unscale_ (see the verdict)"),
+}
+
+
+# the whole diagnosis -------------------------------------------------------------------------------
+
+def summary(facts: Facts) -> str:
+    return SUMMARIES[facts["variant"]](facts)
+
+
+def write(d: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory | None]:
+    """The verdict, findings, fix sentences and scaler story of a diagnosis, with their words written.
+
+    The deciding rule's finding (the first, unless the verdict is healthy) is worded from the
+    outcome's facts; every other finding from its code and evidence.
+    """
+    o = d.outcome
+    variant = str(o.facts["variant"])
+    verdict = Verdict(o.cause, o.module, o.step, o.stage, summary(o.facts), d.device)
+    scaler = d.scaler
+    if scaler is not None and d.scaler_note is not None:
+        scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note])
+    findings = []
+    for i, f in enumerate(o.findings):
+        if i == 0 and variant in RULE_TITLES:
+            title, fix = RULE_TITLES[variant](o.facts), _rule_fix(variant, o.facts, o.fixes)
+        else:
+            title, fix = FINDINGS[f.code](f, scaler)
+        ev = {k: v for k, v in f.evidence.items() if not k.startswith("_")}
+        findings.append(replace(f, title=title, fix=fix, evidence=ev))
+    return verdict, findings, [fix_text(fx) for fx in o.fixes], scaler
+
+
+def describe(w: LossWindow, name: str) -> str:
+    """'mean loss over steps 36-47: amp 0.62, FP32 0.58, both down from FP32's 2.31 over steps 0-11 (107% of FP32's progress)'."""
+    last = f"{w.steps - w.window}-{w.steps - 1}"
+    return (f"mean loss over steps {last}: {name} {w.target_tail:.4g}, FP32 {w.fp32_tail:.4g}, from FP32's "
+            f"{w.fp32_head:.4g} over steps 0-{w.window - 1}: {w.ratio:.0%} of FP32's progress")

@@ -1,0 +1,397 @@
+"""Every verdict rule on synthetic records (no model runs): its cause, module, step, stage and key
+facts; and every cause, verdict variant, finding code and fix code has words."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ampdoctor.input.batches import Batches
+from ampdoctor.input.config import TriageConfig
+from ampdoctor.judge import rules
+from ampdoctor.judge.opscan import NonfiniteOp
+from ampdoctor.judge.rules import Ctx, Recheck, diagnose, shift_diagnosis
+from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats
+from ampdoctor.report import words
+from ampdoctor.report.model import CAUSES
+
+NAN, INF = float("nan"), float("inf")
+N = 8
+"""Steps per synthetic stage: enough for the stall rule (MIN_STALL_STEPS)."""
+
+
+# synthetic records ------------------------------------------------------------------------------
+def row(numel: int = 4, nan: int = 0, zero: int = 0, absmax: float = 1.0, overflow: int = 0) -> np.ndarray:
+    r = np.zeros(NCOLS)
+    r[Col.NUMEL], r[Col.NAN], r[Col.ZERO], r[Col.OVERFLOW] = numel, nan, zero, overflow
+    r[Col.NORMAL] = numel - nan - zero - overflow
+    r[Col.ABSMAX], r[Col.MIN_NONZERO] = absmax, 1.0
+    return r
+
+
+def stats(step: int, *, fwd: str | None = None, root: bool = False, bwd: str | None = None, absmax: float = 1.0,
+          pgrad: dict[str, np.ndarray] | None = None) -> StepStats:
+    """A model ``<model>`` = head(enc(x)): tensor 0 is the input, 1 enc's output, 2 head's (the model's).
+
+    ``fwd``: the module whose output turns non-finite; ``root``: the root's own code does (children finite);
+    ``bwd``: the module whose input gradient turns non-finite in backward.
+    """
+    st = StepStats(step, calls=[Call("enc", [0], [1]), Call("head", [1], [2]), Call("<model>", [0], [2])],
+                   model_inputs=[0], model_outputs=[2], grad_order=[2, 1, 0])
+    bad1, bad2 = fwd == "enc", fwd in ("enc", "head") or root
+    st.act = {0: row(), 1: row(nan=int(bad1), absmax=absmax), 2: row(nan=int(bad2), absmax=absmax)}
+    st.grad = {2: row(), 1: row(nan=int(bwd == "head")), 0: row(nan=int(bwd in ("enc", "head")))}
+    st.pgrad = pgrad if pgrad is not None else {"enc.weight": row(), "head.weight": row()}
+    if root:
+        st.calls = [Call("enc", [0], [1]), Call("head", [1], [3]), Call("<model>", [0], [2])]
+        st.act[3] = row()
+    return st
+
+
+def rec(step: int, loss: float = 1.0, *, grad: float = 1.0, skipped: bool = False, scale: float | None = None,
+        params_finite: bool = True) -> StepRecord:
+    return StepRecord(step, step, 1e-3, loss, grad, grad, skipped, "inf/nan gradient" if skipped else "", scale, params_finite)
+
+
+def stage(name: str, losses: list[float] | None = None, *, stats_at: dict[int, StepStats] | None = None,
+          **kw: Any) -> StageResult:
+    """A stage of N steps (losses default 1.0, falling in FP32), with the given stats per step."""
+    losses = losses or [1.0] * N
+    scale = 65536.0 if name == "amp" else None
+    records = [rec(i, v, scale=scale) for i, v in enumerate(losses)]
+    sts = [(stats_at or {}).get(i) or stats(i) for i in range(len(losses))]
+    return StageResult(name, records=records, stats=sts, **kw)
+
+
+FALLING = [10.0 - i for i in range(N)]
+FLAT = [10.0] * N
+
+
+def batches(n: int = N, *, nan_at: int | None = None, big_at: int | None = None) -> Batches:
+    items = []
+    for i in range(n):
+        x = torch.ones(4, 3)
+        if i == nan_at:
+            x[1, 0] = NAN
+        if i == big_at:
+            x[2, 1] = 1e7
+        items.append((x, torch.zeros(4)))
+    return Batches(items, cycled=False)
+
+
+def no_recheck(stage: str, step: int) -> Recheck | None:
+    return None
+
+
+def ctx(results: dict[str, StageResult], *, target: str = "amp", data: Batches | None = None,
+        recheck: Callable[[str, int], Recheck | None] = no_recheck, hooks: list[str] | None = None) -> Ctx:
+    return Ctx(results, data or batches(), TriageConfig(steps=N, target=target), recheck, "cpu", hooks)
+
+
+def three(amp: StageResult | None = None, fp16: StageResult | None = None, fp32: StageResult | None = None) -> dict[str, StageResult]:
+    return {"fp32": fp32 or stage("fp32", FALLING), "fp16": fp16 or stage("fp16", FALLING),
+            "amp": amp or stage("amp", FALLING)}
+
+
+def with_record(res: StageResult, step: int, **kw: Any) -> StageResult:
+    r = res.records[step]
+    res.records[step] = rec(step, kw.pop("loss", r.loss), scale=r.scaler_scale, **kw)
+    return res
+
+
+# one scenario per rule: (rule, context, (cause, module, step, stage), key facts) ----------------
+Scenario = tuple[rules.Rule, Ctx, tuple[str, str | None, int | None, str | None], dict[str, Any]]
+
+
+def _fp32_raised() -> Scenario:
+    fp32 = stage("fp32", error=StageError("ValueError", "shapes do not match", 3, "enc", ""))
+    return rules.fp32_raised, ctx(three(fp32=fp32)), ("model_bug", "enc", 3, "fp32"), {"type": "ValueError"}
+
+
+def _fp32_nonfinite_data() -> Scenario:
+    fp32 = with_record(stage("fp32", FALLING), 2, loss=NAN)
+    return (rules.fp32_nonfinite_data, ctx(three(fp32=fp32), data=batches(nan_at=2)), ("data", None, 2, "fp32"),
+            {"field": "inputs", "count": 1, "samples": [1]})
+
+
+def _fp32_outlier() -> Scenario:
+    fp32 = with_record(stage("fp32", FALLING), 5, loss=INF)
+    return (rules.fp32_outlier, ctx(three(fp32=fp32), data=batches(big_at=5)), ("data", None, 5, "fp32"),
+            {"field": "inputs", "ratio": 1e7, "samples": [2]})
+
+
+def _fp32_model_bug() -> Scenario:
+    fp32 = stage("fp32", [NAN] + FALLING[1:], stats_at={0: stats(0, fwd="enc")})
+    c = ctx(three(fp32=fp32), recheck=lambda s, k: Recheck(NAN, False, "initial"))
+    return rules.fp32_model_bug, c, ("model_bug", "enc", 0, "fp32"), {"variant": "fp32_bug", "location": "module"}
+
+
+def _fp32_diverged() -> Scenario:
+    fp32 = stage("fp32", FALLING[:6] + [NAN, NAN], stats_at={6: stats(6, bwd="head")})
+    c = ctx(three(fp32=fp32), recheck=lambda s, k: Recheck(2.0, True, "initial"))
+    return rules.fp32_model_bug, c, ("model_bug", "head", 6, "fp32"), {"variant": "fp32_diverged", "steps_before": 6}
+
+
+def _no_target() -> Scenario:
+    return rules.no_target, ctx({"fp32": stage("fp32", FALLING)}), ("healthy", None, None, None), {"variant": "no_target"}
+
+
+def _custom_function() -> Scenario:
+    err = StageError("RuntimeError", "expected both to have the same dtype, but got: c10::Half != float", 0, "enc", "", "MatMul")
+    return (rules.custom_function, ctx(three(amp=stage("amp", error=err))), ("amp_misuse", "enc", 0, "amp"),
+            {"function": "MatMul", "device": "cpu"})
+
+
+def _target_raised() -> Scenario:
+    err = StageError("NotImplementedError", "no Half kernel", 1, "enc", "a device limitation: rerun on a GPU")
+    return (rules.target_raised, ctx(three(amp=stage("amp", error=err))), ("inconclusive", "enc", 1, "amp"),
+            {"device_limit": True})
+
+
+def _outlier_at_event() -> Scenario:
+    amp = with_record(stage("amp", FALLING), 3, skipped=True)
+    return (rules.outlier_at_event, ctx(three(amp=amp), data=batches(big_at=3)), ("data", None, 3, "amp"),
+            {"step": 3, "batch": 3, "field": "inputs"})
+
+
+def _damaged_weights() -> Scenario:
+    amp = with_record(stage("amp", FALLING), 2, loss=NAN)
+    c = ctx(three(amp=amp), recheck=lambda s, k: Recheck(NAN, False, f"stage {s} before step {k}"))
+    return rules.damaged_weights, c, ("amp_misuse", None, 2, "amp"), {"why": "damaged"}
+
+
+def _forward_in_root() -> Scenario:
+    amp = stage("amp", [NAN] + FALLING[1:], stats_at={0: stats(0, root=True)})
+    op = NonfiniteOp("exp", "<model>", "spec.py:13")
+    c = ctx(three(amp=amp), recheck=lambda s, k: Recheck(3.0, True, "stage amp before step 0", None, lambda: op))
+    return rules.forward_in_root, c, ("fp16_forward_overflow", None, 0, "amp"), {"place": "root", "op": "exp"}
+
+
+def _loss_in_fp16() -> Scenario:
+    amp = with_record(stage("amp", FALLING), 1, loss=INF)
+    return rules.loss_in_fp16, ctx(three(amp=amp)), ("fp16_forward_overflow", None, 1, "amp"), {"place": "loss", "op": None}
+
+
+def _forward_overflow() -> Scenario:
+    amp = stage("amp", [NAN] + FALLING[1:], stats_at={0: stats(0, fwd="enc")})
+    fp32 = stage("fp32", FALLING, stats_at={0: stats(0, absmax=9e4)})
+    return (rules.forward_overflow, ctx(three(amp=amp, fp32=fp32)), ("fp16_forward_overflow", "enc", 0, "amp"),
+            {"fp32_absmax": 9e4})
+
+
+def _grad_overflow() -> Scenario:
+    fp16 = with_record(stage("fp16", FALLING), 0, grad=INF)  # raw FP16 overflows too: a range problem
+    amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF, skipped=False)
+    amp.records[4].params_finite = False
+    return (rules.grad_overflow, ctx(three(amp=amp, fp16=fp16), target="amp"), ("fp16_grad_overflow", "head", 4, "amp"),
+            {"how": "nonfinite"})
+
+
+def _grad_overflow_probe_clean() -> Scenario:
+    amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF)
+    amp.records[4].params_finite = False
+    return rules.grad_overflow, ctx(three(amp=amp)), ("amp_misuse", None, 4, "amp"), {"why": "probe_clean"}
+
+
+def _nonfinite_weights() -> Scenario:
+    fp16 = with_record(stage("fp16", FALLING, master_weights=False), 5, params_finite=False)
+    return (rules.nonfinite_weights, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, 5, "fp16"),
+            {"variant": "swallowed"})
+
+
+def _masked_overflow() -> Scenario:
+    flushed = {"enc.weight": row(zero=4), "head.weight": row()}
+    amp = stage("amp", FALLING, stats_at={0: stats(0, pgrad=flushed)})
+    return (rules.masked_overflow, ctx(three(amp=amp), hooks=["gradient hook on parameter enc.weight"]),
+            ("amp_misuse", None, 0, "amp"), {"why": "masked", "parameter": "enc.weight", "scaled": 65536.0})
+
+
+def _stall() -> Scenario:
+    return (rules.stall, ctx(three(fp16=stage("fp16", FLAT)), target="fp16"), ("fp16_grad_underflow", None, None, "fp16"),
+            {"variant": "stall", "ratio": pytest.approx((9.5 - 10.0) / (9.5 - 3.5))})  # head/tail means of 2 steps
+
+
+def _stall_underflow() -> Scenario:
+    flushed = {"enc.weight": row(), "head.weight": row(zero=4)}
+    amp = stage("amp", FLAT, stats_at={i: stats(i, pgrad=flushed) for i in range(N)})
+    tiny = {"enc.weight": row(absmax=1e-6), "head.weight": row(absmax=1e-6)}  # x 65536 stays far below FP16's max
+    fp32 = stage("fp32", FALLING, stats_at={i: stats(i, pgrad=tiny) for i in range(N)})
+    c = ctx(three(amp=amp, fp16=stage("fp16", FLAT), fp32=fp32))
+    return rules.stall, c, ("fp16_grad_underflow", "head", None, "amp"), {"variant": "underflow", "param": "head.weight",
+                                                                          "flushed": 1.0}
+
+
+def _stall_amp() -> Scenario:
+    return rules.stall, ctx(three(amp=stage("amp", FLAT))), ("amp_misuse", None, None, "amp"), {"why": "stall"}
+
+
+def _optimizer_underflow() -> Scenario:
+    fp16 = stage("fp16", FALLING, master_weights=False, optimizer_underflow=["eps=1e-08"])
+    return (rules.optimizer_underflow, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, None, "fp16"),
+            {"optimizer_underflow": ["eps=1e-08"]})
+
+
+def _frozen() -> Scenario:
+    flushed = {"enc.weight": row(zero=4), "head.weight": row()}
+    fp16 = stage("fp16", FALLING, stats_at={i: stats(i, pgrad=flushed) for i in range(N)},
+                 moved={"enc.weight": 0.1, "head.weight": 1.0})
+    fp32 = stage("fp32", FALLING, moved={"enc.weight": 1.0, "head.weight": 1.0})
+    return (rules.frozen, ctx(three(fp16=fp16, fp32=fp32), target="fp16"), ("fp16_grad_underflow", "enc", None, "fp16"),
+            {"variant": "frozen", "frozen": 1, "moved": pytest.approx(0.1)})
+
+
+def _healthy() -> Scenario:
+    fp16 = with_record(stage("fp16", FALLING), 2, loss=INF)
+    amp = stage("amp", FALLING)
+    amp.records[0] = rec(0, FALLING[0], skipped=True, scale=65536.0)
+    for r in amp.records[1:]:
+        r.scaler_scale = 32768.0
+    out_c = ctx(three(amp=amp, fp16=fp16))
+    return (lambda c: rules.healthy(c)), out_c, ("healthy", None, None, "amp"), {"calibration_skips": 1}
+
+
+SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    f.__name__[1:]: f for f in (
+        _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _no_target, _custom_function,
+        _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
+        _grad_overflow, _grad_overflow_probe_clean, _nonfinite_weights, _masked_overflow, _stall, _stall_underflow,
+        _stall_amp, _optimizer_underflow, _frozen, _healthy)
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_rule(name: str) -> None:
+    rule, c, want, facts = SCENARIOS[name]()
+    out = rule(c)
+    assert out is not None, f"{name}: the rule does not apply"
+    assert (out.cause, out.module, out.step, out.stage) == want
+    for k, v in facts.items():
+        assert out.facts.get(k) == v, (k, out.facts)
+    if out.cause != "healthy" and out.facts["variant"] != "no_target":
+        f = out.findings[0]
+        assert (f.code, f.module, f.stage) == (out.cause, out.module, out.stage) and f.title == "" and f.fix == ""
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_ordered_rules_give_the_same_verdict(name: str) -> None:
+    """``judge`` (the ordered list) reaches each scenario's rule: no earlier rule claims it."""
+    rule, c, want, _ = SCENARIOS[name]()
+    out = rules.judge(c)
+    assert (out.cause, out.module, out.step, out.stage) == want
+
+
+def test_rules_do_not_apply_to_a_clean_run() -> None:
+    c = ctx(three())
+    assert [r.__name__ for r in rules.RULES if r(c) is not None] == []
+    out = rules.judge(c)
+    assert out.cause == "healthy" and out.findings == []
+
+
+def test_healthy_warnings_are_data() -> None:
+    _, c, _, _ = _healthy()
+    out = rules.healthy(c)
+    codes = {f.code: f for f in out.findings}
+    assert codes["calibration_skips"].evidence["scales"] == [65536.0]
+    assert codes["probe_nonfinite"].step == 2
+
+
+def test_words_of_every_scenario() -> None:
+    """Every scenario's verdict, findings and fixes in words: no raw code, no format braces, no blank."""
+    seen_causes, seen_variants, seen_fixes = set(), set(), set()
+    for name, make in SCENARIOS.items():
+        _, c, *_ = make()
+        d = diagnose(c.results, c.batches, c.cfg, c.recheck, "cpu", c.hooks)
+        seen_causes.add(d.outcome.cause)
+        seen_variants.add(d.outcome.facts["variant"])
+        seen_fixes |= {f.code for f in d.outcome.fixes}
+        verdict, findings, fixes, _ = words.write(d)
+        texts = [verdict.summary, *(f.title for f in findings), *fixes] + [f.fix for f in findings if f.fix]
+        for t in texts:
+            assert t and "{" not in t and t not in words.FIXES and t not in words.SUMMARIES, (name, t)
+        assert not any(k.startswith("_") for f in findings for k in f.evidence), name
+    assert seen_causes == set(CAUSES) - {"not_reproduced"}
+    assert seen_variants == set(words.SUMMARIES) - {"not_reproduced"}
+
+
+RULES_SRC = Path(rules.__file__).read_text()
+
+
+def test_every_code_the_rules_write_has_words() -> None:
+    fix_codes = set(re.findall(r'Fix\("(\w+)"', RULES_SRC))
+    assert fix_codes and fix_codes <= set(words.FIXES)
+    variants = set(re.findall(r'facts = \{"variant": "(\w+)"|variant="(\w+)"', RULES_SRC))
+    variants = {v for pair in variants for v in pair if v}
+    assert {"healthy", "frozen", "fp32_bug"} <= variants
+    assert variants <= set(words.SUMMARIES), variants - set(words.SUMMARIES)
+    assert set(words.SUMMARIES) - {"healthy", "no_target"} <= set(words.RULE_TITLES)
+    codes = set(re.findall(r'Finding\("(\w+)"', RULES_SRC)) - set(CAUSES) - {"data"}
+    assert codes <= set(words.FINDINGS), codes - set(words.FINDINGS)
+    for kind in ("nonfinite", "sentinel", "outlier", "beyond_fp16"):
+        assert f"data_{kind}" in words.FINDINGS
+
+
+def test_data_scan_findings_are_worded_from_their_evidence() -> None:
+    items = [(torch.ones(4, 3), torch.zeros(4)) for _ in range(N)]
+    items[3][0][:, 0] = -99999.0
+    items[6][0][0, 0] = NAN
+    c = ctx(three(), data=Batches(items, cycled=False))
+    d = diagnose(c.results, c.batches, c.cfg, c.recheck)
+    _, findings, _, _ = words.write(d)
+    by = {f.code: f for f in findings}
+    assert by["data_nonfinite"].title == "batch 6 holds 1 NaN/Inf value(s) in inputs (samples [0])"
+    assert by["data_nonfinite"].step == 6
+    assert "-99999" in by["data_sentinel"].title and by["data_sentinel"].fix.startswith("Drop or fix these rows")
+
+
+def test_a_replay_numbers_every_step_as_the_run() -> None:
+    """Shift the data, then write the words: the summary, titles and fixes say the run's step."""
+    rule, c, _, _ = _grad_overflow()
+    c.results["bf16"] = with_record(stage("bf16", FALLING), 3, loss=NAN)
+    d = diagnose(c.results, c.batches, c.cfg, c.recheck)
+    assert d.outcome.step == 4
+    s = shift_diagnosis(d, 1000)
+    assert (s.outcome.step, s.outcome.facts["step"], s.outcome.findings[0].step) == (1004, 1004, 1004)
+    assert d.outcome.step == 4, "a copy: the diagnosis itself is unchanged"
+    verdict, findings, fixes, _ = words.write(s)
+    assert "at step 1004" in verdict.summary and "step 4 " not in verdict.summary
+    assert "(step 1003)" in fixes[-1]  # the bf16 stage's own failing step, as a fix fact
+
+
+def test_counts_are_not_steps() -> None:
+    """Facts that count steps (``steps_before``, ``steps``) are not shifted; ``*_step`` facts are."""
+    out = Outcome("model_bug", None, 6, "fp32", {"variant": "fp32_diverged", "step": 6, "steps_before": 6,
+                                                 "first_step": 2, "batch": 6, "max_grad_l2": 3.0})
+    d = shift_diagnosis(rules.Diagnosis(out, [], None), 10)
+    assert d.outcome.facts == {"variant": "fp32_diverged", "step": 16, "steps_before": 6, "first_step": 12, "batch": 6,
+                               "max_grad_l2": 3.0}
+    assert words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 6 is finite and trains from the "
+                                              "initial weights, so the weights diverged over 6 steps (largest gradient "
+                                              "norm before: 3).")
+
+
+def test_not_reproduced_is_replay_relative_until_shifted() -> None:
+    manifest = {"step": 1234, "reason": "nonfinite_loss", "module": "logits"}
+    d = rules.not_reproduced(manifest, 0, 2, [{"loss": 0.5}, {"loss": None}], "amp", 1230, "cpu")
+    assert d is not None and (d.outcome.cause, d.outcome.module, d.outcome.step) == ("not_reproduced", "logits", 4)
+    verdict, findings, fixes, _ = words.write(shift_diagnosis(d, 1230))
+    assert verdict.first_step == 1234 and verdict.summary.startswith("The run failed at step 1234 (nonfinite_loss)")
+    assert "(loss 0.5, no step)" in verdict.summary
+    assert findings[0].title == "the amp replay of step 1234 from the captured state finished cleanly 2 of 2 times"
+    assert rules.not_reproduced(manifest, 1, 2, [], "amp", 1230, "cpu") is None
+
+
+def test_a_finding_without_prose_until_written() -> None:
+    f = Finding("thin_headroom", "warning", stage="amp", module="enc", evidence={"absmax": 60000.0, "headroom_binades": 0.127})
+    title, fix = words.FINDINGS[f.code](f, None)
+    assert title == "enc reaches 6e+04, 0.13 binades below FP16's max"
+    assert fix == "Fine now; if it keeps growing, keep enc in FP32 or use bf16."
+
+
+def test_every_rule_has_a_scenario() -> None:
+    assert set(rules.RULES) <= {make()[0] for make in SCENARIOS.values()}
