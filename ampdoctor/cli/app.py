@@ -101,7 +101,10 @@ def triage(
 
         argv = ["ampdoctor", *sys.argv[1:]]
         if quiet or not err.is_terminal:
-            report, run = run_triage(spec, cfg, names=names, argv=argv, log_path=log, from_capture=from_capture)
+            from ampdoctor.cli.progress import LineProgress
+
+            lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
+            report, run = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:

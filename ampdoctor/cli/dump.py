@@ -89,9 +89,9 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.input.batches import cast_floating, split, to_device
-from ampdoctor.input.spec import SpecNames, load_spec
 from ampdoctor.engine.step import get_loss
+from ampdoctor.input.batches import cast_floating, split, to_device
+from ampdoctor.input.spec import SpecNames, importable, load_spec
 
 HERE = Path(__file__).resolve().parent
 SPEC = {spec!r}
@@ -133,8 +133,9 @@ def run(precision: str) -> None:
         handle.remove()
 
 
-for p in dict.fromkeys(["fp32", STAGE or "fp32"]):
-    run(p)
+with importable(SPEC):  # the spec may import its neighbours lazily
+    for p in dict.fromkeys(["fp32", STAGE or "fp32"]):
+        run(p)
 '''
 
 

@@ -18,7 +18,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ampdoctor.cli.common import fail, out
+from ampdoctor.cli.common import err, fail, out
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.fmt import pct_short as _pct
 from ampdoctor.fmt import pow2 as _pow2
@@ -171,27 +171,30 @@ def layers(
         what_t = parse_what(what)
         scale_v = _parse_scale(scale)
         _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
+        from ampdoctor.cli.progress import progress_display
         from ampdoctor.engine.triage import prepare
         from ampdoctor.input.config import TriageConfig
         from ampdoctor.input.env import resolve_device
-        from ampdoctor.input.spec import SpecNames, call_user, load_spec
+        from ampdoctor.input.spec import SpecNames, call_user, importable, load_spec
 
         cfg = TriageConfig(steps=steps, device=device, seed=seed)
         dev = resolve_device(device)
         sp = load_spec(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn))
-        model, batches = prepare(sp, cfg, dev)
-        if filter is not None:
-            names = [n or "<model>" for n, _ in model.named_modules()]
-            if not any(re.search(filter, n) for n in names):
-                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
-        optimizer = (call_user(sp.build_optimizer, model.parameters(), what=f"{optimizer_fn}()", path=sp.path)
-                     if sp.build_optimizer is not None else None)
-        wanted = [f.name for f in fmts]
-        # bf16 is computed as well (not shown) to say whether it removes the problem
-        compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
-        df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
-                         optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed)
+        with importable(spec), progress_display(err, steps) as progress:
+            model, batches = prepare(sp, cfg, dev, progress)
+            if filter is not None:
+                names = [n or "<model>" for n, _ in model.named_modules()]
+                if not any(re.search(filter, n) for n in names):
+                    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+                    raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
+            optimizer = (call_user(sp.build_optimizer, model.parameters(), what=f"{optimizer_fn}()", path=sp.path)
+                         if sp.build_optimizer is not None else None)
+            wanted = [f.name for f in fmts]
+            # bf16 is computed as well (not shown) to say whether it removes the problem
+            compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
+            df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
+                             optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed,
+                             progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
     except AmpDoctorError as e:
         fail(str(e))
         return

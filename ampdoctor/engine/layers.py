@@ -244,7 +244,8 @@ def _param_owner(model: nn.Module) -> dict[str, tuple[str, str]]:
 
 def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Sequence[float], steps: int,
          flags: dict[str, bool], loss_fn: Callable[..., Any] | None, optimizer: torch.optim.Optimizer | None,
-         device: torch.device, tolerance: float, seed: int) -> list[dict[str, Any]]:
+         device: torch.device, tolerance: float, seed: int,
+         progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """FP32 reference steps from the model's current state; the state (and optimizer's) is restored after."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
@@ -259,6 +260,8 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
         with hooks:
             model.train()
             for step in range(steps):
+                if progress is not None:
+                    progress(step)
                 hooks.begin_step(step)
                 try:
                     loss = recipe.forward(to_device(batches[step], device), loss_fn)
@@ -313,6 +316,7 @@ def layer_stats(
     device: str | torch.device | None = None,
     underflow_tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """Per-layer cast statistics of ``model`` for each format in ``dtypes``, over ``steps`` FP32 steps.
 
@@ -321,7 +325,8 @@ def layer_stats(
     ``optimizer`` defaults to AdamW(lr=1e-3). ``scale``: gradients are multiplied by it before
     the cast test; ``"auto"`` picks, per format, the scale the loss-scale windows allow (see
     ``choose_scale``) and adds the gradient rows at that scale to the scale-1 rows. The model (and
-    the optimizer's state) is restored after the steps; the model must be FP32.
+    the optimizer's state) is restored after the steps; the model must be FP32. ``progress(step)``
+    is called before each step (twice over the steps with ``scale="auto"``).
 
     Returns one row per (module, kind, param, dtype, scale, step) with the columns ``COLUMNS``.
     Raises UsageError for bad arguments, SpecError when the model fails in FP32.
@@ -351,7 +356,7 @@ def layer_stats(
             raise UsageError(str(e)) from None
     flags = {"activations": "activations" in flags_what, "grads": "grads" in flags_what, "params": "weights" in flags_what}
     records = _run(model, batches, fmts, [base_scale] * len(fmts), steps, flags, loss_fn, optimizer, dev,
-                   underflow_tolerance, seed)
+                   underflow_tolerance, seed, progress)
     df = pd.DataFrame.from_records(records, columns=COLUMNS)
     if auto and flags["grads"]:
         chosen = [choose_scale(df, f.name) for f in fmts]
@@ -359,7 +364,7 @@ def layer_stats(
         if redo:
             grad_flags = {"activations": False, "grads": True, "params": False}
             more = _run(model, batches, [f for f, _ in redo], [s for _, s in redo], steps, grad_flags, loss_fn,
-                        optimizer, dev, underflow_tolerance, seed)
+                        optimizer, dev, underflow_tolerance, seed, progress)
             df = pd.concat([df, pd.DataFrame.from_records(more, columns=COLUMNS)], ignore_index=True)
     return df.sort_values(["step", "order", "kind"], kind="stable", key=_kind_key).reset_index(drop=True)
 

@@ -10,15 +10,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, load_into, read_capture
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import default_optimizer, get_loss
 from ampdoctor.errors import CaptureError, SpecError
-from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, materialise, split, to_device
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, split, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
-from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec
+from ampdoctor.input.loading import load_batches
+from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.records import StageResult
@@ -40,26 +42,17 @@ def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Modul
     return model.to(device).float()
 
 
-def prepare(spec: Spec, cfg: TriageConfig, device: torch.device) -> tuple[nn.Module, Batches]:
-    """Build the model and batches, and check that one FP32 forward gives a scalar loss."""
-    model = build_model(spec, cfg, device)
-    loader = call_user(spec.build_dataloader, what="build_dataloader()", path=spec.path)
-    from ampdoctor.errors import BatchError
+def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
+            progress: ProgressFn | None = None) -> tuple[nn.Module, Batches]:
+    """Build the model and batches, and check that they run in FP32 with a scalar loss.
 
-    try:
-        batches = materialise(loader, cfg.steps)
-    except BatchError as e:
-        raise SpecError(f"{spec.path.name}: {e}") from None
-    args, kwargs, target = split(to_device(batches[0], device))
-    try:
-        with torch.no_grad():
-            out = model(*args, **filter_kwargs(model, kwargs))
-            get_loss(out, target, spec.loss_fn)
-    except Exception as e:
-        raise SpecError(
-            f"{spec.path.name}: the first batch does not run in FP32 ({type(e).__name__}: {str(e).strip()[:200]}); "
-            "a batch is model(inputs) + loss_fn(output, targets) for (inputs, targets), model(**batch) for a dict"
-        ) from None
+    ``progress("batches", n)`` is called as the batches are taken from the dataloader.
+    """
+    model = build_model(spec, cfg, device)
+    preflight.initial_weights(model, spec.path)
+    batches = load_batches(spec, cfg.steps, progress)
+    preflight.optimizer(spec, model)
+    preflight.batches_run(spec, model, batches, device)
     return model, batches
 
 
@@ -160,6 +153,7 @@ def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
     )
 
 
+@spec_importable
 def triage(
     spec_path: str | Path,
     config: TriageConfig | None = None,
@@ -188,7 +182,7 @@ def triage(
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
     else:
-        model, batches = prepare(spec, cfg, device)
+        model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model))
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ampdoctor.errors import BatchError
+from ampdoctor.errors import AmpDoctorError, BatchError
 
 
 @dataclass
@@ -30,24 +30,136 @@ class Batches:
         return step % len(self.items)
 
 
-def materialise(loader: Iterable[Any], steps: int) -> Batches:
-    """Take up to ``steps`` batches once; check that each holds at least one tensor."""
+class LoaderError(BatchError):
+    """The user's iterator raised while yielding a batch; ``original`` is its exception."""
+
+    def __init__(self, index: int, original: Exception) -> None:
+        super().__init__(f"the dataloader raised {type(original).__name__} while yielding batch {index}: "
+                         f"{str(original).strip()[:200]}")
+        self.index = index
+        self.original = original
+
+
+class CacheFullError(BatchError):
+    """The batches would take more host memory than the batch cache allows."""
+
+
+def materialise(loader: Iterable[Any], steps: int, *, max_bytes: int | None = None, budget_source: str = "",
+                progress: Callable[[int], None] | None = None,
+                first_batch: Callable[[Iterator[Any]], Any] | None = None) -> Batches:
+    """Take up to ``steps`` batches once, onto the host; check that each holds at least one tensor.
+
+    ``max_bytes``: the host memory the batches may take. A loader with a length is refused before
+    anything is cached when its first batch times the batches to take is over it; any loader is
+    refused as soon as the cached batches pass it. ``progress(n)`` is called with the number of
+    batches taken so far. ``first_batch(it)`` fetches the first batch (e.g. under a deadline).
+    Raises BatchError (LoaderError when the iterator itself raises).
+    """
     try:
-        items = list(itertools.islice(iter(loader), steps))
+        it = iter(loader)
     except TypeError as e:
         raise BatchError(f"build_dataloader() returned {type(loader).__name__}, which is not iterable ({e})") from None
+    except Exception as e:
+        raise LoaderError(0, e) from None
+    sized = _length(loader)
+    items: list[Any] = []
+    size = _Footprint()
+    for i in range(steps):
+        try:
+            b = (first_batch(it) if first_batch is not None and i == 0 else next(it))
+        except StopIteration:
+            break
+        except AmpDoctorError:
+            raise
+        except Exception as e:
+            raise LoaderError(i, e) from None
+        _check_one(i, b)
+        b = to_host(b)
+        size.add(b)
+        if max_bytes is not None:
+            # views into a larger storage (windows over one token stream) say nothing about the next batches'
+            # memory: then only the running total counts
+            if i == 0 and sized is not None and not size.views and size.bytes * min(sized, steps) > max_bytes:
+                raise CacheFullError(_over_budget(size.bytes, min(sized, steps), steps, max_bytes, budget_source))
+            if size.bytes > max_bytes:
+                raise CacheFullError(_over_budget(size.bytes / (i + 1), steps if sized is None else min(sized, steps),
+                                                  steps, max_bytes, budget_source))
+        items.append(b)
+        if progress is not None:
+            progress(i + 1)
     if not items:
         raise BatchError("build_dataloader() yielded no batches; return a non-empty iterable of batches")
-    for i, b in enumerate(items):
-        if not any(isinstance(t, torch.Tensor) for t in _leaves(b)):
-            raise BatchError(
-                f"batch {i} holds no tensors (got {_describe(b)}); yield a tensor, an (inputs, targets) "
-                "tuple or a dict of tensors — tokenize strings in build_dataloader()"
-            )
-        for t in _leaves(b):
-            if isinstance(t, torch.Tensor) and (t.is_complex() or t.dtype == torch.bool and False):
-                raise BatchError(f"batch {i} holds a {t.dtype} tensor; ampdoctor supports real tensors")
     return Batches(items, cycled=len(items) < steps)
+
+
+def _check_one(i: int, b: Any) -> None:
+    if not any(isinstance(t, torch.Tensor) for t in _leaves(b)):
+        raise BatchError(
+            f"batch {i} holds no tensors (got {_describe(b)}); yield a tensor, an (inputs, targets) "
+            "tuple or a dict of tensors — tokenize strings in build_dataloader()"
+        )
+    for t in _leaves(b):
+        if isinstance(t, torch.Tensor) and t.is_complex():
+            raise BatchError(f"batch {i} holds a {t.dtype} tensor; ampdoctor supports real tensors")
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        n = len(loader)
+    except Exception:  # no __len__, or an IterableDataset's DataLoader that cannot tell
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def _over_budget(per_batch: float, n: int, steps: int, max_bytes: int, source: str) -> str:
+    from ampdoctor.input.limits import CACHE_ENV, human_bytes
+
+    fit = int(max_bytes // per_batch) if per_batch > 0 else n
+    need = per_batch * n
+    src = f" ({source})" if source else ""
+    return (f"{n} batches for --steps {steps} need about {human_bytes(need)} of host memory ({human_bytes(per_batch)} per "
+            f"batch), more than the {human_bytes(max_bytes)} batch cache{src}: lower --steps to at most {fit}, yield "
+            f"smaller batches, or raise the cache with {CACHE_ENV}={max(1, math.ceil(need / 1e9 * 1.1))}")
+
+
+TENSOR_OVERHEAD = 512
+"""Host bytes a cached tensor costs besides its data (Python object, TensorImpl, storage): 200,000
+batches of two 1-element float tensors took 1140 bytes a batch of resident memory (torch 2.13, CPU)."""
+
+
+class _Footprint:
+    """Host bytes held by the cached batches; views of one storage count at most that storage's size."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.views = False
+        """True once a tensor was seen that views a larger storage."""
+        self._per_storage: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def add(self, b: Any) -> None:
+        for t in _leaves(b):
+            if isinstance(t, np.ndarray):
+                self.bytes += int(t.nbytes)
+            if not isinstance(t, torch.Tensor):
+                continue
+            n = t.numel() * t.element_size()
+            self.bytes += TENSOR_OVERHEAD
+            try:
+                st = t.untyped_storage()
+                key, cap = (str(t.device), st.data_ptr()), st.nbytes()
+            except Exception:  # sparse and other storage-less layouts
+                self.bytes += n
+                continue
+            self.views = self.views or cap > n
+            seen, cap = self._per_storage.get(key, (0, cap))
+            grown = min(seen + n, cap)
+            self.bytes += grown - seen
+            self._per_storage[key] = (grown, cap)
+
+
+def to_host(b: Any) -> Any:
+    """The batch with its tensors in host memory (an accelerator's memory is left to the model)."""
+    return map_tensors(b, lambda t: t.cpu() if t.device.type != "cpu" else t)
 
 
 def _describe(b: Any) -> str:
@@ -177,3 +289,33 @@ def outlier_ratio(batches: Batches, field: str, index: int) -> tuple[float, list
     rows = t.detach().abs().nan_to_num(0.0, 0.0, 0.0).reshape(t.shape[0], -1).amax(dim=1) if t.dim() > 0 else t.abs().reshape(1)
     samples = torch.nonzero(rows > 1000 * med).flatten().tolist()
     return absmaxes[index] / med, samples
+
+
+def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a batch, named as in ``fields`` ('inputs', 'targets', 'input_ids', '[0]' ...)."""
+    if isinstance(batch, torch.Tensor):
+        return [(prefix or "batch", batch)]
+    if isinstance(batch, dict):
+        return [x for k, v in batch.items() for x in named_tensors(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
+    if isinstance(batch, (list, tuple)):
+        if not prefix and len(batch) == 2:
+            return [x for n, v in zip(["inputs", "targets"], batch, strict=True) for x in named_tensors(v, n)]
+        return [x for i, v in enumerate(batch) for x in named_tensors(v, f"{prefix}[{i}]")]
+    return []
+
+
+def layout(batch: Any) -> tuple[Any, ...]:
+    """What must match for two batches to go through the same model: structure, dtypes and every
+    dimension but the first (the batch size may differ, e.g. a short last batch)."""
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", batch.dtype, tuple(batch.shape[1:]))
+    if isinstance(batch, dict):
+        return ("dict", tuple((k, layout(v)) for k, v in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, tuple(layout(v) for v in batch))
+    return ("value", type(batch).__name__)
+
+
+def describe_layout(batch: Any) -> str:
+    """'inputs (4, 5) float32, targets (4, 1) float32'."""
+    return ", ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in named_tensors(batch))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import sys
+from dataclasses import dataclass, fields
 
 from ampdoctor.errors import UsageError
 
@@ -34,6 +36,7 @@ class TriageConfig:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1 (got {self.steps})")
         if self.target not in TARGETS:
@@ -50,9 +53,45 @@ class TriageConfig:
             raise UsageError("--growth-interval must be at least 1")
         if self.max_norm is not None and self.max_norm <= 0:
             raise UsageError("--max-norm must be positive, e.g. --max-norm 1.0")
+        if self.steps > sys.maxsize:
+            raise UsageError(f"--steps {self.steps} is more steps than any run can take; a triage needs tens to "
+                             "thousands, e.g. --steps 200")
 
     def stage_list(self) -> tuple[str, ...]:
         """Stages in run order; fp32 always runs first because every verdict compares with it."""
         wanted = self.stages or ("fp32", "fp16", "amp") + (("bf16",) if self.target == "bf16" else ())
         want = set(wanted) | {"fp32", self.target}
         return tuple(s for s in STAGES if s in want)
+
+
+_KIND = {"steps": int, "seed": int, "growth_interval": int, "target": str, "device": str,
+         "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
+_EXAMPLE = {"steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"',
+            "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
+
+
+def _check_types(cfg: TriageConfig) -> None:
+    """Values from TRIAGE_OPTIONS arrive untyped: refuse "ten" for steps with one line, not a TypeError."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name == "stages":
+            if v is not None and not (isinstance(v, tuple) and all(isinstance(s, str) for s in v)):
+                raise UsageError(f"stages must be stage names such as \"fp32,amp\" (got {v!r})")
+            continue
+        kind = _KIND.get(f.name)
+        if kind is None or (v is None and f.name == "max_norm"):
+            continue
+        if kind is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            what = {int: "a whole number", float: "a finite number", str: "a string"}[kind]
+            raise UsageError(f"{_option(f.name)} must be {what} (got {v!r}); in TRIAGE_OPTIONS write "
+                             f"\"{f.name}\": {_EXAMPLE[f.name]}")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ def _where(exc: BaseException, path: Path) -> str:
     return path.name
 
 
+where = _where
+
+
 def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data: bool = True) -> Spec:
     """Import the spec file and return its functions; raise SpecError saying what to fix.
 
@@ -64,21 +68,18 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
         raise SpecError(f"{p}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    parent = str(p.resolve().parent)
-    added = parent not in sys.path
-    if added:
-        sys.path.insert(0, parent)
     try:
-        spec.loader.exec_module(module)
+        with importable(p):
+            spec.loader.exec_module(module)
     except SyntaxError as e:
         raise SpecError(f"{p.name}:{e.lineno}: syntax error ({e.msg}); fix the file and rerun") from None
     except ImportError as e:
         raise SpecError(f"{_where(e, p)}: import failed ({e}); install the package or fix the import") from None
     except Exception as e:
         raise SpecError(f"{_where(e, p)}: the file raised {type(e).__name__} while loading: {e}") from None
-    finally:
-        if added and parent in sys.path:
-            sys.path.remove(parent)
+    except SystemExit as e:
+        raise SpecError(f"{_where(e, p)}: the file called sys.exit({_code(e)}) while loading; "
+                        "keep a script's main code under `if __name__ == \"__main__\":`") from None
 
     def get(name: str, required: bool) -> Callable[..., Any] | None:
         fn = getattr(module, name, None)
@@ -106,8 +107,65 @@ def _opt(name: str, names: SpecNames) -> str:
 
 
 def call_user(fn: Callable[..., Any], *args: Any, what: str, path: Path) -> Any:
-    """Call a spec function, turning its exceptions into SpecError with file:line."""
+    """Call a spec function, turning its exceptions (and sys.exit) into SpecError with file:line."""
     try:
         return fn(*args)
     except Exception as e:
         raise SpecError(f"{_where(e, path)}: {what} raised {type(e).__name__}: {e}") from None
+    except SystemExit as e:
+        raise SpecError(f"{_where(e, path)}: {what} called sys.exit({_code(e)}); ampdoctor calls {what} itself, "
+                        "so return the value instead of exiting") from None
+
+
+def _code(e: SystemExit) -> str:
+    return "" if e.code is None else repr(e.code)
+
+
+@contextlib.contextmanager
+def importable(path: str | Path) -> Iterator[None]:
+    """Keep the spec file's folder first on sys.path while the block runs, so that the spec's
+    functions can import their neighbours lazily (``import helper`` inside build_model()); the
+    entry is removed afterwards when this call added it. A path that is not a file changes nothing."""
+    p = Path(path)
+    if not p.is_file():
+        yield
+        return
+    parent = str(p.resolve().parent)
+    added = parent not in sys.path
+    if added:
+        sys.path.insert(0, parent)
+    try:
+        yield
+    finally:
+        if added and parent in sys.path:
+            sys.path.remove(parent)
+
+
+def spec_importable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: run ``fn`` inside ``importable(<its spec_path argument>)``."""
+    import functools
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        path = sig.bind_partial(*args, **kwargs).arguments.get("spec_path")
+        if path is None:
+            return fn(*args, **kwargs)
+        with importable(path):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def check_optimizer(opt: Any, what: str, path: Path) -> torch.optim.Optimizer:
+    """What build_optimizer() returned must be an optimizer (or look like one)."""
+    if isinstance(opt, torch.optim.Optimizer):
+        return opt
+    if opt is None:
+        raise SpecError(f"{path.name}: {what} returned None; return the optimizer, e.g. "
+                        "`return torch.optim.AdamW(params, lr=1e-3)`")
+    if not all(callable(getattr(opt, a, None)) for a in ("step", "zero_grad")) or not hasattr(opt, "param_groups"):
+        raise SpecError(f"{path.name}: {what} returned {type(opt).__name__}, not an optimizer; return a "
+                        "torch.optim.Optimizer, e.g. `return torch.optim.AdamW(params, lr=1e-3)`")
+    return opt  # type: ignore[no-any-return]
