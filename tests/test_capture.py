@@ -142,3 +142,45 @@ def test_bad_captures_are_one_line(capture: tuple[Path, int], tmp_path: Path, da
     res = CliRunner().invoke(app, ["triage", str(spec), "--from", str(bad)])
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def _train_plain(steps: int) -> dict[str, object]:
+    """The sample's loop without ampdoctor, saving a checkpoint as PyTorch's AMP recipe does."""
+    model = late_overflow.build_model()
+    opt = late_overflow.build_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    data = late_overflow.build_dataloader()
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = late_overflow.loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "step": steps}
+
+
+def test_triage_from_a_checkpoint_numbers_steps_as_the_run(capture: tuple[Path, int], tmp_path: Path) -> None:
+    _, failing = capture
+    start = failing - 4
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save(_train_plain(start), ckpt)
+    n = len(late_overflow.build_dataloader())
+    report, run = triage(SAMPLE, TriageConfig(steps=8), checkpoint=ckpt, skip_batches=start % n)
+    v = report.verdict
+    assert (v.cause, v.first_module, v.stage) == ("fp16_forward_overflow", "logits", "amp")
+    assert start <= v.first_step <= failing, "the failure shows at the run's own step, within a few steps of the capture's"
+    assert f"step {v.first_step}" in v.summary
+    assert any(n.startswith(f"started from the dict checkpoint {ckpt}") for n in report.notes)
+    res = CliRunner().invoke(app, ["triage", str(SAMPLE), "--checkpoint", str(ckpt), "--skip-batches", str(start % n),
+                                   "--steps", "8", "-q"])
+    assert res.exit_code == 1 and res.output.strip() == f"fp16_forward_overflow module=logits step={v.first_step} stage=amp"
+
+
+def test_a_checkpoint_it_cannot_read_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "ckpt.pt"
+    torch.save({"epoch": 3, "notes": "no weights here"}, bad)
+    res = CliRunner().invoke(app, ["triage", str(SAMPLE), "--checkpoint", str(bad), "--steps", "2"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1 and str(bad.name) in res.output

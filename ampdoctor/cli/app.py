@@ -79,6 +79,8 @@ def triage(
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
     from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning .ckpt, or the spec's load_checkpoint(model, optimizer, scaler, path).")] = None,
+    skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, write_json_stdout
@@ -104,7 +106,8 @@ def triage(
             from ampdoctor.cli.progress import LineProgress
 
             lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
-            report, run = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture)
+            report, run = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
+                                         checkpoint=checkpoint, skip_batches=skip_batches)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as prog:
@@ -113,7 +116,8 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture)
+                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
+                                         checkpoint=checkpoint, skip_batches=skip_batches)
         written: list[Path] = []
         if report_path is not None:
             from ampdoctor.cli.reports import write_report

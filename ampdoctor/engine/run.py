@@ -54,6 +54,10 @@ class Run:
     """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
     replay: Replay | None = None
     """Set when the run replays a capture."""
+    start: str = ""
+    """Where the stages started when not from the initial weights: a note for the report."""
+    step0: int = 0
+    """The run's own number of the first step the stages ran (a replay's or a checkpoint's)."""
 
     def reset(self) -> None:
         """Put the model back at its initial weights."""

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.replay import Captured, load_into, read_capture
+from ampdoctor.engine.replay import Captured, StartState, load_into, read_capture
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import default_optimizer, get_loss
-from ampdoctor.errors import CaptureError, SpecError
+from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, split, to_device
+from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
+from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
@@ -163,6 +167,8 @@ def triage(
     argv: list[str] | None = None,
     log_path: str | Path | None = None,
     from_capture: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    skip_batches: int = 0,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
@@ -172,23 +178,38 @@ def triage(
     ``from_capture``: replay the failing step of a real run from a capture folder (``Monitor(capture=...)``):
     the weights, optimizer and scaler state and the batches come from it, the target is the run's own
     precision, and every step number in the report is the run's own.
+    ``checkpoint``: start every stage from a training checkpoint (a dict with model / optimizer / scaler
+    entries, a transformers Trainer folder, a Lightning .ckpt, or the spec's ``load_checkpoint``), on
+    the dataloader's batches after ``skip_batches``; steps are numbered from the checkpoint's step.
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
     spec = load_spec(spec_path, names, require_data=from_capture is None)
+    if from_capture is not None and checkpoint is not None:
+        raise UsageError("--from and --checkpoint both say where to start; give one")
+    if skip_batches < 0:
+        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches})")
     cap: Captured | None = None
+    start: StartState | None = None
+    start_note = ""
     if from_capture is not None:
         model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
+        start = cap.start
+    elif checkpoint is not None:
+        model, batches, start, start_note = prepare_checkpoint(spec, cfg, device, checkpoint, skip_batches, progress)
     else:
+        if skip_batches:
+            spec = _skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model))
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model),
+              start=start_note, step0=start.step0 if start is not None else skip_batches)
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
-                            optimizer_state=cap.start.optimizer if cap else None, scaler_state=cap.start.scaler if cap else None)
+                            optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None)
 
     for name in cfg.stage_list():
         log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
@@ -206,6 +227,40 @@ def triage(
     report = build_report(run, argv)
     run.reset()
     return report, run
+
+
+def _skipping(spec: Spec, n: int) -> Spec:
+    """The spec with a dataloader that starts after its first ``n`` batches (where a resumed run was)."""
+    build = spec.build_dataloader
+
+    def build_after() -> Any:
+        return itertools.islice(iter(build()), n, None)
+
+    return replace(spec, build_dataloader=build_after)
+
+
+def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path: str | Path, skip_batches: int,
+                       progress: ProgressFn | None) -> tuple[nn.Module, Batches, StartState, str]:
+    """The spec's model with a training checkpoint's weights, its optimizer and scaler state, and the
+    dataloader's batches after ``skip_batches``; a layout ampdoctor cannot read is one line."""
+    model = build_model(spec, cfg, device)
+    build_opt = spec.build_optimizer or default_optimizer
+    opt = build_opt(list(model.parameters()))
+    scaler = torch.amp.GradScaler(device.type)
+    state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
+    said = load_checkpoint_into(state, model, opt, scaler)
+    preflight.initial_weights(model, spec.path)
+    step0 = state.step if state.step is not None else skip_batches
+    if skip_batches:
+        spec = _skipping(spec, skip_batches)
+    batches = load_batches(spec, cfg.steps, progress)
+    preflight.batches_run(spec, model, batches, device)
+    opt_state = opt.state_dict() if state.optimizer is not None else None
+    scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
+    note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
+            + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
+            + "".join(f"; {n}" for n in [*state.notes, *said]))
+    return model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0), note
 
 
 def _failed(res: StageResult) -> bool:
@@ -247,11 +302,13 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks)
     rp = run.replay
+    step0 = rp.step0 if rp is not None else run.step0
     if rp is not None:
         transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
         if transient is not None:
             diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
-        diag = shift_diagnosis(diag, rp.step0)  # the run's own steps, before any word is written
+    if step0:
+        diag = shift_diagnosis(diag, step0)  # the run's own steps, before any word is written
     verdict, findings, fixes, scaler = words.write(diag)
     run.reset()
     fp32 = results.get("fp32")
@@ -285,5 +342,9 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}): "
                                f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
                                f"failed again {rp.reproduced} of {rp.replays} times")
-        shift_steps(report, rp.step0, judged=False)
+    if run.start:
+        report.notes.insert(0, run.start)
+        report.config["start_step"] = step0
+    if step0:
+        shift_steps(report, step0, judged=False)
     return report
