@@ -65,6 +65,7 @@ def triage(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
     seed: Annotated[Optional[int], typer.Option(help="RNG seed set before every stage. [default: 0]")] = None,
     max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in every stage. [default: no clipping]")] = None,
+    accumulate: Annotated[Optional[int], typer.Option(help="Gradient accumulation: micro-batches per optimizer step, each loss divided by it, as your loop does. [default: 1]")] = None,
     init_scale: Annotated[Optional[float], typer.Option(help="GradScaler init_scale. [default: 65536]")] = None,
     growth_interval: Annotated[Optional[int], typer.Option(help="GradScaler growth_interval. [default: 2000]")] = None,
     backoff_factor: Annotated[Optional[float], typer.Option(help="GradScaler backoff_factor. [default: 0.5]")] = None,
@@ -89,7 +90,7 @@ def triage(
     try:
         check_triage_outputs(json_path, report_path, log, dump_dir, force)
         given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
-                 "growth_interval": growth_interval, "backoff_factor": backoff_factor,
+                 "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                  "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
         opts = {k: v for k, v in _spec_options(spec).items() if k in {f.name for f in fields(TriageConfig)}} if spec.exists() else {}
         if isinstance(opts.get("stages"), (list, str)):

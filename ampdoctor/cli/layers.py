@@ -161,11 +161,13 @@ def layers(
     data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
     loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
     optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
+    max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in the reference steps, as triage --max-norm does. [default: no clipping]")] = None,
 ) -> None:
     """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
     subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
     try:
         from ampdoctor.engine.layers import filter_modules, layer_stats, parse_dtypes, parse_what
+        from ampdoctor.engine.step import optimizer_argument
 
         fmts = parse_dtypes(dtype)
         what_t = parse_what(what)
@@ -187,13 +189,13 @@ def layers(
                 if not any(re.search(filter, n) for n in names):
                     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
                     raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
-            optimizer = (call_user(sp.build_optimizer, model.parameters(), what=f"{optimizer_fn}()", path=sp.path)
-                         if sp.build_optimizer is not None else None)
+            optimizer = (call_user(sp.build_optimizer, optimizer_argument(sp.build_optimizer, model), what=f"{optimizer_fn}()",
+                                   path=sp.path) if sp.build_optimizer is not None else None)
             wanted = [f.name for f in fmts]
             # bf16 is computed as well (not shown) to say whether it removes the problem
             compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
             df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
-                             optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed,
+                             optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed, max_norm=max_norm,
                              progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
     except AmpDoctorError as e:
         fail(str(e))

@@ -157,7 +157,7 @@ class Capture:
 
     path: Path
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     scaler: torch.amp.GradScaler | None
     snapshot_every: int = 100
     max_bytes: int = DEFAULT_MAX_BYTES
@@ -191,7 +191,7 @@ class Capture:
         """Host copies of the model, optimizer and scaler state, as they are now."""
         return {
             "model": host_copy(self.model.state_dict()),
-            "optimizer": host_copy(self.optimizer.state_dict()),
+            "optimizer": host_copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
             "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
         }
 

@@ -245,7 +245,7 @@ def _param_owner(model: nn.Module) -> dict[str, tuple[str, str]]:
 def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Sequence[float], steps: int,
          flags: dict[str, bool], loss_fn: Callable[..., Any] | None, optimizer: torch.optim.Optimizer | None,
          device: torch.device, tolerance: float, seed: int,
-         progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+         progress: Callable[[int], None] | None = None, max_norm: float | None = None) -> list[dict[str, Any]]:
     """FP32 reference steps from the model's current state; the state (and optimizer's) is restored after."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
@@ -255,7 +255,7 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
     records: list[dict[str, Any]] = []
     torch.manual_seed(seed)
     # the one step recipe, FP32; a plain loop applies whatever its gradients hold
-    recipe = TrainStep(model, opt, None, precision=FP32, hooks=hooks, skip_nonfinite=False)
+    recipe = TrainStep(model, opt, None, precision=FP32, hooks=hooks, skip_nonfinite=False, max_norm=max_norm)
     try:
         with hooks:
             model.train()
@@ -317,9 +317,12 @@ def layer_stats(
     underflow_tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    max_norm: float | None = None,
 ) -> pd.DataFrame:
     """Per-layer cast statistics of ``model`` for each format in ``dtypes``, over ``steps`` FP32 steps.
 
+    ``max_norm``: clip the global gradient norm in the reference steps, as ``triage --max-norm`` does
+    in every stage (so the two commands see the same weights).
     ``batches``: an iterable of batches (``(inputs, targets)``, a dict, or a tensor; cycled when
     shorter than ``steps``). ``loss_fn(output, target)`` defaults to the model's own loss;
     ``optimizer`` defaults to AdamW(lr=1e-3). ``scale``: gradients are multiplied by it before
@@ -335,6 +338,8 @@ def layer_stats(
     flags_what = parse_what(what)
     if steps < 1:
         raise UsageError(f"steps must be at least 1 (got {steps})")
+    if max_norm is not None and not max_norm > 0:
+        raise UsageError(f"--max-norm must be positive, e.g. --max-norm 1.0 (got {max_norm})")
     if not 0 <= underflow_tolerance < 1:
         raise UsageError(f"the underflow tolerance must be in [0, 1) (got {underflow_tolerance})")
     auto = isinstance(scale, str)
@@ -356,7 +361,7 @@ def layer_stats(
             raise UsageError(str(e)) from None
     flags = {"activations": "activations" in flags_what, "grads": "grads" in flags_what, "params": "weights" in flags_what}
     records = _run(model, batches, fmts, [base_scale] * len(fmts), steps, flags, loss_fn, optimizer, dev,
-                   underflow_tolerance, seed, progress)
+                   underflow_tolerance, seed, progress, max_norm=max_norm)
     df = pd.DataFrame.from_records(records, columns=COLUMNS)
     if auto and flags["grads"]:
         chosen = [choose_scale(df, f.name) for f in fmts]
@@ -364,7 +369,7 @@ def layer_stats(
         if redo:
             grad_flags = {"activations": False, "grads": True, "params": False}
             more = _run(model, batches, [f for f, _ in redo], [s for _, s in redo], steps, grad_flags, loss_fn,
-                        optimizer, dev, underflow_tolerance, seed, progress)
+                        optimizer, dev, underflow_tolerance, seed, progress, max_norm=max_norm)
             df = pd.concat([df, pd.DataFrame.from_records(more, columns=COLUMNS)], ignore_index=True)
     return df.sort_values(["step", "order", "kind"], kind="stable", key=_kind_key).reset_index(drop=True)
 

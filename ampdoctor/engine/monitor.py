@@ -147,7 +147,8 @@ class Monitor:
 
     Args:
         model: the model being trained (hooks go on every module; removed by ``close()``).
-        optimizer: its optimizer; norms and clipping cover the optimizer's parameters.
+        optimizer: its optimizer; norms and clipping cover the optimizer's parameters. None for a
+            loop that updates the weights by hand: use ``after_backward``/``after_step`` around it.
         scaler: a ``torch.amp.GradScaler`` (None, or a disabled one, for fp32/bf16 training).
         log: path of the step-log CSV (None: no file). Written line by line, flushed each line.
         log_mode: ``"append"`` (default: a resumed run appends; a fresh run refuses a log that
@@ -199,7 +200,7 @@ class Monitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None = None,
         *,
         log: str | Path | None = None,
@@ -385,7 +386,13 @@ class Monitor:
         return f"inf:{name}"
 
     # the step ----------------------------------------------------------------------------------
-    def step(self, loss: torch.Tensor, batch: Any = None) -> MonitorRecord:
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradient accumulation: the (scaled) backward of one micro-batch's loss, already divided by
+        the number of micro-batches as loops do. After the last one call ``step()`` with no loss: the
+        step's logged loss is the sum over its micro-batches (the full loss, not the last one's share)."""
+        self.recipe.backward(loss)
+
+    def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> MonitorRecord:
         """One training step from a loss: backward, unscale_, clip, step or skip, update, zero_grad.
 
         ``batch``: this step's batch, kept (on the host) for the capture when ``capture`` is set.
@@ -393,10 +400,16 @@ class Monitor:
         Returns the step's record; raises ``SkipRateError`` (after logging the step) when the skip
         rate has stayed above ``max_skip_rate`` for ``patience`` steps.
         """
-        self.recipe.backward(loss)  # the loss check (on the device), then the scaled backward
+        if self.optimizer is None:
+            raise UsageError("Monitor without an optimizer cannot step: call monitor.after_backward(loss) after your "
+                             "backward, update the weights yourself, then monitor.after_step()")
+        if loss is not None:
+            self.recipe.backward(loss)  # the loss check (on the device), then the scaled backward
+        elif self.recipe._loss_sum is None:
+            raise UsageError("step() without a loss: call monitor.backward(loss) for each micro-batch first")
         pend = self._after_backward(loss, batch)
         self.recipe.apply(pend.m)  # step or skip, scaler.update() on both paths
-        self.optimizer.zero_grad(set_to_none=True)
+        self.recipe.zero_grad()
         return self._after_step(None, stacklevel=4)
 
     def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:

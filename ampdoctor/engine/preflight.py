@@ -49,7 +49,9 @@ def optimizer(spec: Spec, model: nn.Module, what: str = "build_optimizer()") -> 
     """Build the spec's optimizer once over the model's parameters and check what comes back."""
     if spec.build_optimizer is None:
         return
-    opt = call_user(spec.build_optimizer, list(model.parameters()), what=what, path=spec.path)
+    from ampdoctor.engine.step import optimizer_argument
+
+    opt = call_user(spec.build_optimizer, optimizer_argument(spec.build_optimizer, model), what=what, path=spec.path)
     check_optimizer(opt, what, spec.path)
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.step import TrainStep, default_optimizer, stage_precision
+from ampdoctor.engine.step import TrainStep, make_optimizer, stage_precision
 from ampdoctor.formats import FP16
-from ampdoctor.input.batches import Batches, to_device
+from ampdoctor.input.batches import Batches, micro_batches, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec
 from ampdoctor.records import StageError, StageResult, StepRecord
@@ -92,8 +92,10 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     run_model = copy.deepcopy(model).to(prec.weights) if low else model
     master = list(model.parameters()) if low and prec.master else None
     run_params = list(run_model.parameters())
-    build_opt = ctx.spec.build_optimizer or default_optimizer
-    opt = build_opt(master if master is not None else run_params)
+    # the spec's optimizer over what this stage trains: the FP32 master (fp32, amp, bf16, fp16 with master
+    # weights) or the FP16 model itself (pure FP16); build_optimizer may take the model or named parameters
+    opt = make_optimizer(ctx.spec.build_optimizer, model if master is not None or not low else run_model)
+    sched = ctx.spec.build_scheduler(opt) if ctx.spec.build_scheduler is not None else None
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
     result.master_weights = prec.master
@@ -118,7 +120,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     graph = GraphRecorder(run_model) if ctx.with_monitor else None  # the bare benchmark baseline runs without it
     # without a scaler a stage does what a plain loop does: it applies whatever its gradients hold
     recipe = TrainStep(run_model, opt, scaler, precision=prec, hooks=hooks, max_norm=cfg.max_norm, master=master,
-                       skip_nonfinite=scaler is not None)
+                       skip_nonfinite=scaler is not None, scheduler=sched)
     step = 0
     prev: dict[str, torch.Tensor] | None = None
     snap_src: list[tuple[str, torch.Tensor]] = []
@@ -140,8 +142,18 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                     torch._foreach_copy_(list(prev.values()), [v.detach() for _, v in snap_src])
             if hooks is not None:
                 hooks.begin_step(step)
-            loss = recipe.forward(batch, ctx.spec.loss_fn)
-            if scaler is None and not bool(torch.isfinite(loss)):
+            micro = micro_batches(batch)
+            bad_loss: torch.Tensor | None = None
+            for i, b in enumerate(micro):  # gradient accumulation: each micro-batch's loss divided by their number
+                loss = recipe.forward(b, ctx.spec.loss_fn, zero_grad=i == 0)
+                if len(micro) > 1:
+                    loss = loss / len(micro)
+                if scaler is None and not bool(torch.isfinite(loss)):
+                    bad_loss = loss
+                    break
+                recipe.backward(loss)
+            if bad_loss is not None:
+                loss = bad_loss
                 # a plain loop would back-propagate NaN into the weights; nothing more to learn from
                 # the backward, so record the step (its forward statistics) and stop after it
                 st = hooks.end_step() if hooks is not None and hooks.recording else None
@@ -151,8 +163,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 rec = StepRecord(step, ctx.batches.index(step), float(lr), float(loss.detach().float()), math.nan, math.nan,
                                  True, "nonfinite_loss", None, True, None)
             else:
-                recipe.backward(loss)
-                m, _ = recipe.measure(loss)
+                m, _ = recipe.measure(None)  # the step's loss: the sum over its micro-batches
                 swallowed = None
                 if name == "fp16" and not (m.skip and recipe.skip_nonfinite):
                     trained = master if master is not None else run_params

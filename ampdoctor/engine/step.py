@@ -20,7 +20,9 @@ since PyTorch 1.6, with fallbacks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
@@ -92,6 +95,36 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+MODEL_ARGS = ("model", "module", "net", "network")
+NAMED_ARGS = ("named_parameters", "named_params")
+
+
+def optimizer_argument(fn: Callable[..., Any], model: nn.Module) -> Any:
+    """What a spec's ``build_optimizer`` takes, read from its first parameter: the model itself
+    (``build_optimizer(model)``: decay / no-decay groups), ``named_parameters`` (a list of
+    (name, parameter)), or else the list of parameters (``build_optimizer(params)``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    first = params[0] if params else None
+    if first is not None:
+        ann = first.annotation
+        if first.name in MODEL_ARGS or ann is nn.Module or (isinstance(ann, str) and ann.split(".")[-1] == "Module"):
+            return model
+        if first.name in NAMED_ARGS:
+            return list(model.named_parameters())
+    return list(model.parameters())
+
+
+def make_optimizer(fn: Callable[..., Any] | None, model: nn.Module) -> torch.optim.Optimizer:
+    """The spec's optimizer over ``model`` (see ``optimizer_argument``), or AdamW(lr=1e-3)."""
+    if fn is None:
+        return default_optimizer(model.parameters())
+    opt: torch.optim.Optimizer = fn(optimizer_argument(fn, model))
+    return opt
+
+
 @dataclass
 class Measured:
     """What ``TrainStep.measure`` learned at the step's one host copy."""
@@ -129,6 +162,8 @@ class TrainStep:
     Args:
         model: the model the forward runs (FP16 weights for the fp16 policies).
         optimizer: steps ``master`` when given (FP32 master weights), else the model's parameters.
+            None: a loop that updates the weights by hand (the recipe measures, the caller updates;
+            a GradScaler needs an optimizer to unscale).
         scaler: an enabled ``torch.amp.GradScaler`` (None without loss scaling).
         precision: the policy.
         hooks: per-layer statistics (queued during the step, copied with the step's scalars).
@@ -138,6 +173,8 @@ class TrainStep:
         sentinel: a format's max: on steps the hooks do not record, each gradient's L2 norm (taken
             for the global norm anyway) rides in the one host copy, and ``Measured.tripped`` says
             whether one is non-finite or beyond that max (the Monitor's sentinel mode).
+        scheduler: an LR scheduler stepped after every optimizer step, as training loops do (also
+            after a skipped one: the schedule follows the iterations).
         skip_nonfinite: skip the optimizer step when the loss or a gradient is non-finite (with a
             GradScaler it always is). False does what a plain loop does: it applies them.
     """
@@ -145,7 +182,7 @@ class TrainStep:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None = None,
         *,
         precision: Precision = FP32,
@@ -155,6 +192,7 @@ class TrainStep:
         names: dict[int, str] | None = None,
         skip_nonfinite: bool = True,
         sentinel: float | None = None,
+        scheduler: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -164,9 +202,14 @@ class TrainStep:
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or self.scaler is not None
         self.sentinel = sentinel
+        self.scheduler = scheduler
+        self._loss_sum: torch.Tensor | None = None
         self.master = list(master) if master is not None else None
         self.model_params = list(model.parameters())
-        self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        if optimizer is None and self.scaler is not None:
+            raise UsageError("a GradScaler needs the optimizer (scaler.unscale_(optimizer)); pass it")
+        self.params: list[torch.nn.Parameter] = ([p for g in optimizer.param_groups for p in g["params"]]
+                                                 if optimizer is not None else list(model.parameters()))
         """What the optimizer steps: norms and clipping cover these."""
         named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
         self.names = names if names is not None else {id(p): n for n, p in named.named_parameters()}
@@ -187,13 +230,18 @@ class TrainStep:
         return torch.autocast(self.device.type, dtype=dt or torch.float32, enabled=dt is not None)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
         if self.master is not None:  # the FP16 model's own gradients
             self.model.zero_grad(set_to_none=True)
 
-    def forward(self, batch: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
-        """zero_grad, then the forward and the loss of one batch (already on the device) under autocast."""
-        self.zero_grad()
+    def forward(self, batch: Any, loss_fn: Callable[..., Any] | None, zero_grad: bool = True) -> torch.Tensor:
+        """zero_grad (unless accumulating), then the forward and the loss of one batch (already on the
+        device) under autocast."""
+        if zero_grad:
+            self.zero_grad()
         if self.precision.weights != torch.float32:
             batch = cast_floating(batch, self.precision.weights)
         args, kwargs, target = split(batch)
@@ -211,12 +259,18 @@ class TrainStep:
             loss.backward()
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Check the loss for NaN/Inf on the device (for loops that run backward themselves)."""
-        self._loss_ok = torch.isfinite(loss.detach())
+        """Check the loss for NaN/Inf on the device (for loops that run backward themselves).
+
+        Called once per micro-batch when gradients accumulate: the step's loss is their sum (each
+        micro-batch's loss already divided by the number of micro-batches, as loops do)."""
+        d = loss.detach().reshape(())
+        ok = torch.isfinite(d)
+        self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
+        self._loss_sum = d.float() if self._loss_sum is None else self._loss_sum + d.float()
 
     def scaler_found(self) -> dict[Any, torch.Tensor]:
         """GradScaler's per-device found-inf flags (empty before ``unscale_``)."""
-        if self.scaler is None:
+        if self.scaler is None or self.optimizer is None:
             return {}
         try:
             return dict(self.scaler._found_inf_per_device(self.optimizer))
@@ -232,7 +286,7 @@ class TrainStep:
         sc = self.scaler
         already = bool(self.scaler_found()) if sc is not None else False
         label = before_unscale() if before_unscale is not None else ""
-        if sc is not None and not already:
+        if sc is not None and not already and self.optimizer is not None:
             sc.unscale_(self.optimizer)
         if self.master is not None:
             for p32, p16 in zip(self.master, self.model_params, strict=True):
@@ -258,8 +312,13 @@ class TrainStep:
         else:
             post = pre
         loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
-        self._loss_ok = None
-        loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
+        # the step's loss: the sum over its micro-batches when gradients accumulated, else the one given
+        loss_sum = self._loss_sum
+        self._loss_ok = self._loss_sum = None
+        if loss_sum is not None:
+            loss_val = loss_sum
+        else:
+            loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
         # the skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours
         if sc is not None:
             fi = self.scaler_found()
@@ -276,7 +335,7 @@ class TrainStep:
         else:
             found = ((~torch.isfinite(pre)) | (~loss_ok.to(dev))).to(torch.float32)
             scale_t = tracker = torch.full((), float("nan"), device=dev)
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
         lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
         packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
                               (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
@@ -338,6 +397,8 @@ class TrainStep:
     def apply(self, m: Measured) -> None:
         """Optimizer step (or skip), ``scaler.update()`` on both paths, FP16 weights from the master."""
         sc = self.scaler
+        if self.optimizer is None:  # the caller updates the weights by hand
+            return
         if sc is not None:
             if not m.skip:
                 sc.step(self.optimizer)  # GradScaler's own sync (found_inf.item())
@@ -347,6 +408,10 @@ class TrainStep:
             stepped = not m.skip or not self.skip_nonfinite
             if stepped:
                 self.optimizer.step()
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # a skipped first step: the schedule follows the iterations anyway
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step")
+                self.scheduler.step()
         if self.master is not None and stepped:
             with torch.no_grad():
                 torch._foreach_copy_(list[torch.Tensor](self.model_params), list[torch.Tensor](self.master))
@@ -359,5 +424,5 @@ class TrainStep:
         return bool(torch.isfinite(torch.stack(torch._foreach_norm([p.detach().float() for p in ws]))).all())
 
 
-__all__ = ["AMP", "BF16", "FP16_MASTER", "FP16_PURE", "FP32", "Measured", "Precision", "TrainStep", "default_optimizer",
+__all__ = ["AMP", "BF16", "FP16_MASTER", "FP16_PURE", "FP32", "Measured", "Precision", "TrainStep", "default_optimizer", "make_optimizer", "optimizer_argument",
            "get_loss", "stage_precision"]

@@ -16,9 +16,9 @@ from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, load_into, read_capture
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import default_optimizer, get_loss
+from ampdoctor.engine.step import get_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
-from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, split, to_device
+from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
 from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
@@ -54,10 +54,10 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
     """
     model = build_model(spec, cfg, device)
     preflight.initial_weights(model, spec.path)
-    batches = load_batches(spec, cfg.steps, progress)
+    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
     preflight.optimizer(spec, model)
     preflight.batches_run(spec, model, batches, device)
-    return model, batches
+    return model, grouped(batches, cfg.steps, cfg.accumulate)
 
 
 def user_hooks(model: nn.Module) -> list[str]:
@@ -88,14 +88,21 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         model.load_state_dict(state)
         model.train()
         model.zero_grad(set_to_none=True)
-        args, kwargs, target = split(to_device(batches[step], device))
+        micro = micro_batches(batches[step])
+        lv, worst, worst_abs = 0.0, micro[0], -1.0
         try:
-            loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
-            loss.backward()
+            for b in micro:  # an accumulated step: each micro-batch's loss divided by their number
+                args, kwargs, target = split(to_device(b, device))
+                loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn) / len(micro)
+                loss.backward()
+                li = float(loss.detach())
+                lv += li
+                if not math.isfinite(li) or abs(li) > worst_abs:  # the op scan looks at the worst micro-batch
+                    worst, worst_abs = b, math.inf if not math.isfinite(li) else abs(li)
         except Exception:
             return None
+        args, kwargs, target = split(to_device(worst, device))
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-        lv = float(loss.detach())
         model.zero_grad(set_to_none=True)
 
         def ops(module: str) -> list[OpRecord]:
@@ -103,7 +110,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
         def nonfinite_op() -> NonfiniteOp | None:
-            return replay_nonfinite_op(model, spec, batches[step], state, stage, device)
+            return replay_nonfinite_op(model, spec, worst, state, stage, device)
 
         return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
 
@@ -244,8 +251,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     """The spec's model with a training checkpoint's weights, its optimizer and scaler state, and the
     dataloader's batches after ``skip_batches``; a layout ampdoctor cannot read is one line."""
     model = build_model(spec, cfg, device)
-    build_opt = spec.build_optimizer or default_optimizer
-    opt = build_opt(list(model.parameters()))
+    opt = make_optimizer(spec.build_optimizer, model)
     scaler = torch.amp.GradScaler(device.type)
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
     said = load_checkpoint_into(state, model, opt, scaler)
@@ -253,8 +259,9 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     step0 = state.step if state.step is not None else skip_batches
     if skip_batches:
         spec = _skipping(spec, skip_batches)
-    batches = load_batches(spec, cfg.steps, progress)
+    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
     preflight.batches_run(spec, model, batches, device)
+    batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
     note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
@@ -279,14 +286,13 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture:
     model = build_model(spec, cfg, device)
     load_into(model, cap.model, cap.path)
     if cap.start.optimizer is not None:
-        build = spec.build_optimizer or default_optimizer
         try:
-            build(list(model.parameters())).load_state_dict(copy.deepcopy(cap.start.optimizer))
+            make_optimizer(spec.build_optimizer, model).load_state_dict(copy.deepcopy(cap.start.optimizer))
         except Exception as e:
             raise CaptureError(f"{cap.path}: the captured optimizer state does not fit build_optimizer() "
                                f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
     batches = Batches(cap.batches, cycled=False)
-    args, kwargs, target = split(to_device(batches[0], device))
+    args, kwargs, target = split(to_device(micro_batches(batches[0])[0], device))
     try:
         with torch.no_grad():
             get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)

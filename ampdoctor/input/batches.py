@@ -187,7 +187,8 @@ def map_tensors(b: Any, fn: Any) -> Any:
     if isinstance(b, tuple):
         return tuple(map_tensors(v, fn) for v in b)
     if isinstance(b, list):
-        return [map_tensors(v, fn) for v in b]
+        out = [map_tensors(v, fn) for v in b]
+        return Micro(out) if isinstance(b, Micro) else out
     return b
 
 
@@ -319,3 +320,21 @@ def layout(batch: Any) -> tuple[Any, ...]:
 def describe_layout(batch: Any) -> str:
     """'inputs (4, 5) float32, targets (4, 1) float32'."""
     return ", ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in named_tensors(batch))
+
+
+class Micro(list):  # type: ignore[type-arg]
+    """The micro-batches of one accumulated step (``--accumulate N``): the step runs forward and
+    backward on each, its loss divided by N, and updates once."""
+
+
+def micro_batches(b: Any) -> list[Any]:
+    """The micro-batches of a step: the group's, or the batch alone."""
+    return list(b) if isinstance(b, Micro) else [b]
+
+
+def grouped(batches: Batches, steps: int, n: int) -> Batches:
+    """``steps`` groups of ``n`` micro-batches, taken in order from ``batches`` (cycled like steps are)."""
+    if n <= 1:
+        return batches
+    groups = [Micro(batches[s * n + i] for i in range(n)) for s in range(steps)]
+    return Batches(groups, cycled=batches.cycled)

@@ -29,6 +29,8 @@ class TriageConfig:
     """RNG seed set before every stage."""
     max_norm: float | None = None
     """Global L2 gradient clipping threshold, applied in every stage; None: no clipping."""
+    accumulate: int = 1
+    """Gradient accumulation: micro-batches per optimizer step (each loss divided by it, as loops do)."""
     init_scale: float = 2.0**16
     """GradScaler initial scale."""
     growth_factor: float = 2.0
@@ -39,6 +41,8 @@ class TriageConfig:
         _check_types(self)
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1 (got {self.steps})")
+        if self.accumulate < 1:
+            raise UsageError(f"--accumulate must be at least 1 (got {self.accumulate})")
         if self.target not in TARGETS:
             raise UsageError(f"--target must be one of {', '.join(TARGETS)} (got {self.target!r})")
         if self.stages is not None:
@@ -64,9 +68,9 @@ class TriageConfig:
         return tuple(s for s in STAGES if s in want)
 
 
-_KIND = {"steps": int, "seed": int, "growth_interval": int, "target": str, "device": str,
+_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str,
          "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
-_EXAMPLE = {"steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"',
+_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 

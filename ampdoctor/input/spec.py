@@ -38,6 +38,8 @@ class Spec:
     build_optimizer: Callable[[Any], torch.optim.Optimizer] | None
     names: SpecNames = field(default_factory=SpecNames)
     """The function names it was loaded with."""
+    build_scheduler: Callable[..., Any] | None = None
+    """Optional ``build_scheduler(optimizer)``: an LR scheduler stepped after every optimizer step."""
     load_checkpoint: Callable[..., Any] | None = None
     """Optional ``load_checkpoint(model, optimizer, scaler, path)`` for checkpoint layouts ampdoctor does not read."""
 
@@ -101,7 +103,8 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
         def data() -> Iterable[Any]:
             raise SpecError(f"{p.name} has no function {names.data}(); define it (only a replay --from a capture can do without)")
     assert model is not None
-    return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names, load_checkpoint=get("load_checkpoint", False))
+    return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names,
+                build_scheduler=get("build_scheduler", False), load_checkpoint=get("load_checkpoint", False))
 
 
 def _opt(name: str, names: SpecNames) -> str:
