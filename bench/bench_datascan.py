@@ -13,8 +13,9 @@ import statistics
 import time
 
 import torch
-from ampdoctor.batches import Batches
-from ampdoctor.datascan import scan_batches
+
+from ampdoctor.input.batches import Batches
+from ampdoctor.judge.datascan import scan_batches
 
 
 def _time(b: Batches, repeats: int) -> float:
