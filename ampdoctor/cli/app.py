@@ -56,10 +56,20 @@ def _spec_options(path: Path) -> dict[str, Any]:
     return {}
 
 
+def _whole(text: str | None, flag: str) -> int | None:
+    """A whole-number option read here, so that '1e21' or 'ten' is one line (not Typer's usage panel)."""
+    if text is None:
+        return None
+    try:
+        return int(text.strip().replace("_", ""))
+    except ValueError:
+        raise UsageError(f"{flag} takes a whole number such as 50 (got {text!r})") from None
+
+
 @app.command()
 def triage(
     spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
-    steps: Annotated[Optional[int], typer.Option(help="Steps per stage. [default: 50]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="Steps per stage (a whole number). [default: 50]", metavar="INTEGER")] = None,
     target: Annotated[Optional[str], typer.Option(help="What you train with: amp | fp16 | bf16. [default: amp]")] = None,
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run (fp32 always runs): fp32,fp16,amp,bf16.")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
@@ -89,7 +99,7 @@ def triage(
     human = err if is_stdout(json_path) else out  # `--json -`: the JSON alone on stdout
     try:
         check_triage_outputs(json_path, report_path, log, dump_dir, force)
-        given = {"steps": steps, "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
+        given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                  "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                  "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
         opts = {k: v for k, v in _spec_options(spec).items() if k in {f.name for f in fields(TriageConfig)}} if spec.exists() else {}
