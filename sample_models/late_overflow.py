@@ -49,12 +49,13 @@ def build_model() -> nn.Module:
 
 def build_dataloader() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, 16, generator=g), torch.full((4, 8), TARGET)) for _ in range(64)]
+    # targets in units of TARGET (1.0): the data itself stays well inside FP16's range
+    return [(torch.randn(4, 8, 16, generator=g), torch.ones(4, 8)) for _ in range(64)]
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    diag = out.float().diagonal(dim1=-2, dim2=-1)
-    return ((diag - target) / TARGET).pow(2).mean()
+    diag = out.float().diagonal(dim1=-2, dim2=-1) / TARGET
+    return (diag - target.float()).pow(2).mean()
 
 
 def build_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001

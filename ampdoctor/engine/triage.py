@@ -341,6 +341,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         notes=notes,
     )
     enrich(report, results)
+    if rp is not None and report.scaler is not None:
+        # a replay's few steps are no scale history: the run's own is in its step log
+        report.scaler.pattern = "replay"
+        report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
+                                     f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
+                                     "`ampdoctor scaler steps.csv`")
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)

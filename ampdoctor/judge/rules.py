@@ -844,7 +844,7 @@ def data_findings(issues: list[DataIssue], findings: list[Finding], results: dic
     if probe is not None:
         pb = _first_bad_step(probe, amp=False)
         pb = probe.error.step if pb is None and probe.error is not None else pb
-        if pb is not None:
+        if pb is not None and pb >= 1:  # the probe got through earlier batches, so the failure follows this one
             b = batches.index(pb)
             on = probe_on_flagged_batch(pb, batches.index, issues)
             if on:

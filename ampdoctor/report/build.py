@@ -9,6 +9,7 @@ the target stage flushed to zero.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -138,6 +139,8 @@ def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
         if f.step is not None:
             f.step += offset
     for s in report.stages:
+        if s.stopped:  # 'loss became non-finite at step 0', written by the engine in its own numbering
+            s.stopped = re.sub(r"step (\d+)", lambda m: f"step {int(m.group(1)) + offset}", s.stopped)
         if s.first_nonfinite_step is not None:
             s.first_nonfinite_step += offset
         s.skipped_steps = [k + offset for k in s.skipped_steps]
