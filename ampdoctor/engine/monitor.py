@@ -263,15 +263,6 @@ class Monitor:
         if amp_dtype is None and self.scaler is not None:
             amp_dtype = torch.float16
         self.amp_dtype = amp_dtype
-        if mode not in ("full", "sentinel"):
-            raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
-        if full_every < 1 or full_after < 0:
-            raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
-        self.mode = mode
-        self.full_every = full_every
-        self.full_after = full_after
-        self._full_until = -1
-        """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
         named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
         if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
             raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")

@@ -83,20 +83,8 @@ def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
     damp the batch-to-batch noise). None when FP32 made no meaningful progress (under 1% of its
     head) or there are too few steps to tell.
     """
-    n = min(len(target.records), len(fp32.records))
-    if n < MIN_STALL_STEPS:
-        return None
-    ref = [r.loss for r in fp32.records[:n]]
-    tgt = [r.loss for r in target.records[:n]]
-    if not all(math.isfinite(v) for v in ref):
-        return None
-    k = max(2, n // 4)
-    head32 = float(np.mean(ref[:k]))
-    d32 = head32 - float(np.mean(ref[-k:]))
-    if head32 == 0 or d32 <= 1e-2 * abs(head32):
-        return None
-    tail_t = float(np.mean(tgt[-k:]))
-    return (head32 - tail_t) / d32 if math.isfinite(tail_t) else 0.0
+    w = loss_window(target, fp32, MIN_STALL_STEPS)  # the windows, kept for the words
+    return w.ratio if w is not None else None
 
 
 def _stats_at(res: StageResult, step: int) -> StepStats | None:
