@@ -11,10 +11,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ampdoctor._version import __version__
-from ampdoctor.cli.common import err, fail, out
-from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.cli.common import boundary, err, fail, out
+from ampdoctor.errors import UsageError
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.input.spec import SpecNames
+from ampdoctor.input.spec import Spec, SpecNames, importable, load_spec
 from ampdoctor.io import write_atomic
 
 app = typer.Typer(
@@ -38,22 +38,18 @@ def _root(
     pass
 
 
-def _spec_options(path: Path) -> dict[str, Any]:
-    """TRIAGE_OPTIONS = {...} at module level of a spec file: defaults the command line overrides."""
-    import ast
-
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError, ValueError):
-        return {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "TRIAGE_OPTIONS" for t in node.targets):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return {}
-            return dict(value) if isinstance(value, dict) else {}
-    return {}
+def _spec_options(sp: Spec) -> dict[str, Any]:
+    """The spec's TRIAGE_OPTIONS as TriageConfig fields; an unknown key is one line (a typo would
+    otherwise be dropped in silence)."""
+    known = {f.name for f in fields(TriageConfig)}
+    bad = sorted(k for k in sp.options if k not in known)
+    if bad:
+        raise UsageError(f"{sp.path.name}: TRIAGE_OPTIONS has no option {bad[0]!r}; the options are {', '.join(sorted(known))}")
+    opts = dict(sp.options)
+    if isinstance(opts.get("stages"), (list, str)):
+        st = opts["stages"]
+        opts["stages"] = tuple(st.split(",")) if isinstance(st, str) else tuple(st)
+    return opts
 
 
 def _whole(text: str | None, flag: str) -> int | None:
@@ -67,6 +63,7 @@ def _whole(text: str | None, flag: str) -> int | None:
 
 
 @app.command()
+@boundary
 def triage(
     spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
     steps: Annotated[Optional[str], typer.Option(help="Steps per stage (a whole number). [default: 50]", metavar="INTEGER")] = None,
@@ -102,14 +99,13 @@ def triage(
         given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                  "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                  "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
-        opts = {k: v for k, v in _spec_options(spec).items() if k in {f.name for f in fields(TriageConfig)}} if spec.exists() else {}
-        if isinstance(opts.get("stages"), (list, str)):
-            st = opts["stages"]
-            opts["stages"] = tuple(st.split(",")) if isinstance(st, str) else tuple(st)
+        names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
+        with importable(spec):
+            sp = load_spec(spec, names, require_data=from_capture is None)  # loaded once: triage reuses it
+        opts = _spec_options(sp)
         opts.update({k: v for k, v in given.items() if v is not None})
         opts["device"] = device
         cfg = TriageConfig(**opts)
-        names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
         from ampdoctor.engine.triage import triage as run_triage
 
         argv = ["ampdoctor", *sys.argv[1:]]
@@ -117,7 +113,7 @@ def triage(
             from ampdoctor.cli.progress import LineProgress
 
             lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
-            report, run = run_triage(spec, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
+            report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
                                          checkpoint=checkpoint, skip_batches=skip_batches)
         else:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -127,7 +123,7 @@ def triage(
                 def progress(stage: str, step: int) -> None:
                     prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, run = run_triage(spec, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
+                report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
                                          checkpoint=checkpoint, skip_batches=skip_batches)
         written: list[Path] = []
         if report_path is not None:
@@ -139,9 +135,6 @@ def triage(
 
             dump(dump_dir, report, run)
             written.append(dump_dir)
-    except AmpDoctorError as e:
-        fail(str(e))
-        return
     except KeyboardInterrupt:
         kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
         fail(f"interrupted; no report was written{kept}", 130)

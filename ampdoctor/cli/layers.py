@@ -18,8 +18,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ampdoctor.cli.common import err, fail, out
-from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.cli.common import boundary, err, out
+from ampdoctor.errors import UsageError
 from ampdoctor.fmt import pct_short as _pct
 from ampdoctor.fmt import pow2 as _pow2
 from ampdoctor.fmt import short as _num
@@ -137,6 +137,7 @@ def _print_advice(console: Console, df: pd.DataFrame, dtype: str, tolerance: flo
 # the command -------------------------------------------------------------------------------------
 
 
+@boundary
 def layers(
     spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
     dtype: Annotated[str, typer.Option(help="Target format(s), comma-separated: fp16, bf16, fp8_e4m3, fp8_e5m2.")] = "fp16",
@@ -165,44 +166,37 @@ def layers(
 ) -> None:
     """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
     subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
-    try:
-        from ampdoctor.engine.layers import filter_modules, layer_stats, parse_dtypes, parse_what
-        from ampdoctor.engine.step import optimizer_argument
+    from ampdoctor.engine.layers import filter_modules, layer_stats, parse_dtypes, parse_what
+    from ampdoctor.engine.step import optimizer_argument
 
-        fmts = parse_dtypes(dtype)
-        what_t = parse_what(what)
-        scale_v = _parse_scale(scale)
-        _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
-        from ampdoctor.cli.progress import progress_display
-        from ampdoctor.engine.triage import prepare
-        from ampdoctor.input.config import TriageConfig
-        from ampdoctor.input.env import resolve_device
-        from ampdoctor.input.spec import SpecNames, call_user, importable, load_spec
+    fmts = parse_dtypes(dtype)
+    what_t = parse_what(what)
+    scale_v = _parse_scale(scale)
+    _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
+    from ampdoctor.cli.progress import progress_display
+    from ampdoctor.engine.triage import prepare
+    from ampdoctor.input.config import TriageConfig
+    from ampdoctor.input.env import resolve_device
+    from ampdoctor.input.spec import SpecNames, call_user, importable, load_spec
 
-        cfg = TriageConfig(steps=steps, device=device, seed=seed)
-        dev = resolve_device(device)
-        sp = load_spec(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn))
-        with importable(spec), progress_display(err, steps) as progress:
-            model, batches = prepare(sp, cfg, dev, progress)
-            if filter is not None:
-                names = [n or "<model>" for n, _ in model.named_modules()]
-                if not any(re.search(filter, n) for n in names):
-                    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                    raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
-            optimizer = (call_user(sp.build_optimizer, optimizer_argument(sp.build_optimizer, model), what=f"{optimizer_fn}()",
-                                   path=sp.path) if sp.build_optimizer is not None else None)
-            wanted = [f.name for f in fmts]
-            # bf16 is computed as well (not shown) to say whether it removes the problem
-            compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
-            df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
-                             optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed, max_norm=max_norm,
-                             progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
-    except AmpDoctorError as e:
-        fail(str(e))
-        return
-    except KeyboardInterrupt:
-        fail("interrupted; nothing was written", 130)
-        return
+    cfg = TriageConfig(steps=steps, device=device, seed=seed)
+    dev = resolve_device(device)
+    sp = load_spec(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn))
+    with importable(spec), progress_display(err, steps) as progress:
+        model, batches = prepare(sp, cfg, dev, progress)
+        if filter is not None:
+            names = [n or "<model>" for n, _ in model.named_modules()]
+            if not any(re.search(filter, n) for n in names):
+                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+                raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
+        optimizer = (call_user(sp.build_optimizer, optimizer_argument(sp.build_optimizer, model), what=f"{optimizer_fn}()",
+                               path=sp.path) if sp.build_optimizer is not None else None)
+        wanted = [f.name for f in fmts]
+        # bf16 is computed as well (not shown) to say whether it removes the problem
+        compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
+        df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
+                         optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed, max_norm=max_norm,
+                         progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
     shown = df[df["dtype"].isin(wanted)]
     if filter is not None:
         shown = filter_modules(shown, filter)

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ampdoctor.cli.common import fail, out
+from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.io import check_writable, write_atomic
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
@@ -20,6 +20,7 @@ from ampdoctor.watch.steplog import COLUMNS, StepLog, read_step_log
 MAX_LEDGER_ROWS = 20
 
 
+@boundary
 def scaler(
     csv: Annotated[Path, typer.Argument(help=f"Step log CSV with the columns {', '.join(COLUMNS)} (extra columns are fine).")],
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw scale (log2 axis) and loss against step, skips marked, to this PNG.")] = None,
@@ -33,14 +34,10 @@ def scaler(
     if window < 1:
         fail(f"--window must be at least 1, got {window}")
         return
-    try:
-        if plot is not None:
-            check_writable(plot, force)
-            _need_matplotlib()
-        log = read_step_log(csv)
-    except AmpDoctorError as e:
-        fail(str(e))
-        return
+    if plot is not None:
+        check_writable(plot, force)
+        _need_matplotlib()
+    log = read_step_log(csv)
     skipped = log.skipped
     scales = log.scales
     steps = log.steps
@@ -55,11 +52,7 @@ def scaler(
                           steps=steps) if scales is not None else None
     _print(log, diag, ledger, rates, window, alert_rate)
     if plot is not None:
-        try:
-            write_atomic(plot, _plot_png(log, diag))
-        except AmpDoctorError as e:
-            fail(str(e))
-            return
+        write_atomic(plot, _plot_png(log, diag))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
 
 

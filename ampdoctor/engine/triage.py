@@ -166,7 +166,7 @@ def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
 
 @spec_importable
 def triage(
-    spec_path: str | Path,
+    spec_path: str | Path | Spec,
     config: TriageConfig | None = None,
     *,
     names: SpecNames | None = None,
@@ -191,7 +191,7 @@ def triage(
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
-    spec = load_spec(spec_path, names, require_data=from_capture is None)
+    spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None)
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
     if skip_batches < 0:
@@ -211,7 +211,7 @@ def triage(
             spec = _skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec_path), user_hooks=user_hooks(model),
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec.path if isinstance(spec_path, Spec) else spec_path), user_hooks=user_hooks(model),
               start=start_note, step0=start.step0 if start is not None else skip_batches)
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:

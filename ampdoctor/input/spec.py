@@ -40,6 +40,8 @@ class Spec:
     """The function names it was loaded with."""
     build_scheduler: Callable[..., Any] | None = None
     """Optional ``build_scheduler(optimizer)``: an LR scheduler stepped after every optimizer step."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """``TRIAGE_OPTIONS = {...}`` of the file: defaults for the command's options (the command line wins)."""
     load_checkpoint: Callable[..., Any] | None = None
     """Optional ``load_checkpoint(model, optimizer, scaler, path)`` for checkpoint layouts ampdoctor does not read."""
 
@@ -104,7 +106,8 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
             raise SpecError(f"{p.name} has no function {names.data}(); define it (only a replay --from a capture can do without)")
     assert model is not None
     return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names,
-                build_scheduler=get("build_scheduler", False), load_checkpoint=get("load_checkpoint", False))
+                build_scheduler=get("build_scheduler", False), load_checkpoint=get("load_checkpoint", False),
+                options=_options(module, p))
 
 
 def _opt(name: str, names: SpecNames) -> str:
@@ -155,6 +158,8 @@ def spec_importable(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         path = sig.bind_partial(*args, **kwargs).arguments.get("spec_path")
+        if isinstance(path, Spec):
+            path = path.path
         if path is None:
             return fn(*args, **kwargs)
         with importable(path):
@@ -174,3 +179,14 @@ def check_optimizer(opt: Any, what: str, path: Path) -> torch.optim.Optimizer:
         raise SpecError(f"{path.name}: {what} returned {type(opt).__name__}, not an optimizer; return a "
                         "torch.optim.Optimizer, e.g. `return torch.optim.AdamW(params, lr=1e-3)`")
     return opt  # type: ignore[no-any-return]
+
+
+def _options(module: Any, p: Path) -> dict[str, Any]:
+    """The file's ``TRIAGE_OPTIONS`` (a dict), read from the module the spec was loaded as."""
+    opts = getattr(module, "TRIAGE_OPTIONS", None)
+    if opts is None:
+        return {}
+    if not isinstance(opts, dict):
+        raise SpecError(f"{p.name}: TRIAGE_OPTIONS is a {type(opts).__name__}; make it a dict such as "
+                        '{"steps": 100, "target": "amp"}')
+    return dict(opts)
