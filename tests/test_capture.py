@@ -173,6 +173,10 @@ def test_triage_from_a_checkpoint_numbers_steps_as_the_run(capture: tuple[Path, 
     assert start <= v.first_step <= failing, "the failure shows at the run's own step, within a few steps of the capture's"
     assert f"step {v.first_step}" in v.summary
     assert any(n.startswith(f"started from the dict checkpoint {ckpt}") for n in report.notes)
+    from ampdoctor.render.markdown import reproduce_command
+
+    cmd = reproduce_command(report) or ""
+    assert f"--checkpoint {ckpt}" in cmd and f"--skip-batches {start % n}" in cmd
     res = CliRunner().invoke(app, ["triage", str(SAMPLE), "--checkpoint", str(ckpt), "--skip-batches", str(start % n),
                                    "--steps", "8", "-q"])
     assert res.exit_code == 1 and res.output.strip() == f"fp16_forward_overflow module=logits step={v.first_step} stage=amp"
@@ -184,3 +188,13 @@ def test_a_checkpoint_it_cannot_read_is_one_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["triage", str(SAMPLE), "--checkpoint", str(bad), "--steps", "2"])
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1 and str(bad.name) in res.output
+
+
+def test_the_ticket_report_reproduces_the_replay(capture: tuple[Path, int]) -> None:
+    from ampdoctor.render.markdown import reproduce_command
+
+    folder, step = capture
+    report, _ = triage(SAMPLE, TriageConfig(), from_capture=folder)
+    cmd = reproduce_command(report)
+    assert cmd is not None and f"--from {folder}" in cmd
+    assert report.config["from_capture"] == str(folder) and report.config["replay_step0"] == step

@@ -232,6 +232,10 @@ def triage(
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
                             sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays])
     report = build_report(run, argv)
+    if checkpoint is not None:
+        report.config["checkpoint"] = str(checkpoint)
+    if skip_batches:
+        report.config["skip_batches"] = skip_batches
     run.reset()
     return report, run
 

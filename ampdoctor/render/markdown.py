@@ -57,6 +57,14 @@ def reproduce_command(report: Report) -> str | None:
             parts += [flag, shlex.quote(option_value(v))]
     if cfg.get("stages"):
         parts += ["--stages", shlex.quote(option_value(cfg["stages"]))]
+    if (cfg.get("accumulate") or 1) > 1:
+        parts += ["--accumulate", str(cfg["accumulate"])]
+    # where the stages started: a capture, or a checkpoint and the batches skipped to reach it
+    for key, flag in (("from_capture", "--from"), ("checkpoint", "--checkpoint")):
+        if cfg.get(key):
+            parts += [flag, shlex.quote(str(cfg[key]))]
+    if cfg.get("skip_batches"):
+        parts += ["--skip-batches", str(cfg["skip_batches"])]
     return " ".join(parts)
 
 
