@@ -362,5 +362,6 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.notes.insert(0, run.start)
         report.config["start_step"] = step0
     if step0:
+        report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)
     return report

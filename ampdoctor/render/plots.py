@@ -53,6 +53,11 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def step0(report: Report) -> int:
+    """The run's number of the report's first step (a replay or a checkpoint start; else 0)."""
+    return int(report.config.get("step0") or 0)
+
+
 def loss_figure(report: Report) -> bytes | None:
     stages = [s for s in report.stages if s.losses]
     if not stages:
@@ -62,12 +67,14 @@ def loss_figure(report: Report) -> bytes | None:
     finite_all = [x for s in stages for x in s.losses if math.isfinite(x)]
     top = max(finite_all) if finite_all else 1.0
     for n, s in enumerate(sorted(stages, key=lambda s: s.name != "fp32")):
-        xs = list(range(len(s.losses)))
+        o = step0(report)
+        xs = [o + i for i in range(len(s.losses))]
         ys = [x if math.isfinite(x) else math.nan for x in s.losses]
         ref = s.name == "fp32"
         ax.plot(xs, ys, label=f"{s.name}{' (reference)' if ref else ''}", color=_COLORS.get(s.name),
-                linewidth=2.4 if ref else 1.4, linestyle="--" if ref else "-", zorder=3 if ref else 2)
-        bad = [i for i, x in enumerate(s.losses) if not math.isfinite(x)]
+                linewidth=2.4 if ref else 1.4, linestyle="--" if ref else "-", zorder=3 if ref else 2,
+                marker="o" if len(xs) == 1 else None)  # a one-step replay: a point, not an invisible line
+        bad = [o + i for i, x in enumerate(s.losses) if not math.isfinite(x)]
         if bad:
             ax.scatter(bad, [top * (1.02 + 0.04 * n)] * len(bad), marker="x", color=_COLORS.get(s.name, "red"), zorder=4,
                        label=f"{s.name}: non-finite loss")
@@ -85,9 +92,11 @@ def scale_figure(report: Report) -> bytes | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
-    pts = [(i, math.log2(x)) for i, x in enumerate(stage.scales) if x is not None and x > 0]
+    o = step0(report)
+    pts = [(o + i, math.log2(x)) for i, x in enumerate(stage.scales) if x is not None and x > 0]
     ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color=_COLORS["amp"], label=f"{stage.name}: log2(scale)")
-    skipped = [(i, math.log2(x)) for i, x in enumerate(stage.scales) if i in set(stage.skipped_steps) and x is not None and x > 0]
+    skips = set(stage.skipped_steps)  # the run's own step numbers
+    skipped = [(o + i, math.log2(x)) for i, x in enumerate(stage.scales) if o + i in skips and x is not None and x > 0]
     if skipped:
         ax.scatter([p[0] for p in skipped], [p[1] for p in skipped], marker="v", color="#d62728", zorder=3,
                    label=f"skipped step ({len(skipped)})")
