@@ -364,13 +364,14 @@ def test_a_replay_numbers_every_step_as_the_run() -> None:
 
 
 def test_counts_are_not_steps() -> None:
-    """Facts that count steps (``steps_before``, ``steps``) are not shifted; ``*_step`` facts are."""
+    """Facts that count steps (``steps_before``, ``steps``) are not shifted; ``*_step`` facts are, and so is
+    ``batch``: a replay feeds one batch a step, so its batch k is the batch of the run's step offset + k."""
     out = Outcome("model_bug", None, 6, "fp32", {"variant": "fp32_diverged", "step": 6, "steps_before": 6,
                                                  "first_step": 2, "batch": 6, "max_grad_l2": 3.0})
     d = shift_diagnosis(rules.Diagnosis(out, [], None), 10)
-    assert d.outcome.facts == {"variant": "fp32_diverged", "step": 16, "steps_before": 6, "first_step": 12, "batch": 6,
+    assert d.outcome.facts == {"variant": "fp32_diverged", "step": 16, "steps_before": 6, "first_step": 12, "batch": 16,
                                "max_grad_l2": 3.0}
-    assert words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 6 is finite and trains from the "
+    assert words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 16 is finite and trains from the "
                                               "initial weights, so the weights diverged over 6 steps (largest gradient "
                                               "norm before: 3).")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -12,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.cli.common import boundary, fail, out
+from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.io import check_writable, write_atomic
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
@@ -22,7 +24,10 @@ MAX_LEDGER_ROWS = 20
 
 @boundary
 def scaler(
-    csv: Annotated[Path, typer.Argument(help=f"Step log CSV with the columns {', '.join(COLUMNS)} (extra columns are fine).")],
+    csvs: Annotated[list[Path], typer.Argument(
+        metavar="CSV...",
+        help=f"Step log CSV with the columns {', '.join(COLUMNS)} (extra columns are fine). Several: one per rank "
+             "(steps.rank0.csv steps.rank1.csv ...), compared side by side.")],
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw scale (log2 axis) and loss against step, skips marked, to this PNG.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing plot file.")] = False,
     window: Annotated[int, typer.Option(help="Steps in the rolling skip rate.")] = 1000,
@@ -37,7 +42,12 @@ def scaler(
     if plot is not None:
         check_writable(plot, force)
         _need_matplotlib()
-    log = read_step_log(csv)
+    logs = [read_step_log(c) for c in csvs]
+    if len(logs) > 1:
+        _print_ranks(logs)
+        out.print()
+    log = logs[0]
+    csv = csvs[0]
     skipped = log.skipped
     scales = log.scales
     steps = log.steps
@@ -54,6 +64,77 @@ def scaler(
     if plot is not None:
         write_atomic(plot, _plot_png(log, diag))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
+
+
+def _rank_of(log: StepLog, i: int) -> int:
+    """The log's rank: its ``rank`` column, else ``.rankN`` in its file name, else its place on the command line."""
+    col = log.frame["rank"] if "rank" in log.frame.columns else None
+    if col is not None and len(col) and str(col.iloc[0]).strip().isdigit():
+        return int(str(col.iloc[0]).strip())
+    m = re.search(r"\.rank(\d+)(\.|$)", log.path.name)
+    return int(m.group(1)) if m else i
+
+
+def _print_ranks(logs: list[StepLog]) -> None:
+    """Several ranks' logs: one line per rank, who went non-finite first, whether the ranks agree."""
+    ranked = sorted(((_rank_of(lg, i), lg) for i, lg in enumerate(logs)), key=lambda t: t[0])
+    t = Table(show_edge=False, pad_edge=False, box=None)
+    for col in ("rank", "steps", "skipped", "first skip", "final scale", "first non-finite (this rank)"):
+        t.add_column(col)
+    first_fault: tuple[int, list[tuple[int, str, str | None]]] | None = None
+    for rank, lg in ranked:
+        steps, skipped = lg.steps, lg.skipped
+        first_skip = next((s for s, k in zip(steps, skipped, strict=True) if k), None)
+        scales = lg.scales
+        mine = ""
+        if "ranks" in lg.frame.columns:
+            for s, text in zip(steps, lg.frame["ranks"].astype(str).tolist(), strict=True):
+                seen = parse_column(text if text != "nan" else "")
+                if seen:
+                    if first_fault is None or s < first_fault[0]:
+                        first_fault = (s, seen)
+                    own = [x for x in seen if x[0] == rank]
+                    if own and not mine:
+                        mine = f"{s} {own[0][1]}" + (f" {own[0][2]}" if own[0][2] else "")
+        t.add_row(str(rank), f"{steps[0]}..{steps[-1]}", str(sum(skipped)), "-" if first_skip is None else str(first_skip),
+                  "-" if scales is None else pow2(scales[-1]), escape(mine or "-"))
+    out.print(f"[bold]{len(logs)} rank logs[/]", highlight=False)
+    out.print(t)
+    if first_fault is not None:
+        step, seen = first_fault
+        local = [x for x in seen if x[1] in LOCAL_KINDS]
+        who = (local or seen)[0]
+        where = f" in {who[2]}" if who[2] else ""
+        rest = ("the other ranks were clean: rank " + str(who[0]) + "'s own batch or forward, not a range every rank shares"
+                if len(local) <= 1 else
+                f"{len(local)} ranks saw it themselves ({', '.join(str(x[0]) for x in local[:8])}): a range problem they share")
+        out.print(_indent(f"First non-finite: step {step}, rank {who[0]} ({who[1]}{where}); {rest}", 0))
+    elif not any("ranks" in lg.frame.columns for lg in logs):
+        out.print(_indent("these logs have no ranks column (Monitor under torch.distributed writes it): "
+                          "first non-finite rank unknown", 0), style="dim")
+    # DDP keeps one loss scale: the ranks' scales and skips agree step by step, or their scalers drifted apart
+    base_rank, base = ranked[0]
+    none: list[float | None] = [None] * len(base.steps)
+    ref = dict(zip(base.steps, zip(base.skipped, base.scales or none, strict=True), strict=True))
+    for rank, lg in ranked[1:]:
+        nones: list[float | None] = [None] * len(lg.steps)
+        for s, k, sc in zip(lg.steps, lg.skipped, lg.scales or nones, strict=True):
+            r = ref.get(s)
+            if r is not None and (r[0] != k or r[1] != sc):
+                out.print(_indent(
+                    f"ranks {base_rank} and {rank} disagree from step {s}: rank {base_rank} "
+                    f"{'skipped' if r[0] else 'applied'} at scale {pow2(r[1]) if r[1] else '-'}, rank {rank} "
+                    f"{'skipped' if k else 'applied'} at scale {pow2(sc) if sc else '-'}. Their GradScalers are out of "
+                    "step: the found-inf flag is not shared across ranks (FSDP needs ShardedGradScaler; parameters "
+                    "outside DDP are not all-reduced), so ranks apply different updates", 0), style="red")
+                break
+        else:
+            continue
+        break
+    else:
+        out.print("every rank used the same scale and skipped the same steps (as DDP requires)", style="dim", markup=False,
+                  highlight=False)
+    out.print(f"details below: rank {base_rank} ({escape(str(base.path))})", style="dim", highlight=False)
 
 
 def _indent(text: str, indent: int, hang: int = 0) -> Table:

@@ -50,6 +50,7 @@ from torch import nn
 from ampdoctor._version import __version__
 from ampdoctor.judge.scaler import COLLAPSE_BINADES
 from ampdoctor.records import StepStats
+from ampdoctor.watch.hooks import unwrap
 
 log = logging.getLogger("ampdoctor")
 
@@ -190,7 +191,7 @@ class Capture:
     def state(self) -> dict[str, Any]:
         """Host copies of the model, optimizer and scaler state, as they are now."""
         return {
-            "model": host_copy(self.model.state_dict()),
+            "model": host_copy(unwrap(self.model).state_dict()),  # DDP / compiled: the inner module's names
             "optimizer": host_copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
             "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
         }
@@ -217,11 +218,12 @@ class Capture:
 
     # the capture ---------------------------------------------------------------------------------
     def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
-              scaler_before: dict[str, Any] | None) -> Path | None:
+              scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> Path | None:
         """Write the capture folder; a failure warns and returns None (training goes on)."""
         self.done = True
         try:
-            self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before)
+            self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before,
+                                       extra=extra or {})
             log.warning("ampdoctor: step %d failed (%s); captured to %s: replay it with `ampdoctor triage SPEC --from %s`",
                         step, trig.reason, self.written, self.written)
             return self.written
@@ -232,7 +234,7 @@ class Capture:
             return None
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
-               scaler_before: dict[str, Any] | None) -> Path:
+               scaler_before: dict[str, Any] | None, extra: dict[str, Any]) -> Path:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking host copies are complete
         files: dict[str, Any] = {}
@@ -289,6 +291,7 @@ class Capture:
             "monitor": self.settings,
             "rank": rank,
             "world_size": world,
+            **extra,
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture
+from ampdoctor.engine.ranks import RankExchange, RankView, rank_path
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
@@ -71,6 +72,9 @@ log.addHandler(logging.NullHandler())  # a library: no output unless the applica
 
 EXTRA_COLUMNS: tuple[str, ...] = ("scale_after", "skip_rate", "nonfinite_params", "injected")
 """Columns the monitor writes after the standard ones (see ``steplog.COLUMNS``)."""
+RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
+"""Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
+value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
 STATE_VERSION = 1
 
 
@@ -111,6 +115,10 @@ class MonitorRecord:
     ``full_after`` steps are recorded in full)."""
     capture: str = ""
     """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
+    rank: int | None = None
+    """Under torch.distributed: this process's rank."""
+    ranks: RankView | None = None
+    """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -122,6 +130,8 @@ class MonitorRecord:
             "skip_reason": self.skip_reason, "scaler_scale": self.scaler_scale, "scale_after": self.scale_after,
             "skip_rate": round(self.skip_rate, 6),
             "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
+            **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
+               if self.rank is not None else {}),
         }
 
 
@@ -131,6 +141,28 @@ def _steps(v: int | Iterable[int] | None) -> set[int]:
     if isinstance(v, int):
         return {v}
     return {int(s) for s in v}
+
+
+@dataclass(frozen=True)
+class FirstFault:
+    """The first step at which any rank saw a non-finite value, and who."""
+
+    step: int
+    rank: int
+    kind: str
+    """input | forward | loss | backward | grad (see ``engine.ranks.KINDS``)."""
+    module: str | None
+    others_clean: bool
+    """No other rank saw it in its own batch, forward, loss or activation gradients: one rank's
+    problem (a bad batch, a rank-local overflow), not every rank's."""
+    ranks: str
+    """Every rank that saw it, as the step log's ``ranks`` column."""
+
+    def describe(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        who = ("the other ranks were clean: this rank's own batch or forward" if self.others_clean
+               else "other ranks saw it too: a range problem every rank shares")
+        return f"step {self.step}: rank {self.rank} went non-finite first ({self.kind}{where}); {who} [{self.ranks}]"
 
 
 @dataclass
@@ -195,6 +227,16 @@ class Monitor:
             See docs/own-loop.md.
         full_every: sentinel mode: full statistics on every ``full_every``-th step.
         full_after: sentinel mode: how many steps after a trip are recorded in full.
+        first_step: the number of the first step (a resumed run, or a framework's global step).
+        distributed: under ``torchrun`` / DDP (torch.distributed initialised, world size > 1): each
+            rank writes its own log and capture (``steps.csv`` → ``steps.rank1.csv``), and one small
+            all-reduce per step, inside the step's one host copy, tells every rank which rank saw a
+            non-finite value first, in which module (``first_fault``; the log's ``ranks`` column).
+            None: on when torch.distributed is initialised; False: off. Every rank must run the
+            monitor. See docs/scale-out.md.
+        process_group: the group of the exchange (default: the world).
+        capture_ranks: ``"first"``: only the rank that went first writes a capture (rank 0 when no
+            rank saw it locally); ``"all"``: every rank writes its own.
     """
 
     def __init__(
@@ -227,6 +269,10 @@ class Monitor:
         mode: Literal["full", "sentinel"] = "full",
         full_every: int = 1000,
         full_after: int = 8,
+        first_step: int = 0,
+        distributed: bool | None = None,
+        process_group: Any = None,
+        capture_ranks: Literal["first", "all"] = "first",
     ) -> None:
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
@@ -276,6 +322,21 @@ class Monitor:
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
         self._params = self.recipe.params
         self._names = self.recipe.names
+        self.ranks: RankExchange | None = None
+        if distributed is not False:
+            self.ranks = RankExchange.detect(self.recipe.modules, [self._names[id(p)] for p in self._params], process_group)
+            if distributed and self.ranks is None:
+                raise UsageError("distributed=True but torch.distributed is not initialised with more than one rank")
+        self.recipe.ranks = self.ranks
+        self.rank: int | None = self.ranks.rank if self.ranks is not None else None
+        if self.rank is not None:
+            log = rank_path(str(log), self.rank) if log else log
+            capture = rank_path(str(capture), self.rank) if capture is not None else None
+        if capture_ranks not in ("first", "all"):
+            raise UsageError(f"capture_ranks must be 'first' or 'all', got {capture_ranks!r}")
+        self.capture_ranks = capture_ranks
+        self.first_fault: FirstFault | None = None
+        """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         if snapshot_every < 1:
             raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
         self.capture: Capture | None = None
@@ -285,10 +346,15 @@ class Monitor:
             self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                    str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None)
         self._last_stats: StepStats | None = None
-        self.writer = StepLogWriter(log, extra_columns=EXTRA_COLUMNS, mode=log_mode, fsync=fsync) if log else None
+        self.log_path: Path | None = Path(log) if log else None
+        """The step log this process writes (per rank under torch.distributed)."""
+        self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (RANK_COLUMNS if self.rank is not None else ()),
+                                     mode=log_mode, fsync=fsync) if log else None)
         # counters and history (state_dict)
-        self.step_num = 0
-        self.first_step = 0
+        if first_step < 0:
+            raise UsageError(f"first_step must be at least 0, got {first_step}")
+        self.step_num = first_step
+        self.first_step = first_step
         self.total_skips = 0
         self._recent: deque[bool] = deque(maxlen=window)
         self._recent_skips = 0
@@ -470,6 +536,10 @@ class Monitor:
         m = pend.m
         sk = m.skip if skipped is None else bool(skipped)
         reason = m.reason if sk else ""
+        first = m.ranks.first if m.ranks is not None else None
+        if sk and first is not None and first.rank != self.rank and first.local and not any(
+                f.local for f in m.ranks.faults if f.rank == self.rank):  # type: ignore[union-attr]
+            reason = f"nonfinite_from_rank:{first.rank}"  # clean here: the gradients came through DDP's all-reduce
         if sk and not reason:
             reason = "skipped_by_caller"
         # rolling skip rate
@@ -487,8 +557,10 @@ class Monitor:
             pend.step, m.lr, m.grad_l2_pre_clip, m.grad_l2_post_clip, m.loss, sk, reason, m.scale,
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
-            m.stats is not None and "sentinel_trip" in m.stats.extra,
+            m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
         )
+        if m.ranks is not None and m.ranks.faults and self.first_fault is None:
+            self._note_first(pend.step, m.ranks)
         if self.writer is not None:
             self.writer.write(rec.row())
         self.last = rec
@@ -500,6 +572,13 @@ class Monitor:
         self._judge_rate(rate, pend.step, stacklevel)
         return rec
 
+    def _note_first(self, step: int, view: RankView) -> None:
+        first = view.first
+        assert first is not None
+        self.first_fault = FirstFault(step, first.rank, first.kind, first.module, view.others_clean, view.column())
+        if self.rank in (0, first.rank):  # not a line from each of a thousand ranks
+            log.warning("ampdoctor: %s", self.first_fault.describe())
+
     def _maybe_capture(self, rec: MonitorRecord, m: Measured, rate: float) -> None:
         cap = self.capture
         assert cap is not None
@@ -507,6 +586,17 @@ class Monitor:
         trig = cap.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert)
         if trig is None:
             return
+        view = m.ranks
+        extra: dict[str, Any] = {}
+        if view is not None:
+            first = view.first
+            extra = {"ranks": view.column(), "first_rank": first.rank if first is not None else None,
+                     "first_module": first.module if first is not None else None,
+                     "others_clean": view.others_clean if first is not None else None}
+            chosen = first.rank if first is not None else 0
+            if self.capture_ranks == "first" and self.rank != chosen:
+                cap.done = True  # this failing step is captured by rank `chosen`
+                return
         before = None
         if self.scaler is not None:
             before = dict(self.scaler.state_dict())
@@ -515,7 +605,7 @@ class Monitor:
             if m.growth_tracker is not None:
                 before["_growth_tracker"] = m.growth_tracker
         out = cap.write(trig, step=rec.step, skipped=rec.skipped, record=rec.row(), stats=self._last_stats,
-                        scaler_before=before)
+                        scaler_before=before, extra=extra)
         if out is not None:
             rec.capture = str(out)
 
@@ -602,4 +692,4 @@ class Monitor:
         self.hooks.begin_step(self.step_num)
 
 
-__all__ = ["EXTRA_COLUMNS", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
+__all__ = ["EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ampdoctor.engine.ranks import RankExchange, RankView
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
@@ -150,6 +151,8 @@ class Measured:
     """GradScaler's growth tracker before this step (None without a GradScaler)."""
     tripped: bool = False
     """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
+    ranks: RankView | None = None
+    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``engine.ranks``)."""
 
 
 _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
@@ -222,6 +225,8 @@ class TrainStep:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._loss_ok: torch.Tensor | None = None
+        self.ranks: RankExchange | None = None
+        """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
 
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -315,6 +320,7 @@ class TrainStep:
         # the step's loss: the sum over its micro-batches when gradients accumulated, else the one given
         loss_sum = self._loss_sum
         self._loss_ok = self._loss_sum = None
+        loss_known = loss_sum is not None or loss is not None
         if loss_sum is not None:
             loss_val = loss_sum
         else:
@@ -342,27 +348,40 @@ class TrainStep:
         hooks = self.hooks
         recording = hooks is not None and hooks.recording
         tripped = False
+        rx = self.ranks
+        exchanged: np.ndarray | None = None
         if hooks is not None and recording:
             hooks.after_backward()  # parameter gradients, as the optimizer will see them
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
             hooks.after_step()
             for i, name in enumerate(_PACKED):
                 hooks.add_scalar(name, packed[i])
-            st: StepStats | None = hooks.end_step()  # the one host copy
+            cur = hooks.current
+            st: StepStats | None = hooks.end_step(  # the one host copy (with the ranks' all-reduce in it)
+                None if rx is None else
+                lambda keys, rows: rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad, cur, keys, rows)))
             assert st is not None
             vals = [st.extra[n] for n in _PACKED]
-        elif self.sentinel is not None and grads:  # our scalars and each gradient's L2 norm (no extra pass)
+            exchanged = hooks.exchanged
+        else:
             st = None
-            host = torch.cat([packed, per.to(packed.device, torch.float64)]).cpu().numpy()
-            gnorms = host[len(_PACKED):]
-            tripped = bool(not np.isfinite(gnorms).all() or (gnorms > self.sentinel).any())
+            parts = [packed]
+            nper = 0
+            if self.sentinel is not None and grads:  # each gradient's L2 norm too (no extra pass)
+                parts.append(per.to(packed.device, torch.float64))
+                nper = per.numel()
+            if rx is not None:
+                parts.append(rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad)).to(packed.device))
+            host = (torch.cat(parts) if len(parts) > 1 else packed).cpu().numpy()
+            if nper:
+                gnorms = host[len(_PACKED): len(_PACKED) + nper]
+                tripped = bool(not np.isfinite(gnorms).all() or (gnorms > self.sentinel).any())
+            if rx is not None:
+                exchanged = host[len(_PACKED) + nper:]
             vals = host[: len(_PACKED)].tolist()
-        else:  # nothing else queued this step: our scalars alone
-            st = None
-            vals = packed.cpu().numpy().tolist()
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
-        skip = found_f > 0 or not math.isfinite(loss_f)
+        skip = found_f > 0 or (loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
         # which parameters, and which module, held the non-finite gradients
         recorded = st is not None and bool(st.pgrad)
         if st is not None and recorded:
@@ -374,7 +393,8 @@ class TrainStep:
         count = len(bad_params) if recorded else int(nbad_f)
         reason = ""
         if skip:
-            reason = "nonfinite_loss" if not math.isfinite(loss_f) else self.grad_reason(st if recorded else None, bad_params)
+            reason = ("nonfinite_loss" if loss_known and not math.isfinite(loss_f)
+                      else self.grad_reason(st if recorded else None, bad_params))
         scale = scale_f if sc is not None else None
         if sc is not None:
             grown = scale_f * sc.get_growth_factor() if tracker_f + 1 >= sc.get_growth_interval() else scale_f
@@ -384,7 +404,7 @@ class TrainStep:
             after_ok = after_skip = None
         return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
                         bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None,
-                        tripped), label
+                        tripped, rx.decode(exchanged) if rx is not None and exchanged is not None else None), label
 
     def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
         """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""

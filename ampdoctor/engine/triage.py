@@ -348,14 +348,27 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     if rp is not None and report.scaler is not None:
         # a replay's few steps are no scale history: the run's own is in its step log
         report.scaler.pattern = "replay"
+        amp = results.get("amp")
+        first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
+        if first is not None:  # the captured scale, not the spec's default
+            report.scaler.init_scale = first
         report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
                                      f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
-                                     "`ampdoctor scaler steps.csv`")
+                                     "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
+                                                             else "steps.csv`"))
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)
         report.config["replay_step0"] = rp.step0
-        report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}): "
+        world = int(m.get("world_size") or 1)
+        if world > 1:
+            report.config["capture_rank"] = m.get("rank")
+            who = (f" on rank {m.get('rank')} of {world}" + (
+                f"; the ranks that saw it: {m['ranks']}" if m.get("ranks") else "") + (
+                "; the other ranks were clean" if m.get("others_clean") else ""))
+        else:
+            who = ""
+        report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}){who}: "
                                f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
                                f"failed again {rp.reproduced} of {rp.replays} times")
     if run.start:

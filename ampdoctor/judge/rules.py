@@ -652,8 +652,8 @@ def diagnose(
 
 def shift_diagnosis(d: Diagnosis, offset: int) -> Diagnosis:
     """Number every step as the run did (a replay's step k is the run's step ``offset + k``): the
-    verdict's step, the findings' steps, and every fact or fix fact whose key is ``step`` or ends in
-    ``_step``. A copy; the layer table and scaler story are shifted with the rest of the report."""
+    verdict's step, the findings' steps, and every fact or fix fact whose key is ``step``, ``batch``
+    or ends in ``_step``. A copy; the layer table and scaler story are shifted with the rest of the report."""
     if offset == 0:
         return d
     out = copy.deepcopy(d.outcome)
@@ -670,7 +670,8 @@ def shift_diagnosis(d: Diagnosis, offset: int) -> Diagnosis:
 
 def _shift_facts(facts: dict[str, Any], offset: int) -> None:
     for k, v in facts.items():
-        if (k == "step" or k.endswith("_step")) and isinstance(v, int) and not isinstance(v, bool):
+        # a replay feeds one batch a step: its batch k is the batch of the run's step offset + k
+        if (k in ("step", "batch") or k.endswith("_step")) and isinstance(v, int) and not isinstance(v, bool):
             facts[k] = v + offset
 
 

@@ -26,7 +26,7 @@ meet a compiled region anyway, it does nothing there: dynamo traces it as a no-o
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Any, cast
 
@@ -38,11 +38,36 @@ from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.stats import StatsBuffer
 
+_WRAPPERS = ("DistributedDataParallel", "DataParallel")
+
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile``d model wraps (``_orig_mod``), else the model itself."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
+    """The module a wrapper runs: a ``torch.compile``d model's ``_orig_mod``, a ``DistributedDataParallel``
+    or ``DataParallel``'s ``module`` (in any nesting), else the model itself. Names are the inner
+    module's, so a rank's log and capture read like a single-process run."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS:
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether a ``torch.compile``d module is anywhere in the wrapping (DDP around compiled, or the reverse)."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            return True
+        inner = getattr(model, "module", None) if type(model).__name__ in _WRAPPERS else None
+        if not isinstance(inner, nn.Module):
+            return False
+        model = inner
+
+
+def _training(ref: weakref.ref[nn.Module]) -> bool:
+    m = ref()
+    return m is not None and m.training
 
 
 def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, Any], None]:
@@ -97,8 +122,12 @@ class Hooks:
         """With ``track=True``: which module is running (names the module an exception came from)."""
         self._attached = False
         root = unwrap(model)
-        self._compiled = root is not model
+        self._compiled = _is_compiled(model)
         """A compiled model runs its modules inside dynamo's graph: no forward hook (see the module doc)."""
+        self.training_only = False
+        """Record only training forwards (the root in train mode, grad enabled): the framework callbacks set
+        it, so an evaluation run in the middle of training stays out of the next step's statistics."""
+        self._root = weakref.ref(root)
         self._root_id = id(root)
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
@@ -108,6 +137,8 @@ class Hooks:
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
         weakref.finalize(self, _remove_all, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
+        self.exchanged: Any = None
+        """The host copy of the last ``end_step``'s ``exchange`` result (a numpy vector), else None."""
         self._reset(0)
 
     # lifecycle -----------------------------------------------------------------------------
@@ -167,6 +198,11 @@ class Hooks:
     def recording(self) -> bool:
         return self._active
 
+    @property
+    def current(self) -> StepStats:
+        """The step being recorded (its calls and gradient order are on the host; rows come at ``end_step``)."""
+        return self._cur
+
     def _tid(self, t: torch.Tensor) -> int:
         key = id(t)
         hit = self._tids.get(key)
@@ -198,6 +234,8 @@ class Hooks:
         name = self._names.get(id(module))
         if name is None or not self._active:  # another model's module (the hook is process-wide)
             return
+        if self.training_only and not (torch.is_grad_enabled() and _training(self._root)):
+            return
         self._grad_enabled = torch.is_grad_enabled()
         ins = self._tids_of(args if not kwargs else (args, kwargs))
         outs = self._tids_of(output)
@@ -228,17 +266,27 @@ class Hooks:
         for n, p in self._param_names:
             self._buf.add(("param", n), p)
 
-    def end_step(self) -> StepStats:
-        """Reduce everything queued this step and bring it to the host (one transfer)."""
+    def end_step(self, exchange: Callable[[list[Hashable], torch.Tensor], torch.Tensor] | None = None) -> StepStats:
+        """Reduce everything queued this step and bring it to the host (one transfer).
+
+        ``exchange(keys, rows)``: called with the reduced rows still on the device, returns a 1-D
+        tensor (the ranks' all-reduce) that comes back in the same copy, as ``self.exchanged``."""
         st = self._cur
         keys, rows = self._buf.collect()
-        if self._scalars:
-            sc = torch.stack([v.to(rows.device) for _, v in self._scalars])
-            host = torch.cat([rows, _scalar_rows(sc, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
+        extra = exchange(keys, rows).reshape(-1).to(torch.float64) if exchange is not None else None
+        self.exchanged = None
+        if self._scalars or extra is not None:
+            parts = [torch.stack([v.to(rows.device) for _, v in self._scalars])] if self._scalars else []
+            if extra is not None:
+                parts.append(extra.to(rows.device))
+            flat_d = torch.cat(parts)
+            host = torch.cat([rows, _scalar_rows(flat_d, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
             nsc = len(self._scalars)
-            flat = host[len(keys):].reshape(-1)[:nsc]
-            for (name, _), v in zip(self._scalars, flat, strict=True):
+            flat = host[len(keys):].reshape(-1)
+            for (name, _), v in zip(self._scalars, flat[:nsc], strict=True):
                 st.extra[name] = float(v)
+            if extra is not None:
+                self.exchanged = flat[nsc: nsc + extra.numel()].copy()
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()
@@ -275,7 +323,7 @@ class ModuleTracker:
 
     def __init__(self, model: nn.Module) -> None:
         root = unwrap(model)
-        self._compiled = root is not model
+        self._compiled = _is_compiled(model)
         """A compiled model: no hooks (dynamo would trace them), so no module is named."""
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self.stack: list[str] = []

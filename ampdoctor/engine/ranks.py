@@ -1,0 +1,261 @@
+"""Which rank went first: one small all-reduce per step, inside the step's one host copy.
+
+Under ``torchrun`` / DDP every rank runs a ``Monitor``. DDP all-reduces the parameter gradients in
+backward, so after it a NaN on one rank is a NaN on every rank: every rank's GradScaler skips, and
+the parameter gradients no longer say where it came from. What stays local to a rank is its batch,
+its forward (module outputs), its loss and the gradients at its activations (backward through the
+rank's own graph, before the bucket all-reduce touches parameter gradients). ``RankExchange`` packs
+those facts into ``SLOTS`` numbers per rank, on the device, and sums one ``world_size x SLOTS``
+float64 tensor across ranks (each rank writes only its own row): one all-reduce of
+``32 * world_size`` bytes per step, queued before the step's host copy and brought back with it.
+After it every rank knows, at the same step, which ranks saw a non-finite value, what kind, and in
+which module.
+
+Per rank, the row holds:
+
+- ``flags``: bit 0 the loss is non-finite; bit 1 a module output is (a recorded step); bit 2 a
+  gradient at an activation is (a recorded step); bit 3 a parameter gradient is; bit 4 the
+  model's input (the batch) is.
+- ``forward``: the module whose output went non-finite first, in execution order (its inputs were
+  finite); with bit 4, the first module that read the batch. ``index + 1`` into ``modules``.
+- ``backward``: the module whose outgoing gradient went non-finite first in backward.
+- ``param``: the first parameter (in the optimizer's order) with a non-finite gradient, ``index + 1``.
+
+Module codes come from the per-layer statistics, so they are known on recorded steps; on the
+others (sentinel mode between full steps) a rank is named by its loss and parameter gradients.
+Names index ``named_modules()`` of the unwrapped model, the same list on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ampdoctor.judge import locate
+from ampdoctor.records import Col, StepStats
+
+SLOTS = 4
+LOSS, FORWARD, BACKWARD, GRAD, INPUT = 1, 2, 4, 8, 16
+KINDS = ((INPUT, "input"), (FORWARD, "forward"), (LOSS, "loss"), (BACKWARD, "backward"), (GRAD, "grad"))
+"""A rank's fault kinds, from the earliest in the step to the latest: its kind is the first that is set."""
+LOCAL = LOSS | FORWARD | BACKWARD | INPUT
+"""What a rank sees of its own alone (parameter gradients are shared after DDP's all-reduce)."""
+LOCAL_KINDS = ("input", "forward", "loss", "backward")
+
+
+@dataclass(frozen=True)
+class RankFault:
+    """What one rank saw at one step."""
+
+    rank: int
+    flags: int
+    module: str | None
+    """The first module on this rank (forward, else backward, else the first bad parameter's)."""
+
+    @property
+    def kind(self) -> str:
+        """input | forward | loss | backward | grad: the earliest thing that went non-finite on this rank."""
+        return next((k for bit, k in KINDS if self.flags & bit), "")
+
+    @property
+    def local(self) -> bool:
+        """The rank saw it in its own batch, forward, loss or activation gradients (not only in the
+        parameter gradients every rank shares after the all-reduce)."""
+        return bool(self.flags & LOCAL)
+
+    def token(self) -> str:
+        """``rank:kind:module`` as the step log writes it (``1:input:embed``)."""
+        return f"{self.rank}:{self.kind}" + (f":{self.module}" if self.module else "")
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What every rank learns at a step: the ranks that saw a non-finite value."""
+
+    world: int
+    faults: tuple[RankFault, ...]
+
+    @property
+    def first(self) -> RankFault | None:
+        """The rank to blame: the lowest rank that saw it locally, else the lowest that saw it at all."""
+        local = [f for f in self.faults if f.local]
+        pool = local or list(self.faults)
+        return pool[0] if pool else None
+
+    @property
+    def others_clean(self) -> bool:
+        """Only the first rank saw it locally: one rank's batch or forward, not every rank's overflow."""
+        return sum(f.local for f in self.faults) <= 1
+
+    def column(self, limit: int = 8) -> str:
+        """The step log's ``ranks`` column: ``1:input:embed;3:forward:blocks.2`` ('' when all clean)."""
+        toks = [f.token() for f in self.faults[:limit]]
+        more = len(self.faults) - limit
+        return ";".join(toks) + (f";+{more}" if more > 0 else "")
+
+
+def parse_column(text: str) -> list[tuple[int, str, str | None]]:
+    """The ``ranks`` column back into (rank, kind, module) triples (``+N`` overflow markers dropped)."""
+    out: list[tuple[int, str, str | None]] = []
+    for tok in (text or "").split(";"):
+        parts = tok.split(":", 2)
+        if len(parts) >= 2 and parts[0].isdigit():
+            out.append((int(parts[0]), parts[1], parts[2] if len(parts) == 3 and parts[2] else None))
+    return out
+
+
+def _bad_rows(rows: torch.Tensor) -> torch.Tensor:
+    return (rows[:, Col.POSINF] + rows[:, Col.NEGINF] + rows[:, Col.NAN]) > 0
+
+
+class RankExchange:
+    """The per-step all-reduce of every rank's local fault codes (see the module doc)."""
+
+    def __init__(self, group: Any, rank: int, world: int, modules: Sequence[str], params: Sequence[str]) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.modules = list(modules)
+        self._index = {m: i for i, m in enumerate(self.modules)}
+        self.params = list(params)
+
+    @classmethod
+    def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None) -> RankExchange | None:
+        """An exchange over ``group`` (default: the world) when torch.distributed runs with more than one rank."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world = dist.get_world_size(group)
+        if world < 2:
+            return None
+        return cls(group, dist.get_rank(group), world, modules, params)
+
+    # on the device ---------------------------------------------------------------------------------
+    def _code(self, module: str | None) -> float:
+        return float(self._index[module] + 1) if module is not None and module in self._index else 0.0
+
+    def local_row(self, device: torch.device, loss_ok: torch.Tensor, nbad: torch.Tensor, first_bad: torch.Tensor,
+                  st: StepStats | None = None, keys: list[Hashable] | None = None, rows: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+        """This rank's ``SLOTS`` numbers, on the device, no host sync. ``st``/``keys``/``rows``: a
+        recorded step's calls (host) and its statistics rows (device, before the copy)."""
+        flags = (~loss_ok.to(device)).to(torch.float64) * LOSS + (nbad.to(device) > 0).to(torch.float64) * GRAD
+        fwd = torch.zeros((), device=device, dtype=torch.float64)
+        bwd = torch.zeros((), device=device, dtype=torch.float64)
+        if st is not None and keys is not None and rows is not None and rows.numel():
+            rows = rows.to(device)
+            fwd_f, fwd, inp = self._forward(st, keys, rows, device)
+            bwd_f, bwd = self._backward(st, keys, rows, device)
+            flags = flags + fwd_f * FORWARD + bwd_f * BACKWARD + inp * INPUT
+        param = torch.where(nbad.to(device) > 0, first_bad.to(device, torch.float64) + 1, 0.0)
+        return torch.stack([flags, fwd, bwd, param]).to(torch.float64)
+
+    def _forward(self, st: StepStats, keys: list[Hashable], rows: torch.Tensor,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(any module output bad, the first one's module code, the batch itself is bad)."""
+        producer: dict[int, str] = {}
+        for c in st.calls:  # calls end inner-first: the first to claim a tensor is its innermost producer
+            for t in c.outputs:
+                producer.setdefault(t, c.module)
+        inputs = set(st.model_inputs)
+        reader = self._code(locate.first_consumer_of_inputs(st))
+        idx, order, codes, is_in = [], [], [], []
+        for i, k in enumerate(keys):
+            if isinstance(k, tuple) and k[0] == "act":
+                tid = int(k[1])
+                idx.append(i)
+                order.append(tid)  # tensor ids are handed out in the order the forward made them
+                if tid in inputs:
+                    codes.append(reader)
+                    is_in.append(1.0)
+                else:
+                    codes.append(self._code(producer.get(tid, locate.MODEL)))
+                    is_in.append(0.0)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        if not idx:
+            return zero, zero, zero
+        bad = _bad_rows(rows[torch.tensor(idx, device=device)])
+        return self._first(bad, order, codes, device) + (
+            (bad & (torch.tensor(is_in, device=device) > 0)).any().to(torch.float64),)
+
+    def _backward(self, st: StepStats, keys: list[Hashable], rows: torch.Tensor,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(any activation gradient bad, the module whose outgoing gradient went bad first)."""
+        arrival: dict[int, int] = {}
+        for pos, tid in enumerate(st.grad_order):
+            arrival.setdefault(tid, pos)
+        outputs = set(st.model_outputs)
+        consumers: dict[int, list[str]] = {}
+        for c in st.calls:
+            for t in c.inputs:
+                consumers.setdefault(t, []).append(c.module)
+        idx, order, codes = [], [], []
+        for i, k in enumerate(keys):
+            if isinstance(k, tuple) and k[0] == "grad":
+                tid = int(k[1])
+                idx.append(i)
+                order.append(arrival.get(tid, len(st.grad_order)))
+                if tid in outputs:  # bad where it enters the model: the module that produced the output
+                    mod = locate.producer(st, tid)
+                    mod = (locate.entry_child(st) or mod) if mod == locate.MODEL else mod
+                else:  # the gradient at t came out of the backward of t's (last, innermost) reader
+                    inner = locate.innermost(consumers.get(tid, []))
+                    mod = inner[-1] if inner else None
+                codes.append(self._code(mod))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        if not idx:
+            return zero, zero
+        return self._first(_bad_rows(rows[torch.tensor(idx, device=device)]), order, codes, device)
+
+    @staticmethod
+    def _first(bad: torch.Tensor, order: list[int], codes: list[float],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.tensor(order, dtype=torch.float64, device=device)
+        key = torch.where(bad, o, torch.full_like(o, float("inf")))
+        first = torch.tensor(codes, dtype=torch.float64, device=device)[key.argmin()]
+        anyb = bad.any()
+        return anyb.to(torch.float64), torch.where(anyb, first, 0.0)
+
+    def exchange(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's row, summed into one ``world x SLOTS`` tensor: the step's one collective."""
+        import torch.distributed as dist
+
+        full = torch.zeros((self.world, SLOTS), dtype=torch.float64, device=row.device)
+        full[self.rank] = row
+        dist.all_reduce(full, group=self.group)
+        return full.reshape(-1)
+
+    # on the host -----------------------------------------------------------------------------------
+    def decode(self, host: np.ndarray) -> RankView:
+        """The host copy of ``exchange``'s result into the ranks that saw something."""
+        faults = []
+        for r, (flags, fwd, bwd, param) in enumerate(np.asarray(host, dtype=np.float64).reshape(self.world, SLOTS)):
+            fl = int(flags)
+            if not fl:
+                continue
+            module = self._module(int(fwd)) or self._module(int(bwd))
+            if module is None and int(param) > 0 and int(param) - 1 < len(self.params):
+                module = locate.module_of_param(self.params[int(param) - 1], self.modules)
+            faults.append(RankFault(r, fl, module))
+        return RankView(self.world, tuple(faults))
+
+    def _module(self, code: int) -> str | None:
+        return self.modules[code - 1] if 0 < code <= len(self.modules) else None
+
+
+def rank_path(path: str, rank: int) -> str:
+    """``steps.csv`` → ``steps.rank1.csv``, ``cap`` → ``cap.rank1``: one file per rank."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.suffix and p.suffix != ".":
+        return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+    return str(p.with_name(f"{p.name}.rank{rank}"))
+
+
+__all__ = ["KINDS", "LOCAL_KINDS", "SLOTS", "RankExchange", "RankFault", "RankView", "parse_column", "rank_path"]
