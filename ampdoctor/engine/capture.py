@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ampdoctor._version import __version__
+from ampdoctor.input.batches import Micro
 from ampdoctor.judge.scaler import COLLAPSE_BINADES
 from ampdoctor.records import StepStats
 from ampdoctor.watch.hooks import unwrap
@@ -55,6 +56,8 @@ from ampdoctor.watch.hooks import unwrap
 log = logging.getLogger("ampdoctor")
 
 CAPTURE_VERSION = 1
+MICRO_KEY = "ampdoctor_micro_batches"
+"""A captured step that accumulated gradients: ``{MICRO_KEY: [micro-batch, ...]}``."""
 MANIFEST = "manifest.json"
 DEFAULT_MAX_BYTES = 4 << 30
 
@@ -133,6 +136,36 @@ def _row(r: np.ndarray) -> list[float | str]:
     return [float(x) if math.isfinite(float(x)) else str(float(x)) for x in r]
 
 
+_IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+"""Optimizer options that choose an implementation, not the arithmetic: left out of the layout."""
+
+
+def optimizer_layout(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> dict[str, Any] | None:
+    """The optimizer's class and parameter groups (parameter names, hyperparameters), so a replay can
+    rebuild it when the spec has no ``build_optimizer`` (a framework made it: the Trainer's decay and
+    no-decay groups). None when a parameter is not the model's."""
+    if optimizer is None:
+        return None
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        ps = [names.get(id(p)) for p in g["params"]]
+        if any(n is None for n in ps):
+            return None
+        hyper: dict[str, Any] = {}
+        for k, v in g.items():
+            if k == "params" or k in _IMPL_FLAGS:
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
+                hyper[k] = list(v)
+            elif v is None or isinstance(v, (bool, int, float, str)):
+                hyper[k] = v
+        groups.append({"params": ps, "hyper": hyper})
+    return {"class": type(optimizer).__name__, "module": type(optimizer).__module__, "groups": groups}
+
+
 def free_path(path: Path) -> Path:
     """``path`` if nothing is there, else ``path-1``, ``path-2``...: a capture never overwrites one."""
     if not path.exists():
@@ -185,7 +218,8 @@ class Capture:
             self._batches.clear()
             self._batch_steps.clear()
         if batch is not None:
-            self._batches.append(host_copy(batch))
+            # an accumulated step's micro-batches keep their grouping (the replay runs them as one step)
+            self._batches.append({MICRO_KEY: [host_copy(b) for b in batch]} if isinstance(batch, Micro) else host_copy(batch))
             self._batch_steps.append(step)
 
     def state(self) -> dict[str, Any]:
@@ -196,7 +230,7 @@ class Capture:
             "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
         }
 
-    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool) -> Trigger | None:
+    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False) -> Trigger | None:
         """Whether this step is the failing one (see the module docstring); updates the scale history."""
         if self.done:
             return None
@@ -207,6 +241,8 @@ class Capture:
             trig = Trigger("nonfinite_loss")
         elif skipped and (scale is None or scale in self._applied_scales):
             trig = Trigger("nonfinite_grad", reason)
+        elif nonfinite and not skipped:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
+            trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
         elif alert:
             trig = Trigger("skip_rate_alert")
         elif (scale is not None and self._peak_scale > 0 and scale > 0
@@ -292,6 +328,7 @@ class Capture:
             "rank": rank,
             "world_size": world,
             **extra,
+            "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,

@@ -469,6 +469,12 @@ class Monitor:
         self.recipe.zero_grad()
         return self._after_step(None, stacklevel=4)
 
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, for loops (and framework callbacks) that run backward themselves and
+        call ``after_backward()`` with no loss: the step's logged loss is the sum of the noted ones,
+        and a non-finite one skips the step (``nonfinite_loss``). No host sync."""
+        self.recipe.note_loss(loss)
+
     def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:
         """Your own loop: call after ``scaler.scale(loss).backward()`` (and ``unscale_``, if you do it).
 
@@ -540,6 +546,8 @@ class Monitor:
         if sk and first is not None and first.rank != self.rank and first.local and not any(
                 f.local for f in m.ranks.faults if f.rank == self.rank):  # type: ignore[union-attr]
             reason = f"nonfinite_from_rank:{first.rank}"  # clean here: the gradients came through DDP's all-reduce
+        if not sk and m.skip:  # the caller applied a non-finite step (no GradScaler to skip it): say so
+            reason = f"applied:{m.reason}"
         if sk and not reason:
             reason = "skipped_by_caller"
         # rolling skip rate
@@ -583,7 +591,7 @@ class Monitor:
         cap = self.capture
         assert cap is not None
         alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
-        trig = cap.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert)
+        trig = cap.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert, nonfinite=m.skip)
         if trig is None:
             return
         view = m.ranks

@@ -10,6 +10,7 @@ batch since, the failing one last. Errors are one line (``CaptureError``), never
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import CAPTURE_VERSION, MANIFEST
+from ampdoctor.engine.capture import CAPTURE_VERSION, MANIFEST, MICRO_KEY
 from ampdoctor.errors import CaptureError
+from ampdoctor.input.batches import Micro
+from ampdoctor.watch.hooks import unwrap
 
 
 @dataclass
@@ -84,6 +87,7 @@ def read_capture(path: str | Path) -> Captured:
     batches = _load(p, "batches.pt")
     if not isinstance(batches, list) or not batches:
         raise CaptureError(f"{p}: batches.pt holds no batch (pass batch= to monitor.step so the capture can keep it)")
+    batches = [Micro(b[MICRO_KEY]) if isinstance(b, dict) and set(b) == {MICRO_KEY} else b for b in batches]
     steps = [int(s) for s in manifest.get("batch_steps", [])]
     step = int(manifest["step"])
     if len(steps) != len(batches) or (steps and steps[-1] != step):
@@ -128,3 +132,22 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> 
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k].to(v.device, v.dtype))
+
+
+def layout_optimizer(layout: dict[str, Any] | None) -> Callable[[nn.Module], torch.optim.Optimizer] | None:
+    """``build_optimizer(model)`` rebuilding the captured optimizer (its ``torch.optim`` class and parameter
+    groups, by parameter name), for a spec that has none; None when the class is not in ``torch.optim``."""
+    if not layout or layout.get("module", "").split(".")[:2] != ["torch", "optim"]:
+        return None
+    cls = getattr(torch.optim, str(layout.get("class")), None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return None
+    groups = layout.get("groups") or []
+
+    def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        named = dict(unwrap(model).named_parameters())
+        built = [{"params": [named[n] for n in g["params"] if n in named],
+                  **{k: tuple(v) if isinstance(v, list) else v for k, v in g["hyper"].items()}} for g in groups]
+        return cls(built)  # type: ignore[no-any-return]
+
+    return build_optimizer

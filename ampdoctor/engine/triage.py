@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.replay import Captured, StartState, load_into, read_capture
+from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer
@@ -200,7 +200,7 @@ def triage(
     start: StartState | None = None
     start_note = ""
     if from_capture is not None:
-        model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
+        spec, model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
         start = cap.start
@@ -284,9 +284,15 @@ def _last(res: StageResult) -> dict[str, float | None]:
             "scale": r.scaler_scale if r else None}
 
 
-def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture: str | Path) -> tuple[nn.Module, Batches, Captured]:
-    """The spec's model with the captured weights, the captured batches; check the optimizer state fits."""
+def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
+                   capture: str | Path) -> tuple[Spec, nn.Module, Batches, Captured]:
+    """The spec's model with the captured weights, the captured batches; check the optimizer state fits.
+    A spec without ``build_optimizer`` gets the captured optimizer's class and parameter groups."""
     cap = read_capture(capture)
+    if spec.build_optimizer is None:
+        rebuilt = layout_optimizer(cap.manifest.get("optimizer_layout"))
+        if rebuilt is not None:
+            spec = replace(spec, build_optimizer=rebuilt)
     model = build_model(spec, cfg, device)
     load_into(model, cap.model, cap.path)
     if cap.start.optimizer is not None:
@@ -303,7 +309,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture:
     except Exception as e:
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
-    return model, batches, cap
+    return spec, model, batches, cap
 
 
 def build_report(run: Run, argv: list[str] | None = None) -> Report:

@@ -1,0 +1,162 @@
+"""What the framework integrations share: a ``Monitor`` driven from a framework's own step.
+
+A framework runs forward, backward, ``unscale_``, clipping, ``scaler.step`` and ``update`` itself;
+the integration calls the Monitor at two points of that step, as a hand-written loop would:
+
+- **before the optimizer step** (after backward, and after the framework's own ``unscale_`` and
+  clip): ``Monitor.after_backward`` — norms, per-layer statistics, the skip decision read from
+  GradScaler's found-inf flags, the step's one host copy (and, under torch.distributed, the ranks'
+  all-reduce);
+- **after the optimizer step**: ``Monitor.after_step`` — the log row, skip rate, capture.
+
+The loss comes from the framework's hook where it has one (Lightning's ``on_before_backward``,
+``accelerator.backward``); the Trainer has none, so it is read from the model's own output
+(``output.loss``) of each training forward. The batch (for the capture) is the model's inputs of
+each training forward, kept only while a capture is armed; several micro-batches (gradient
+accumulation) are kept as one step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.engine.monitor import Monitor, MonitorRecord
+from ampdoctor.input.batches import Micro
+from ampdoctor.watch.hooks import unwrap
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model returned: ``output.loss``, ``output["loss"]``, or a scalar tensor output."""
+    loss = None
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    elif isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class ForwardTap:
+    """A process-wide forward hook filtered to one model's root (held weakly: nothing is stored on the
+    model). On each *training* forward (the root in train mode, grad enabled) it hands the output's
+    loss to ``on_loss`` (when ``loss=True``) and keeps the inputs (when ``inputs=True``)."""
+
+    def __init__(self, model: nn.Module, on_loss: Callable[[torch.Tensor], None] | None, inputs: bool) -> None:
+        self._root_id = id(unwrap(model))
+        self.on_loss = on_loss
+        self.keep_inputs = inputs
+        self.inputs: list[Any] = []
+        ref = weakref.ref(self)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            tap = ref()
+            if tap is not None and id(module) == tap._root_id and not torch.compiler.is_compiling():
+                tap._seen(module, args, kwargs, output)
+
+        self._handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+        weakref.finalize(self, _remove, self._handle)
+
+    def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation
+        if self.on_loss is not None:
+            loss = output_loss(output)
+            if loss is not None:
+                self.on_loss(loss)
+        if self.keep_inputs:
+            # the batch as a spec's dataloader would yield it: the kwargs dict (HF style), else the args
+            self.inputs.append(dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else args))
+
+    def take(self) -> Any:
+        """The step's batch (several micro-batches: a ``Micro``), and forget it."""
+        got, self.inputs = self.inputs, []
+        if not got:
+            return None
+        return got[0] if len(got) == 1 else Micro(got)
+
+    def close(self) -> None:
+        _remove(self._handle)
+
+
+def _remove(handle: Any) -> None:
+    handle.remove()
+    kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
+    kw.pop(handle.id, None)
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a framework's wrapper (accelerate's ``AcceleratedOptimizer``, itself an
+    ``Optimizer`` subclass; Lightning's ``LightningOptimizer``): GradScaler keys its per-optimizer state
+    by the inner one, which is what the framework passes to ``scaler.unscale_`` and ``scaler.step``."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+class Attached:
+    """A Monitor on a framework's model, optimizer and GradScaler, called at the framework's two points."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, *,
+                 amp_dtype: torch.dtype | None, first_step: int, log: str | Path | None, capture: str | Path | None,
+                 loss_from_output: bool, monitor_kwargs: dict[str, Any]) -> None:
+        kw = dict(monitor_kwargs)
+        kw.setdefault("max_norm", None)  # the framework clips; the monitor measures
+        self.monitor = Monitor(model, optimizer, scaler, log=log, capture=capture, amp_dtype=amp_dtype,
+                               first_step=first_step, **kw)
+        self.monitor.hooks.training_only = True  # an evaluation in the middle of training stays out of the statistics
+        self.tap = ForwardTap(model, self.monitor.note_loss if loss_from_output else None,
+                              inputs=self.monitor.capture is not None)
+        self._measured = False
+        self.nonfinite_losses = 0
+        """Steps whose loss was NaN/Inf (the framework's logs may hide them)."""
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        self.monitor.note_loss(loss)
+
+    def before_optimizer_step(self, batch: Any = None) -> None:
+        """After backward, unscale_ and clip; before ``optimizer.step()``."""
+        if self._measured:  # the framework called us twice for one step: keep the first
+            return
+        b = self.tap.take()
+        if batch is None:
+            batch = b
+        cap = self.monitor.capture
+        self.monitor.after_backward(None, batch=batch if cap is not None and not cap.done else None)
+        self._measured = True
+
+    def after_optimizer_step(self, applied: bool | None = None) -> MonitorRecord | None:
+        """After ``optimizer.step()`` and ``scaler.update()``. ``applied``: what the framework did, when
+        the monitor cannot know it (no GradScaler: a non-finite step is applied, not skipped)."""
+        if not self._measured:
+            return None
+        self._measured = False
+        rec = self.monitor.after_step(None if applied is None else not applied)
+        if not (rec.loss == rec.loss and abs(rec.loss) != float("inf")):
+            self.nonfinite_losses += 1
+        return rec
+
+    def log_fields(self) -> dict[str, float]:
+        """A few numbers to add to the framework's own log line."""
+        m = self.monitor
+        out = {"amp_skipped_steps": float(m.total_skips), "amp_skip_rate": round(m.skip_rate, 6),
+               "amp_nonfinite_losses": float(self.nonfinite_losses)}
+        if m.last is not None and m.last.scale_after is not None:
+            out["amp_scale"] = m.last.scale_after
+        return out
+
+    def close(self) -> None:
+        self.tap.close()
+        self.monitor.close()
+
+
+__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss"]

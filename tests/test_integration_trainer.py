@@ -1,0 +1,123 @@
+"""The transformers ``Trainer`` with ``AmpDoctorCallback``: a tiny BERT trained for real on the CPU.
+
+transformers 5.24 + accelerate 1.15 on the CPU: ``fp16=True`` makes no GradScaler and no autocast
+(accelerate does fp16 only on accelerators), so the fp16 test hands accelerate the
+``torch.amp.GradScaler("cpu")`` and autocast it would make on a GPU (``accelerator.scaler``,
+``native_amp``) before ``train()``: the Trainer then runs the same code path as on a GPU (scale →
+backward → unscale_ in its clip → callback → ``scaler.step`` → ``update``). The bf16 test runs the
+Trainer's own CPU bf16 configuration unchanged; bf16 needs no scaler and nothing overflows in a few
+steps, so the fault is injected (an Inf written into one gradient at step 3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
+
+from ampdoctor.cli.app import app  # noqa: E402
+from ampdoctor.integrations.transformers import AmpDoctorCallback  # noqa: E402
+from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+
+SPEC = '''
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+def build_model():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=2))
+'''
+QUERY = "bert.encoder.layer.1.attention.self.query"
+
+
+def _model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=2))
+
+
+class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(0, 64, (16,), generator=g), "labels": torch.tensor(i % 2)}
+
+
+def _trainer(tmp: Path, cb: AmpDoctorCallback, **args: object) -> Trainer:
+    kw: dict[str, object] = dict(per_device_train_batch_size=8, max_steps=8, use_cpu=True, report_to=[], logging_steps=1,
+                                 save_strategy="no", disable_tqdm=True, seed=0)
+    kw.update(args)
+    return Trainer(model=_model(), args=TrainingArguments(str(tmp / "trainer"), **kw), train_dataset=Data(),  # type: ignore[arg-type]
+                   eval_dataset=Data(), callbacks=[cb])
+
+
+def test_fp16_gradscaler_skip_is_logged_with_its_module_and_captured(tmp_path: Path) -> None:
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=5, inject_param=f"{QUERY}.weight")
+    tr = _trainer(tmp_path, cb, fp16=True, eval_strategy="steps", eval_steps=3)  # an evaluation mid-run stays out
+    tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what accelerate makes on a GPU
+    tr.accelerator.native_amp = True
+    tr.train()
+    log = read_step_log(tmp_path / "steps.csv").frame
+    # one row per optimizer step of the Trainer, numbered as its global_step counts them
+    assert log["step"].tolist() == list(range(tr.state.global_step)) == list(range(8))
+    row = log.set_index("step").loc[5]
+    assert bool(row["skipped"]) and row["skip_reason"] == f"nonfinite_grad:{QUERY}"
+    assert (row["scaler_scale"], float(row["scale_after"])) == (1024.0, 512.0)
+    assert log["skipped"].sum() == 1  # the skip was real: the weights stayed finite and training went on
+    assert np.isfinite(log["loss"]).all()
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+    # the Trainer's logged losses are the step log's (mean over the step), step for step
+    ours = log.set_index("step")["loss"]
+    theirs = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert np.allclose(ours.to_numpy(), theirs, rtol=1e-3)
+    # the capture: state before step 5, its batch; triage --from replays it (the Inf was injected: not reproduced)
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["step"], m["reason"], m["module"], m["precision"]) == (5, "nonfinite_grad", QUERY, "amp")
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert rep["verdict"]["cause"] == "not_reproduced", r.output
+    assert rep["verdict"]["first_step"] == 5
+
+
+def test_bf16_nonfinite_losses_the_trainer_hides_are_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=3, inject_param=f"{QUERY}.weight")
+    tr = _trainer(tmp_path, cb, bf16=True, max_steps=6)
+    with caplog.at_level(logging.WARNING, logger="ampdoctor"):
+        tr.train()
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    # no GradScaler: the Trainer applied the Inf, the log says so and names the module
+    assert not bool(log.loc[3, "skipped"]) and log.loc[3, "skip_reason"] == f"applied:nonfinite_grad:{QUERY}"
+    assert log["skipped"].sum() == 0
+    # from then on the weights are NaN and so is every loss; the Trainer's own log shows finite numbers
+    assert np.isnan(log.loc[4:, "loss"]).all()
+    theirs = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert np.isfinite(theirs).all()
+    assert "the Trainer's log hides it" in caplog.text
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["step"], m["precision"], m["skipped"]) == (3, "bf16", False)
+    assert "snapshot.pt" in m["files"] and m["batch_steps"][-1] == 3
+
+
+def test_callback_leaves_nothing_on_the_model(tmp_path: Path) -> None:
+    cb = AmpDoctorCallback(log=None)
+    tr = _trainer(tmp_path, cb, max_steps=2)
+    tr.train()
+    assert cb.monitor is not None and cb.monitor.step_num == 2
+    assert not torch.nn.modules.module._global_forward_hooks  # the monitor's and the tap's hooks are gone
