@@ -148,6 +148,6 @@ def layout_optimizer(layout: dict[str, Any] | None) -> Callable[[nn.Module], tor
         named = dict(unwrap(model).named_parameters())
         built = [{"params": [named[n] for n in g["params"] if n in named],
                   **{k: tuple(v) if isinstance(v, list) else v for k, v in g["hyper"].items()}} for g in groups]
-        return cls(built)  # type: ignore[no-any-return]
+        return cls(built)  # type: ignore[call-arg]
 
     return build_optimizer

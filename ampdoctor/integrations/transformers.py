@@ -60,8 +60,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, log: str | Path | None = "ampdoctor/steps.csv", capture: str | Path | None = None,
                  **monitor_kwargs: Any) -> None:
-        self.log = log
-        self.capture = capture
+        self.log_file = log
+        self.capture_dir = capture
         self.monitor_kwargs = monitor_kwargs
         self.attached: Attached | None = None
 
@@ -74,8 +74,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
                        **kwargs: Any) -> None:
         if self.attached is not None:  # a second train() on the same callback
             self.attached.close()
-        if self.log is not None:
-            Path(self.log).parent.mkdir(parents=True, exist_ok=True)
+        if self.log_file is not None:
+            Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
         scaler = getattr(optimizer, "scaler", None)
         if args.bf16:
             amp: torch.dtype | None = torch.bfloat16
@@ -84,7 +84,7 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
         else:  # fp32, or fp16 where accelerate makes no scaler and no autocast (the CPU)
             amp = None
         self.attached = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=amp, first_step=state.global_step,
-                                 log=self.log, capture=self.capture, loss_from_output=True,
+                                 log=self.log_file, capture=self.capture_dir, loss_from_output=True,
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -1,0 +1,100 @@
+"""One line to watch an ``accelerate`` loop: ``watch(accelerator, model, optimizer, ...)``.
+
+::
+
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    mon = ampdoctor.integrations.accelerate.watch(accelerator, model, optimizer, log="steps.csv", capture="cap")
+    for batch in data:                               # the loop is unchanged
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    mon.close()
+
+``watch`` wraps, on these two objects only, ``accelerator.backward`` (to note each micro-batch's
+loss, as accelerate divides it for gradient accumulation) and the prepared optimizer's ``step``: on a
+step that syncs gradients it calls ``Monitor.after_backward`` before the step (after your
+``clip_grad_norm_``, which unscales) and ``Monitor.after_step`` after it; on accumulation steps it
+does nothing. The GradScaler is ``accelerator.scaler``; the batch for the capture is read from the
+model's training forwards. A skip is read from GradScaler's own found-inf flags, never from
+``optimizer.step_was_skipped`` (wrong with fused optimizers, accelerate issue 4242). ``close()``
+restores both methods. Tested with accelerate 1.15.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.engine.monitor import Monitor
+from ampdoctor.integrations._attach import Attached, inner_optimizer
+
+
+def _amp_dtype(accelerator: Any) -> torch.dtype | None:
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    if mp == "bf16":
+        return torch.bfloat16
+    if mp == "fp16" and getattr(accelerator, "scaler", None) is not None:
+        return torch.float16
+    return None  # fp32, or fp16 where accelerate runs no autocast (the CPU)
+
+
+class _Watch(Monitor):
+    """The Monitor ``watch`` returns: ``close()`` also unwraps the accelerator and the optimizer."""
+
+    _restore: list[tuple[Any, str]]
+    _attached: Attached
+
+    def close(self) -> None:
+        for obj, name in getattr(self, "_restore", []):
+            obj.__dict__.pop(name, None)  # the class's own method shows through again
+        self._restore = []
+        if hasattr(self, "_attached"):
+            self._attached.tap.close()
+        super().close()
+
+
+def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path | None = "ampdoctor/steps.csv",
+          capture: str | Path | None = None, **monitor_kwargs: Any) -> Monitor:
+    """Attach a ``Monitor`` to a prepared model and optimizer; returns it (``close()`` detaches).
+
+    ``monitor_kwargs`` go to ``ampdoctor.Monitor`` (``mode="sentinel"``, ``every``, ``alert_rate`` ...).
+    Call after ``accelerator.prepare``.
+    """
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+    scaler = getattr(accelerator, "scaler", None)
+    a = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=_amp_dtype(accelerator), first_step=0, log=log,
+                 capture=capture, loss_from_output=False, monitor_kwargs=monitor_kwargs)
+    mon = a.monitor
+    mon.__class__ = _Watch  # the same object, with a close() that also unwraps
+    assert isinstance(mon, _Watch)
+    mon._attached = a
+    mon._restore = []
+    backward, step = accelerator.backward, optimizer.step
+
+    def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        n = max(1, int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1))
+        a.note_loss(loss.detach() / n if n > 1 else loss)  # what accelerate backpropagates
+        return backward(loss, **kwargs)
+
+    def watched_step(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(accelerator, "sync_gradients", True):
+            return step(*args, **kwargs)  # an accumulation step: accelerate does nothing either
+        a.before_optimizer_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            a.after_optimizer_step(applied=None if mon.scaler is not None else True)
+
+    accelerator.backward = watched_backward
+    optimizer.step = watched_step
+    mon._restore = [(accelerator, "backward"), (optimizer, "step")]
+    return mon
+
+
+__all__ = ["watch"]

@@ -1,0 +1,78 @@
+"""``ampdoctor.integrations.accelerate.watch``: an accelerate loop, unchanged but for one line.
+
+On the CPU accelerate makes no GradScaler for fp16; the test hands the ``Accelerator`` the
+``torch.amp.GradScaler("cpu")`` and autocast it would make on a GPU (``scaler``, ``native_amp``)
+before ``prepare``, so ``accelerator.backward`` scales and the prepared optimizer steps through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+
+from ampdoctor.integrations.accelerate import watch  # noqa: E402
+from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.embed(x)))
+
+
+def _run(tmp: Path, accumulate: int, bad: int) -> tuple[object, list[float]]:
+    acc = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=accumulate)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what accelerate makes on a GPU
+    acc.native_amp = True
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(8 * 8, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+    xs[8 * bad, 0] = float("inf")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8)
+    model, opt, data = acc.prepare(model, opt, data)
+    mon = watch(acc, model, opt, log=tmp / "steps.csv", capture=tmp / "cap")
+    losses = []
+    for x, y in data:  # the user's loop, unchanged
+        with acc.accumulate(model):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            losses.append(loss.item())
+            acc.backward(loss)
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    assert "step" not in vars(opt) and "backward" not in vars(acc)  # unwrapped
+    return mon, losses
+
+
+def test_watch_logs_every_optimizer_step(tmp_path: Path) -> None:
+    mon, losses = _run(tmp_path, accumulate=1, bad=5)
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.index.tolist() == list(range(8))
+    assert log.loc[5, "skip_reason"] == "nonfinite_loss" and log["skipped"].sum() == 1
+    assert np.allclose(log.drop(index=5)["loss"], np.delete(losses, 5), rtol=1e-6)
+    assert (tmp_path / "cap" / "manifest.json").exists()
+
+
+def test_watch_with_gradient_accumulation(tmp_path: Path) -> None:
+    mon, losses = _run(tmp_path, accumulate=2, bad=5)  # batch 5: the second micro-batch of step 2
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.index.tolist() == [0, 1, 2, 3]
+    assert log.loc[2, "skip_reason"] == "nonfinite_loss"
+    # the logged loss of a step is the mean of its micro-batches' losses, as accelerate backpropagates it
+    assert np.isclose(log.loc[0, "loss"], (losses[0] + losses[1]) / 2, rtol=1e-6)

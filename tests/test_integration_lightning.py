@@ -1,0 +1,125 @@
+"""Lightning with ``AmpDoctorCallback``: a tiny LightningModule trained for real on the CPU.
+
+Lightning 2.6 turns ``precision="16-mixed"`` on the CPU into bf16 (it says so in a warning), so the
+fp16 test passes Lightning's own ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``
+plugin, the one it builds for "16-mixed" on a GPU: the same hooks, ``unscale_`` and ``scaler.step``.
+The bf16 test runs ``precision="16-mixed"`` as Lightning configures it on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+
+from ampdoctor.cli.app import app  # noqa: E402
+from ampdoctor.integrations.lightning import AmpDoctorCallback  # noqa: E402
+from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+
+SPEC = '''
+import torch
+from torch import nn
+import lightning as L
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.body(self.embed(x))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return loss_fn(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.float(), y)
+
+def build_model():
+    return Net()
+'''
+
+
+def _module(tmp: Path) -> tuple[object, Path]:
+    spec = tmp / "spec.py"
+    spec.write_text(SPEC)
+    ns: dict[str, object] = {}
+    exec(compile(SPEC, str(spec), "exec"), ns)
+    return ns["build_model"](), spec  # type: ignore[operator]
+
+
+def _data(bad_step: int | None = None, n: int = 64) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+    if bad_step is not None:
+        xs[8 * bad_step + 2, 3] = float("inf")
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8)
+
+
+def _trainer(cb: AmpDoctorCallback, **kw: object) -> L.Trainer:
+    args: dict[str, object] = dict(accelerator="cpu", max_steps=8, callbacks=[cb], logger=False, enable_checkpointing=False,
+                                   enable_progress_bar=False, enable_model_summary=False)
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def test_16_mixed_skip_logged_and_captured(tmp_path: Path) -> None:
+    net, spec = _module(tmp_path)
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    tr = _trainer(cb, plugins=[plugin])
+    tr.fit(net, _data(bad_step=5))
+    log = read_step_log(tmp_path / "steps.csv").frame
+    assert log["step"].tolist() == list(range(tr.global_step)) == list(range(8))
+    row = log.set_index("step").loc[5]
+    assert bool(row["skipped"]) and row["skip_reason"] == "nonfinite_loss" and np.isnan(row["loss"])
+    assert (row["scaler_scale"], float(row["scale_after"])) == (1024.0, 512.0)
+    assert log["skipped"].sum() == 1 and all(torch.isfinite(p).all() for p in net.parameters())  # type: ignore[attr-defined]
+    # the loss is the training_step's (Lightning scales it before on_before_backward; the log does not)
+    assert 1.0 < log.loc[0, "loss"] < 2.0
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["step"], m["reason"], m["precision"], m["batch_steps"][-1]) == (5, "nonfinite_loss", "amp", 5)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 5), r.output
+
+
+def test_bf16_on_the_cpu_applies_the_nan_and_the_log_says_so(tmp_path: Path) -> None:
+    net, _ = _module(tmp_path)
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv")
+    with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
+        tr = _trainer(cb, precision="16-mixed")
+    tr.fit(net, _data(bad_step=3))
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.loc[3, "skip_reason"] == "applied:nonfinite_loss" and not bool(log.loc[3, "skipped"])
+    assert np.isfinite(log.loc[:2, "loss"]).all() and np.isnan(log.loc[4:, "loss"]).all()
+    assert cb.monitor.amp_dtype == torch.bfloat16
+
+
+def test_gradient_accumulation_logs_optimizer_steps(tmp_path: Path) -> None:
+    net, _ = _module(tmp_path)
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    tr = _trainer(cb, plugins=[plugin], accumulate_grad_batches=2, max_steps=4)
+    tr.fit(net, _data(bad_step=5))  # batch 5 is the second micro-batch of optimizer step 2
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.index.tolist() == [0, 1, 2, 3]
+    assert log.loc[2, "skip_reason"] == "nonfinite_loss" and log["skipped"].sum() == 1
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert m["step"] == 2
+    batches = torch.load(tmp_path / "cap" / "batches.pt", weights_only=True)
+    assert len(batches[-1]["ampdoctor_micro_batches"]) == 2  # the step's two micro-batches, kept together
