@@ -123,3 +123,15 @@ def test_gradient_accumulation_logs_optimizer_steps(tmp_path: Path) -> None:
     assert m["step"] == 2
     batches = torch.load(tmp_path / "cap" / "batches.pt", weights_only=True)
     assert len(batches[-1]["ampdoctor_micro_batches"]) == 2  # the step's two micro-batches, kept together
+
+
+def test_injected_inf_is_a_skip_naming_the_module(tmp_path: Path) -> None:
+    net, _ = _module(tmp_path)
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", inject_inf_at=4, inject_param="body.0.weight")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    _trainer(cb, plugins=[plugin], max_steps=6).fit(net, _data())
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    # the Inf lands after Lightning's unscale_: the monitor adds it to GradScaler's found-inf, which skips
+    assert bool(log.loc[4, "skipped"]) and log.loc[4, "skip_reason"] == "nonfinite_grad:body.0"
+    assert log.loc[4, "injected"] == "inf:body.0.weight" and float(log.loc[4, "scale_after"]) == 512.0
+    assert log["skipped"].sum() == 1 and all(torch.isfinite(p).all() for p in net.parameters())  # type: ignore[attr-defined]
