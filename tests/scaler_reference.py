@@ -228,7 +228,9 @@ def diagnose_scale(
     applied = [i for i in range(n) if not sk[i]]
     # a calibration skip brings the scale to a new low on its way down from init_scale; a skip
     # at a scale the history has already come down from (after a growth) is an oscillation
-    calib_i = [i for i in range(n) if sk[i] and (i == 0 or sc[i] <= min(sc[:i])) and not any(g <= i for g in growth_i)]
+    # ... at a scale no applied step has used yet (a skip at a proven scale is that step's own failure)
+    calib_i = [i for i in range(n) if sk[i] and (i == 0 or sc[i] <= min(sc[:i])) and not any(g <= i for g in growth_i)
+               and not any(not sk[j] and sc[j] == sc[i] for j in range(i))]
     later_i = [i for i in range(n) if sk[i] and i not in set(calib_i)]
     smin, smax = min(sc), max(sc)
     final = sc[-1] * (bo if sk[-1] else 1.0)

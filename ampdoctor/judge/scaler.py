@@ -19,8 +19,9 @@ Patterns (``ScaleDiagnosis.pattern``), each with its meaning:
   it bounced off a top there, came down from ``init_scale`` only that far, or grew to 2^24. The
   gradients are small and far from FP16's max. Healthy; near 2^24 check that the loss is not vanishing.
 - ``climbing``: the scale is still growing: healthy, still searching upwards.
-- ``calibrating``: a few skips at the start bring the scale down from ``init_scale``, then no
-  more: GradScaler found the largest scale the gradients allow. Normal.
+- ``calibrating``: a few skips at the start, each at a scale no step had been applied at yet, bring
+  the scale down from ``init_scale``, then no more: GradScaler found the largest scale the
+  gradients allow. Normal.
 - ``stable``: the scale did not move (isolated skips, if any, are listed). A scale that never moved
   in fewer clean steps than ``growth_interval`` says nothing about the gradients' size: GradScaler
   never tried a larger one.
@@ -234,7 +235,14 @@ def diagnose_scale(
     # a calibration skip brings the scale to a new low on its way down from init_scale; a skip
     # at a scale the history has already come down from (after a growth) is an oscillation
     low_before = np.concatenate([[math.inf], np.minimum.accumulate(sc_a)[:-1]])  # min(sc[:i])
-    calib_m = sk_a & (sc_a <= low_before) & (np.arange(n) < (growth_i[0] if growth_i else n))
+    # ... and only at a scale no applied step has used yet: a skip at a proven scale is a failure of that
+    # step (a NaN batch, a spike), not the search for a scale (the capture judges it the same way)
+    uniq, inv = np.unique(sc_a, return_inverse=True)
+    first_ok = np.full(len(uniq), n)
+    ok_i = np.flatnonzero(~sk_a)
+    np.minimum.at(first_ok, inv[ok_i], ok_i)
+    proven = first_ok[inv] < np.arange(n)
+    calib_m = sk_a & ~proven & (sc_a <= low_before) & (np.arange(n) < (growth_i[0] if growth_i else n))
     calib_i: list[int] = np.flatnonzero(calib_m).tolist()
     later_i: list[int] = np.flatnonzero(sk_a & ~calib_m).tolist()
     final = sc[-1] * (bo if sk[-1] else 1.0)
