@@ -126,3 +126,29 @@ def test_decode_blames_the_lowest_local_rank() -> None:
 def test_rank_paths() -> None:
     assert rank_path("out/steps.csv", 3) == str(Path("out/steps.rank3.csv"))
     assert rank_path("out/cap", 1) == str(Path("out/cap.rank1"))
+
+
+def test_trainer_under_torchrun_names_the_rank_with_the_bad_sample(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "assets" / "trainer_ddp.py"), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    firsts = set()
+    for rank in (0, 1):
+        f = read_step_log(out / f"steps.rank{rank}.csv").frame
+        assert f["step"].tolist() == list(range(12))  # one row per Trainer optimizer step
+        bad = f[f["ranks"].fillna("").astype(str) != ""]
+        step = int(bad["step"].iloc[0])
+        seen = parse_column(str(bad["ranks"].iloc[0]))
+        local = [(r_, kind, mod) for r_, kind, mod in seen if kind != "grad"]
+        assert len(local) == 1 and local[0][1:] == ("input", "embed")  # one rank's batch, read first by embed
+        firsts.add((step, local[0][0]))
+    assert len(firsts) == 1  # both ranks' logs name the same rank and step
+    (step, rank), = firsts
+    caps = sorted(p.name for p in out.iterdir() if p.name.startswith("cap"))
+    assert caps == [f"cap.rank{rank}"]
+    m = json.loads((out / f"cap.rank{rank}" / "manifest.json").read_text())
+    assert (m["step"], m["first_rank"], m["others_clean"], m["precision"]) == (step, rank, True, "bf16")

@@ -29,6 +29,15 @@ from ampdoctor.cli.app import app  # noqa: E402
 from ampdoctor.integrations.transformers import AmpDoctorCallback  # noqa: E402
 from ampdoctor.watch.steplog import read_step_log  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> None:
+    """accelerate keeps one process-wide state: a run with another mixed precision (an earlier test)
+    would make this one's Accelerator refuse to start."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
 SPEC = '''
 import torch
 from transformers import BertConfig, BertForSequenceClassification
