@@ -146,3 +146,32 @@ def test_layers_max_norm_clips_the_reference_steps_like_triage() -> None:
     assert (pg.absmax <= 1e-3 * (1 + 1e-5)).all()
     with pytest.raises(UsageError):
         layer_stats(model, batches, "fp16", steps=1, loss_fn=nn.functional.mse_loss, max_norm=0.0)
+
+
+def test_plain_loop_without_scaler_is_logged_as_it_ran(tmp_path: Path) -> None:
+    """No GradScaler: a loop that never reads should_skip applies every step, and the log says so; a loop
+    that reads it and skips is logged as skipping."""
+    from ampdoctor import Monitor
+
+    for asks in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Monitor(model, opt, log=tmp_path / f"asks{asks}.csv") as mon:
+            for step in range(4):
+                x = torch.ones(2, 4) * (float("inf") if step == 2 else 1.0)
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                mon.after_backward(loss)
+                if not (asks and mon.should_skip):
+                    opt.step()
+                rec = mon.after_step()
+                opt.zero_grad()
+                if step == 2:
+                    assert rec.skipped is asks
+                    assert rec.skip_reason == ("nonfinite_loss" if asks else "applied:nonfinite_loss")
+        assert all(torch.isfinite(p).all() for p in model.parameters()) is asks
+    r = CliRunner().invoke(app, ["scaler", str(tmp_path / "asksFalse.csv")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "0 of 4 steps" in r.output
+    assert "2 step(s) applied a non-finite update" in " ".join(r.output.split())  # step 2, and step 3 from its NaN weights

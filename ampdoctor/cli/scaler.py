@@ -186,6 +186,11 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
     out.print()
     out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total_steps} steps ({ledger.rate:.2%}), "
               f"{len(ledger.runs)} run(s), longest {ledger.longest_run}", highlight=False)
+    applied = [(st, r) for st, r, k in zip(steps, log.reasons, log.skipped, strict=True) if not k and r.startswith("applied:")]
+    if applied:
+        out.print(_indent(f"{len(applied)} step(s) applied a non-finite update (nothing skipped them: no GradScaler, "
+                          f"or the loop did not check), the first at step {applied[0][0]} ({applied[0][1]}): "
+                          "the weights took it", 2), style="red")
     if ledger.count:
         for reason, n in ledger.by_reason().items():
             out.print(f"  {n:6d}  {reason}", highlight=False, markup=False)

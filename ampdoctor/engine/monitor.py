@@ -366,6 +366,8 @@ class Monitor:
         """(step, reason) of every skipped step."""
         self._pending: _Pending | None = None
         self._spiked = False
+        self._asked = False
+        """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
         self.last: MonitorRecord | None = None
         self._closed = False
         self.hooks.attach()
@@ -409,6 +411,7 @@ class Monitor:
         """After ``after_backward``: whether this step must be skipped (non-finite loss or gradient)."""
         if self._pending is None:
             raise UsageError("should_skip is known after monitor.after_backward(loss)")
+        self._asked = True
         return self._pending.m.skip
 
     # fault injection ---------------------------------------------------------------------------
@@ -529,9 +532,14 @@ class Monitor:
     def after_step(self, skipped: bool | None = None) -> MonitorRecord:
         """Your own loop: call after the optimizer step and ``scaler.update()``. No host sync.
 
-        ``skipped`` defaults to the monitor's verdict (with a GradScaler: exactly what it did).
+        ``skipped`` defaults to what the step did: with a GradScaler, its verdict (exactly what the
+        scaler did); without one, the monitor's verdict if you read ``should_skip`` this step (you
+        skipped on it), else applied: a plain loop applies every step, and a non-finite one is logged
+        as ``applied:<reason>``, not as a skip that did not happen.
         Writes the log row, updates the skip rate and history; may warn or raise (see the class).
         """
+        if skipped is None and self.scaler is None and not self._asked:
+            skipped = False
         return self._after_step(skipped, stacklevel=4)
 
     def _after_step(self, skipped: bool | None, stacklevel: int) -> MonitorRecord:
@@ -539,6 +547,7 @@ class Monitor:
         if pend is None:
             raise UsageError("call monitor.after_backward(loss) before monitor.after_step()")
         self._pending = None
+        self._asked = False
         m = pend.m
         sk = m.skip if skipped is None else bool(skipped)
         reason = m.reason if sk else ""
