@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default="ddp-run", help="folder for the per-rank logs and the capture")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--mode", choices=["full", "sentinel"], default="full")
+    ap.add_argument("--capture-ranks", choices=["first", "all"], default="first")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -75,7 +76,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     with Monitor(model, opt, scaler, log=out / "steps.csv", log_mode="new", capture=out / "cap", snapshot_every=4,
-                 mode=a.mode, full_every=4) as mon:
+                 mode=a.mode, full_every=4, capture_ranks=a.capture_ranks) as mon:
         for step in range(a.steps):
             x, y = batch(rank, step)
             with mon.autocast():

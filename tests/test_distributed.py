@@ -101,11 +101,14 @@ def test_scaler_says_when_ranks_disagree(full_run: Path, tmp_path: Path) -> None
 
 def test_sentinel_mode_names_the_rank_from_its_loss(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    _torchrun(out, "--mode", "sentinel")  # full statistics every 4th step: step 5 is not recorded
+    _torchrun(out, "--mode", "sentinel", "--capture-ranks", "all")  # full statistics every 4th step: not step 5
     f = read_step_log(out / "steps.rank0.csv").frame
     seen = parse_column(str(f.set_index("step").loc[5, "ranks"]))
     assert [(r, k) for r, k, _ in seen] == [(0, "grad"), (1, "loss")]
-    assert (out / "cap.rank1").is_dir() and not (out / "cap.rank0").exists()
+    # capture_ranks="all": every rank writes its own capture of step 5, each naming rank 1 as the first
+    for rank in (0, 1):
+        m = json.loads((out / f"cap.rank{rank}" / "manifest.json").read_text())
+        assert (m["step"], m["rank"], m["first_rank"]) == (5, rank, 1)
 
 
 # the exchange without processes -------------------------------------------------------------------
