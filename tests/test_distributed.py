@@ -155,3 +155,16 @@ def test_trainer_under_torchrun_names_the_rank_with_the_bad_sample(tmp_path: Pat
     assert caps == [f"cap.rank{rank}"]
     m = json.loads((out / f"cap.rank{rank}" / "manifest.json").read_text())
     assert (m["step"], m["first_rank"], m["others_clean"], m["precision"]) == (step, rank, True, "bf16")
+
+
+def test_a_monitor_on_rank0_alone_does_not_hang(tmp_path: Path) -> None:
+    import os
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "assets" / "ddp_rank0_only.py"), str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env={**os.environ, "AMPDOCTOR_RANK_TIMEOUT": "3"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "not every rank built a Monitor within 3 s" in (tmp_path / "warning.txt").read_text()
+    log = read_step_log(tmp_path / "steps.csv").frame  # one process's log: no rank suffix, no ranks column
+    assert log["step"].tolist() == [0, 1, 2] and "ranks" not in log.columns

@@ -39,6 +39,8 @@ from ampdoctor.judge import locate
 from ampdoctor.records import Col, StepStats
 
 SLOTS = 4
+HANDSHAKE_TIMEOUT = 120.0
+"""Seconds a rank's monitor waits for every other rank's at start-up before it goes without the exchange."""
 LOSS, FORWARD, BACKWARD, GRAD, INPUT = 1, 2, 4, 8, 16
 KINDS = ((INPUT, "input"), (FORWARD, "forward"), (LOSS, "loss"), (BACKWARD, "backward"), (GRAD, "grad"))
 """A rank's fault kinds, from the earliest in the step to the latest: its kind is the first that is set."""
@@ -124,8 +126,10 @@ class RankExchange:
         self.params = list(params)
 
     @classmethod
-    def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None) -> RankExchange | None:
-        """An exchange over ``group`` (default: the world) when torch.distributed runs with more than one rank."""
+    def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None,
+               timeout: float = HANDSHAKE_TIMEOUT) -> RankExchange | None:
+        """An exchange over ``group`` (default: the world) when torch.distributed runs with more than one
+        rank and every rank of it builds a monitor (``handshake``); else None, with a warning."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -133,7 +137,10 @@ class RankExchange:
         world = dist.get_world_size(group)
         if world < 2:
             return None
-        return cls(group, dist.get_rank(group), world, modules, params)
+        rank = dist.get_rank(group)
+        if not handshake(rank, world, timeout):
+            return None
+        return cls(group, rank, world, modules, params)
 
     # on the device ---------------------------------------------------------------------------------
     def _code(self, module: str | None) -> float:
@@ -248,6 +255,58 @@ class RankExchange:
         return self.modules[code - 1] if 0 < code <= len(self.modules) else None
 
 
+_made = [0]
+
+
+def handshake(rank: int, world: int, timeout: float = HANDSHAKE_TIMEOUT) -> bool:
+    """Whether every rank builds a monitor, agreed through torch.distributed's key-value store, so that
+    a monitor on rank 0 alone (a common pattern for logging) never waits forever in the exchange.
+
+    Each rank's n-th monitor writes its key and waits up to ``timeout`` for every rank's; a rank that
+    times out writes an ``off`` key and goes without the exchange, and a rank that got every key
+    still reads ``off`` before going on. No store (another backend's launcher): assumed yes.
+    ``AMPDOCTOR_RANK_TIMEOUT`` (seconds) overrides ``timeout``."""
+    import os
+
+    timeout = float(os.environ.get("AMPDOCTOR_RANK_TIMEOUT", timeout))
+    n = _made[0]
+    _made[0] += 1
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+    except Exception:  # pragma: no cover - no default store
+        return True
+    base = f"ampdoctor/monitor{n}"
+    from datetime import timedelta
+
+    try:
+        store.set(f"{base}/rank{rank}", "1")
+        store.wait([f"{base}/rank{r}" for r in range(world)], timedelta(seconds=timeout))
+    except Exception:
+        try:
+            store.set(f"{base}/off", "1")
+        except Exception:  # pragma: no cover
+            pass
+        _warn_alone(rank, world, timeout)
+        return False
+    try:
+        if store.check([f"{base}/off"]):
+            _warn_alone(rank, world, timeout)
+            return False
+    except Exception:  # pragma: no cover - a store without check()
+        pass
+    return True
+
+
+def _warn_alone(rank: int, world: int, timeout: float) -> None:
+    import warnings
+
+    warnings.warn(f"ampdoctor: rank {rank} of {world}: not every rank built a Monitor within {timeout:g} s, so this "
+                  "monitor does not exchange with the others (no first-rank column); put a Monitor on every rank, "
+                  "or pass Monitor(distributed=False) to skip this wait", RuntimeWarning, stacklevel=4)
+
+
 def rank_path(path: str, rank: int) -> str:
     """``steps.csv`` → ``steps.rank1.csv``, ``cap`` → ``cap.rank1``: one file per rank."""
     from pathlib import Path
@@ -258,4 +317,4 @@ def rank_path(path: str, rank: int) -> str:
     return str(p.with_name(f"{p.name}.rank{rank}"))
 
 
-__all__ = ["KINDS", "LOCAL_KINDS", "SLOTS", "RankExchange", "RankFault", "RankView", "parse_column", "rank_path"]
+__all__ = ["HANDSHAKE_TIMEOUT", "KINDS", "LOCAL_KINDS", "handshake", "SLOTS", "RankExchange", "RankFault", "RankView", "parse_column", "rank_path"]
