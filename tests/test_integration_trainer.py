@@ -130,3 +130,17 @@ def test_callback_leaves_nothing_on_the_model(tmp_path: Path) -> None:
     tr.train()
     assert cb.monitor is not None and cb.monitor.step_num == 2
     assert not torch.nn.modules.module._global_forward_hooks  # the monitor's and the tap's hooks are gone
+
+
+def test_an_old_log_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
+    from ampdoctor.watch.steplog import StepLogError
+
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", max_norm=None)
+    _trainer(tmp_path, cb, max_steps=2).train()
+    before = (tmp_path / "steps.csv").read_text()
+    tr = _trainer(tmp_path, AmpDoctorCallback(log=tmp_path / "steps.csv"), max_steps=2)
+    with pytest.raises(StepLogError, match="already holds 2 step"):
+        tr.train()  # a fresh run (global step 0) onto the last run's log
+    assert tr.state.global_step == 0
+    assert (tmp_path / "steps.csv").read_text() == before  # nothing of the old log lost
+    assert not torch.nn.modules.module._global_forward_hooks

@@ -353,6 +353,10 @@ class Monitor:
         # counters and history (state_dict)
         if first_step < 0:
             raise UsageError(f"first_step must be at least 0, got {first_step}")
+        if self.writer is not None:
+            # a wrong log path fails now, not after the first step (rows already there: judged at the
+            # first write, as a load_state_dict may yet continue the run)
+            self.writer.check(first_step if first_step > 0 else None)
         self.step_num = first_step
         self.first_step = first_step
         self.total_skips = 0

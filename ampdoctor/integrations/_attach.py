@@ -113,6 +113,12 @@ class Attached:
         kw.setdefault("max_norm", None)  # the framework clips; the monitor measures
         self.monitor = Monitor(model, optimizer, scaler, log=log, capture=capture, amp_dtype=amp_dtype,
                                first_step=first_step, **kw)
+        if self.monitor.writer is not None:  # the framework's step is known: an old log fails before training starts
+            try:
+                self.monitor.writer.check(first_step)
+            except Exception:
+                self.monitor.close()
+                raise
         self.monitor.hooks.training_only = True  # an evaluation in the middle of training stays out of the statistics
         self.tap = ForwardTap(model, self.monitor.note_loss if loss_from_output else None,
                               inputs=self.monitor.capture is not None)
