@@ -18,6 +18,7 @@ accumulation) are kept as one step.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -53,19 +54,33 @@ class ForwardTap:
         self.on_loss = on_loss
         self.keep_inputs = inputs
         self.inputs: list[Any] = []
+        self._last: weakref.ref[Any] | None = None
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             tap = ref()
-            if tap is not None and id(module) == tap._root_id and not torch.compiler.is_compiling():
+            if tap is None or torch.compiler.is_compiling():  # inside a compiled graph: seen from its wrapper
+                return
+            # the model itself, or a torch.compile wrapper around it (whose call runs outside dynamo)
+            if id(module) == tap._root_id or id(getattr(module, "_orig_mod", None)) == tap._root_id:
                 tap._seen(module, args, kwargs, output)
 
         self._handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+        # torch warns on every call of a compiled module while a global hook exists, because the hook also
+        # fires for the compile wrapper: that is the call this tap reads (and counts once), so the warning
+        # is about us, not the user's code
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
         weakref.finalize(self, _remove, self._handle)
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation
+        if self._last is not None and self._last() is output:
+            return  # the same call seen from a compile wrapper and from the model (dynamo fell back): once
+        try:
+            self._last = weakref.ref(output)  # weakly: never keeps a step's logits alive
+        except TypeError:
+            self._last = None
         if self.on_loss is not None:
             loss = output_loss(output)
             if loss is not None:
