@@ -22,6 +22,12 @@ from ampdoctor.records import NCOLS, Col
 from ampdoctor.watch.stats import StatsBuffer, tensor_stats
 
 FORMATS = [f for f in (FP16, BF16, FP8_E4M3, FP8_E5M2) if f.dtype is not None]
+
+
+@pytest.fixture(autouse=True)
+def _eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These properties pin the eager path to the real cast; tests/test_fused.py pins the fused kernel to it."""
+    monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
 CATS = [Col.ZERO, Col.UNDERFLOW, Col.SUBNORMAL, Col.NORMAL, Col.OVERFLOW, Col.POSINF, Col.NEGINF, Col.NAN]
 
 

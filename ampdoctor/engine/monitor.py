@@ -64,6 +64,7 @@ from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 
@@ -376,6 +377,7 @@ class Monitor:
         self._closed = False
         self.hooks.attach()
         self.hooks.begin_step(self.step_num)
+        start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
 
     # lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:

@@ -18,6 +18,7 @@ import torch
 
 from ampdoctor.formats import FP16, Format
 from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS
+from ampdoctor.watch.fused import fused_stats
 
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
 
@@ -68,6 +69,17 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
     element (0 zero, 1 underflow, 2 subnormal, 3 normal, 4 overflow, 5 +inf, 6 NaN, 7 -inf), plus
     8 x segment, then one bincount for every tensor at once.
     """
+    if not tensors:
+        return torch.zeros((0, NCOLS), dtype=torch.float64)
+    if scale == 1.0 and tensors[0].device.type == "cpu":
+        rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
+        if rows is not None:
+            return rows
+    return eager_stats(tensors, fmt, scale)
+
+
+def eager_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float = 1.0) -> torch.Tensor:
+    """``tensor_stats`` in eager PyTorch (every device; the rows the fused kernel must equal)."""
     if not tensors:
         return torch.zeros((0, NCOLS), dtype=torch.float64)
     device = tensors[0].device

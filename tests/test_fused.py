@@ -1,0 +1,71 @@
+"""The one-pass C++ statistics kernel gives exactly the eager rows (which tests/test_stats_props.py pins
+to the real cast), over random float32 bit patterns, for every format and input dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ampdoctor.formats import BF16, FP8_E4M3, FP8_E5M2, FP16
+from ampdoctor.watch import fused
+from ampdoctor.watch.stats import _thresholds, eager_stats, tensor_stats
+
+from .test_stats_props import bit_patterns
+
+FORMATS = [FP16, BF16, FP8_E4M3, FP8_E5M2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel() -> None:
+    if fused.build_now() is None:
+        pytest.skip("no C++ compiler / ninja here: the fused kernel cannot be built (the eager path is used)")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float64
+    assert torch.equal(a, b), (a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fused_equals_eager_on_random_bits(data: st.DataObject) -> None:
+    fmt = data.draw(st.sampled_from(FORMATS))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    sizes = data.draw(st.lists(st.integers(0, 64), min_size=1, max_size=6))
+    ts = []
+    for n in sizes:
+        bits = data.draw(st.lists(bit_patterns(fmt), min_size=n, max_size=n))
+        t = torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32).copy())
+        ts.append(t.to(dtype))
+    got = fused.fused_stats(ts, *_thresholds(fmt))
+    assert got is not None
+    _same(got, eager_stats(ts, fmt))
+
+
+def test_fused_on_tensors_larger_than_a_chunk_and_views() -> None:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(-2**31, 2**31 - 1, (3 * fused.CHUNK + 17,), generator=g, dtype=torch.int64).to(torch.int32)
+    ts = [big.view(torch.float32), torch.randn(40, 30, generator=g).t(), torch.empty(0), torch.randn(5, generator=g).half()]
+    for fmt in FORMATS:
+        _same(fused.fused_stats(ts, *_thresholds(fmt)), eager_stats([t.contiguous() for t in ts], fmt))  # type: ignore[arg-type]
+
+
+def test_tensor_stats_uses_it_on_the_cpu_and_not_with_a_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = fused.fused_stats
+
+    def spy(ts: list[torch.Tensor], *a: int) -> torch.Tensor | None:
+        calls.append(len(ts))
+        return real(ts, *a)
+
+    monkeypatch.setattr("ampdoctor.watch.stats.fused_stats", spy)
+    x = [torch.randn(10), torch.randn(3)]
+    _same(tensor_stats(x, FP16), eager_stats(x, FP16))
+    tensor_stats(x, FP16, scale=1024.0)  # a loss scale multiplies first: the eager path
+    assert calls == [2]
+    monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
+    assert real(x, *_thresholds(FP16)) is None  # turned off: tensor_stats takes the eager path
+    _same(tensor_stats(x, FP16), eager_stats(x, FP16))
