@@ -354,8 +354,7 @@ class TrainStep:
             hooks.after_backward()  # parameter gradients, as the optimizer will see them
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
             hooks.after_step()
-            for i, name in enumerate(_PACKED):
-                hooks.add_scalar(name, packed[i])
+            hooks.add_scalars(_PACKED, packed)
             cur = hooks.current
             st: StepStats | None = hooks.end_step(  # the one host copy (with the ranks' all-reduce in it)
                 None if rx is None else

@@ -293,7 +293,7 @@ def fused_stats(tensors: list[torch.Tensor], uf: int, sub: int, of: int) -> torc
     if any(t.device.type != "cpu" or t.dtype not in FUSED_DTYPES for t in tensors):
         return None
     with torch.no_grad():
-        return mod.stats([t.detach() for t in tensors], uf, sub, of, CHUNK)  # type: ignore[no-any-return]
+        return mod.stats(tensors, uf, sub, of, CHUNK)  # type: ignore[no-any-return]  # reads data only
 
 
 __all__ = ["CHUNK", "build_dir", "build_now", "enabled", "fused_stats", "kernel", "start_build"]

@@ -182,6 +182,7 @@ class Hooks:
         self._cur = StepStats(step)
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
+        self._vector: tuple[tuple[str, ...], torch.Tensor] | None = None
 
     def begin_step(self, step: int, record: bool | None = None) -> None:
         """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
@@ -251,6 +252,10 @@ class Hooks:
         else:
             self._cur.extra[name] = float(value)
 
+    def add_scalars(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        """Queue a vector of named scalars (1-D, float64, on the device) in one go: the step recipe's own."""
+        self._vector = (names, values)
+
     def after_backward(self) -> None:
         """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used)."""
         if not (self._active and self.grads):
@@ -275,15 +280,23 @@ class Hooks:
         keys, rows = self._buf.collect()
         extra = exchange(keys, rows).reshape(-1).to(torch.float64) if exchange is not None else None
         self.exchanged = None
-        if self._scalars or extra is not None:
-            parts = [torch.stack([v.to(rows.device) for _, v in self._scalars])] if self._scalars else []
+        vec = self._vector
+        self._vector = None
+        if vec is not None:  # the recipe's vector first, then any single scalars: one list of names
+            names = list(vec[0]) + [n for n, _ in self._scalars]
+        else:
+            names = [n for n, _ in self._scalars]
+        if names or extra is not None:
+            parts = [vec[1].to(rows.device)] if vec is not None else []
+            if self._scalars:
+                parts.append(torch.stack([v.to(rows.device) for _, v in self._scalars]))
             if extra is not None:
                 parts.append(extra.to(rows.device))
             flat_d = torch.cat(parts)
             host = torch.cat([rows, _scalar_rows(flat_d, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
-            nsc = len(self._scalars)
+            nsc = len(names)
             flat = host[len(keys):].reshape(-1)
-            for (name, _), v in zip(self._scalars, flat[:nsc], strict=True):
+            for name, v in zip(names, flat[:nsc], strict=True):
                 st.extra[name] = float(v)
             if extra is not None:
                 self.exchanged = flat[nsc: nsc + extra.numel()].copy()
