@@ -54,10 +54,24 @@ def step_rows(st: StepStats) -> dict[Key, np.ndarray]:
     return out
 
 
-def _frac(row: np.ndarray | None, *cols: int) -> float:
-    if row is None or not row[Col.NUMEL]:
-        return 0.0
-    return float(sum(row[c] for c in cols) / row[Col.NUMEL])
+def _fractions(keys: list[Key], rows_r: dict[Key, np.ndarray], rows_t: dict[Key, np.ndarray]) -> list[tuple[Key, dict[str, float]]]:
+    """Every key's cell fractions for one step, in one pass of array arithmetic (the FP32 reference
+    rows ``rows_r`` and the target's ``rows_t``; a key the target lacks has no non-finite and no flush)."""
+    r = np.stack([rows_r[k] for k in keys])
+    have = np.array([k in rows_t for k in keys])
+    t = np.stack([rows_t.get(k, rows_r[k]) for k in keys])
+    n_r, n_t = r[:, Col.NUMEL], t[:, Col.NUMEL]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        over = np.where(n_r > 0, r[:, Col.OVERFLOW] / n_r, 0.0)
+        under = np.where(n_r > 0, r[:, Col.UNDERFLOW] / n_r, 0.0)
+        nonfin = np.where(have & (n_t > 0), (t[:, Col.POSINF] + t[:, Col.NEGINF] + t[:, Col.NAN]) / n_t, 0.0)
+        zr = np.where(n_r > 0, r[:, Col.ZERO] / n_r, 0.0)
+        zt = np.where(n_t > 0, t[:, Col.ZERO] / n_t, 0.0)
+        flushed = np.where(zr >= 1.0, 0.0, np.maximum(0.0, (zt - zr) / (1.0 - zr)))  # locate.flushed_frac
+    flushed = np.where(have & (n_t == n_r), flushed, 0.0)
+    absmax = r[:, Col.ABSMAX]
+    return [(k, {"overflow_frac": float(over[i]), "underflow_frac": float(under[i]), "nonfinite_frac": float(nonfin[i]),
+                 "flushed_frac": float(flushed[i]), "absmax_fp32": float(absmax[i])}) for i, k in enumerate(keys)]
 
 
 def layer_steps(results: dict[str, StageResult], target: str, *, limit: int = 16,
@@ -80,18 +94,13 @@ def layer_steps(results: dict[str, StageResult], target: str, *, limit: int = 16
         if ref is None:
             continue
         rows_t, rows_r = step_rows(st), step_rows(ref)
-        for key, r in rows_r.items():
+        if not rows_r:
+            continue
+        keys = list(rows_r)
+        for fr in _fractions(keys, rows_r, rows_t):
+            key, cell_fr = fr
             order.setdefault(key, len(order))
-            t = rows_t.get(key)
-            cell = LayerStep(
-                module=key[0], kind=key[1], step=st.step,
-                overflow_frac=_frac(r, Col.OVERFLOW),
-                underflow_frac=_frac(r, Col.UNDERFLOW),
-                nonfinite_frac=_frac(t, Col.POSINF, Col.NEGINF, Col.NAN),
-                flushed_frac=locate.flushed_frac(t, r) if t is not None and t[Col.NUMEL] == r[Col.NUMEL] else 0.0,
-                absmax_fp32=float(r[Col.ABSMAX]),
-            )
-            cells.setdefault(key, {})[st.step] = cell
+            cells.setdefault(key, {})[st.step] = LayerStep(module=key[0], kind=key[1], step=st.step, **cell_fr)
     if not cells:
         return []
     leaves = set(locate.innermost(m for m, k in cells if k != "param_grad"))

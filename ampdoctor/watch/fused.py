@@ -118,7 +118,11 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
   }
   const int64_t nc = ct.size();
   std::vector<Acc> part(nc);
-  at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
+  int64_t total = 0;
+  for (auto& t : cs) total += t.numel();
+  // small steps: one thread (handing a few chunks to the pool costs more than it saves)
+  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
+  at::parallel_for(0, nc, grain, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       Acc& a = part[k];
       for (int q = 0; q < 8; ++q) a.c[q] = 0;
