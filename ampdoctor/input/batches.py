@@ -278,11 +278,15 @@ def check_batch(batch: Any) -> list[FieldCheck]:
 def outlier_ratio(batches: Batches, field: str, index: int) -> tuple[float, list[int]]:
     """How many times the batch's absmax in ``field`` exceeds the median over all batches,
     and which samples exceed 1000x that median."""
-    absmaxes = []
-    for b in batches.items:
-        d = dict(fields(b))
-        t = d.get(field)
-        absmaxes.append(float(t[torch.isfinite(t)].abs().max()) if t is not None and torch.isfinite(t).any() else 0.0)
+    cache: dict[str, list[float]] = batches.__dict__.setdefault("_absmax_by_field", {})
+    absmaxes = cache.get(field)
+    if absmaxes is None:  # every batch's absmax of this field, once per run (rules ask for it per event)
+        absmaxes = []
+        for b in batches.items:
+            d = dict(fields(b))
+            t = d.get(field)
+            absmaxes.append(float(t[torch.isfinite(t)].abs().max()) if t is not None and torch.isfinite(t).any() else 0.0)
+        cache[field] = absmaxes
     med = float(np.median(absmaxes))
     if med <= 0:
         return 1.0, []
