@@ -144,3 +144,22 @@ def test_an_old_log_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
     assert tr.state.global_step == 0
     assert (tmp_path / "steps.csv").read_text() == before  # nothing of the old log lost
     assert not torch.nn.modules.module._global_forward_hooks
+
+
+def test_gradient_accumulation_rows_are_optimizer_steps_and_the_capture_replays(tmp_path: Path) -> None:
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=2, inject_param=f"{QUERY}.weight")
+    tr = _trainer(tmp_path, cb, fp16=True, gradient_accumulation_steps=2, max_steps=4)
+    tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    tr.accelerator.native_amp = True
+    tr.train()
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.index.tolist() == [0, 1, 2, 3] and log.loc[2, "skip_reason"] == f"nonfinite_grad:{QUERY}"
+    theirs = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert np.allclose(log["loss"].to_numpy(), theirs, rtol=1e-3)  # the loss the Trainer logs for the step
+    batches = torch.load(tmp_path / "cap" / "batches.pt", weights_only=True)
+    assert len(batches[-1]["ampdoctor_micro_batches"]) == 2  # the step's two micro-batches, kept together
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("not_reproduced", 2), r.output
