@@ -192,9 +192,11 @@ CFLAGS = ["-O3", "-march=native"] if _CPU is not None else ["-O3"]
 """``-march=native`` (AVX2 and wider where the CPU has them) only where the build name can carry the
 CPU's flags: a cache shared by machines with other CPUs (a cluster's home directory) then holds one
 build per kind of CPU, and none runs an instruction its CPU lacks."""
-NAME = "ampdoctor_stats_" + hashlib.sha1((_SOURCE + " ".join(CFLAGS) + (_CPU or "")).encode()).hexdigest()[:12]
-"""The build's name carries the hash of the source, the flags and the CPU: a changed kernel, or
-another CPU, is a new build, never a stale import."""
+NAME = "ampdoctor_stats_" + hashlib.sha1(
+    (_SOURCE + " ".join(CFLAGS) + (_CPU or "") + torch.__version__).encode()).hexdigest()[:12]
+"""The build's name carries the hash of the source, the flags, the CPU and torch's version: a changed
+kernel, another CPU or another torch (whose C++ ABI the build links against) is a new build, never a
+stale import."""
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "proc": None, "failed": False}
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
