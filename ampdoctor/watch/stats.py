@@ -288,9 +288,9 @@ class StatsBuffer:
             self._rows.append(tensor_stats(p.tensors, self.fmt))
             return
         for dtype in dtypes:  # large batches: one per dtype, so FP16 tensors are read as FP16, not converted
-            pairs = [(k, t) for k, t in zip(p.keys, p.tensors, strict=True) if t.dtype == dtype]
-            self._keys.extend(k for k, _ in pairs)
-            self._rows.append(tensor_stats([t for _, t in pairs], self.fmt))
+            idx = [i for i, t in enumerate(p.tensors) if t.dtype == dtype]  # ints: nothing for the cyclic GC to track
+            self._keys.extend([p.keys[i] for i in idx])
+            self._rows.append(tensor_stats([p.tensors[i] for i in idx], self.fmt))
 
     def __len__(self) -> int:
         return len(self._keys) + sum(len(p.keys) for p in self._pending.values())
