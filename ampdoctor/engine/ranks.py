@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -309,8 +310,6 @@ def _warn_alone(rank: int, world: int, timeout: float) -> None:
 
 def rank_path(path: str, rank: int) -> str:
     """``steps.csv`` → ``steps.rank1.csv``, ``cap`` → ``cap.rank1``: one file per rank."""
-    from pathlib import Path
-
     p = Path(path)
     if p.suffix and p.suffix != ".":
         return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))

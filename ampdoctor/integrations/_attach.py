@@ -29,7 +29,7 @@ from torch import nn
 
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.input.batches import Micro
-from ampdoctor.watch.hooks import unwrap
+from ampdoctor.watch.hooks import remove_hooks, unwrap
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
@@ -65,12 +65,12 @@ class ForwardTap:
             if id(module) == tap._root_id or id(getattr(module, "_orig_mod", None)) == tap._root_id:
                 tap._seen(module, args, kwargs, output)
 
-        self._handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+        self._handles = [torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)]
         # torch warns on every call of a compiled module while a global hook exists, because the hook also
         # fires for the compile wrapper: that is the call this tap reads (and counts once), so the warning
         # is about us, not the user's code
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
-        weakref.finalize(self, _remove, self._handle)
+        weakref.finalize(self, remove_hooks, self._handles)
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -97,13 +97,7 @@ class ForwardTap:
         return got[0] if len(got) == 1 else Micro(got)
 
     def close(self) -> None:
-        _remove(self._handle)
-
-
-def _remove(handle: Any) -> None:
-    handle.remove()
-    kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
-    kw.pop(handle.id, None)
+        remove_hooks(self._handles)
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -138,8 +132,6 @@ class Attached:
         self.tap = ForwardTap(model, self.monitor.note_loss if loss_from_output else None,
                               inputs=self.monitor.capture is not None)
         self._measured = False
-        self.nonfinite_losses = 0
-        """Steps whose loss was NaN/Inf (the framework's logs may hide them)."""
 
     def note_loss(self, loss: torch.Tensor) -> None:
         self.monitor.note_loss(loss)
@@ -161,19 +153,7 @@ class Attached:
         if not self._measured:
             return None
         self._measured = False
-        rec = self.monitor.after_step(None if applied is None else not applied)
-        if not (rec.loss == rec.loss and abs(rec.loss) != float("inf")):
-            self.nonfinite_losses += 1
-        return rec
-
-    def log_fields(self) -> dict[str, float]:
-        """A few numbers to add to the framework's own log line."""
-        m = self.monitor
-        out = {"amp_skipped_steps": float(m.total_skips), "amp_skip_rate": round(m.skip_rate, 6),
-               "amp_nonfinite_losses": float(self.nonfinite_losses)}
-        if m.last is not None and m.last.scale_after is not None:
-            out["amp_scale"] = m.last.scale_after
-        return out
+        return self.monitor.after_step(None if applied is None else not applied)
 
     def close(self) -> None:
         self.tap.close()

@@ -83,7 +83,8 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
     return hook
 
 
-def _remove_all(handles: list[Any]) -> None:
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove process-wide module hooks (and the flag torch leaves behind for a with_kwargs one)."""
     kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
     for h in handles:
         h.remove()
@@ -135,7 +136,7 @@ class Hooks:
         self._active = False
         self.record_if: Callable[[int], bool] | None = None
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
-        weakref.finalize(self, _remove_all, self._handles)  # an unclosed Hooks takes its global hook with it
+        weakref.finalize(self, remove_hooks, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
         self.exchanged: Any = None
         """The host copy of the last ``end_step``'s ``exchange`` result (a numpy vector), else None."""
@@ -163,7 +164,7 @@ class Hooks:
             hook = _global_hook(weakref.ref(self))
             self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
         elif not want and self._handles:
-            _remove_all(self._handles)
+            remove_hooks(self._handles)
 
     def __enter__(self) -> Hooks:
         self._training = self.model.training
@@ -341,7 +342,7 @@ class ModuleTracker:
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self.stack: list[str] = []
         self._handles: list[Any] = []
-        weakref.finalize(self, _remove_all, self._handles)
+        weakref.finalize(self, remove_hooks, self._handles)
 
     def attach(self) -> None:
         if self._handles or self._compiled:
@@ -352,7 +353,7 @@ class ModuleTracker:
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(partial(_tracker_leave, ref)))
 
     def detach(self) -> None:
-        _remove_all(self._handles)
+        remove_hooks(self._handles)
 
     @property
     def current(self) -> str | None:

@@ -138,6 +138,10 @@ class StepLogWriter:
         calls it at construction, so a wrong log path fails before training starts, not after a step.
         ``first_step=None``: the run's first step is not known yet (a ``load_state_dict`` may follow), so
         an existing log with rows is judged at the first write."""
+        self._existing(first_step)
+
+    def _existing(self, first_step: int | None) -> bytes | None:
+        """Every check of the path before writing; the existing log's bytes when it is appended to, else None."""
         p = self.path
         if p.is_dir():
             raise StepLogError(f"{p} is a directory; give a file path for the step log")
@@ -145,9 +149,10 @@ class StepLogWriter:
             raise StepLogError(f"folder {p.parent} does not exist; create it first")
         size = p.stat().st_size if p.exists() else 0
         if self.mode == "overwrite" or size == 0:
-            return
+            return None
         if self.mode == "new":
             raise StepLogError(f"{p} exists; choose another path, or overwrite it on purpose (mode='overwrite', --force)")
+        # append: same header, a resumed run
         with open(p, "rb") as fb:
             data = fb.read()
         first_line = data.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
@@ -163,37 +168,16 @@ class StepLogWriter:
                 f"{p} already holds {rows} step(s) and this run starts at step 0; write to another path, "
                 "overwrite it on purpose (mode='overwrite'), or load the monitor's state_dict to resume"
             )
+        return data
 
     def _open(self, first_step: int) -> IO[str]:
         p = self.path
-        if p.is_dir():
-            raise StepLogError(f"{p} is a directory; give a file path for the step log")
-        if not p.parent.exists():
-            raise StepLogError(f"folder {p.parent} does not exist; create it first")
-        size = p.stat().st_size if p.exists() else 0
-        if self.mode == "overwrite" or size == 0:
+        data = self._existing(first_step)
+        if data is None:
             f = open(p, "w", encoding="utf-8", newline="")
             f.write(header_line(self.columns))
             f.flush()
             return f
-        if self.mode == "new":
-            raise StepLogError(f"{p} exists; choose another path, or overwrite it on purpose (mode='overwrite', --force)")
-        # append: same header, a resumed run, and no half-written last line
-        with open(p, "rb") as fb:
-            data = fb.read()
-        first_line = data.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
-        have = next(csv.reader([first_line]), [])
-        if tuple(have) != self.columns:
-            raise StepLogError(
-                f"{p} has columns {','.join(have)!s}, not {','.join(self.columns)}; "
-                "write to another path, or overwrite it on purpose (mode='overwrite')"
-            )
-        rows = data.count(b"\n") - 1
-        if first_step == 0 and rows > 0:
-            raise StepLogError(
-                f"{p} already holds {rows} step(s) and this run starts at step 0; write to another path, "
-                "overwrite it on purpose (mode='overwrite'), or load the monitor's state_dict to resume"
-            )
         if not data.endswith(b"\n"):
             with open(p, "r+b") as fb:  # a half-written line is not a finished step
                 fb.truncate(data.rfind(b"\n") + 1)
