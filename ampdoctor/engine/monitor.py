@@ -234,7 +234,7 @@ class Monitor:
             all-reduce per step, inside the step's one host copy, tells every rank which rank saw a
             non-finite value first, in which module (``first_fault``; the log's ``ranks`` column).
             None: on when torch.distributed is initialised; False: off. Every rank must run the
-            monitor. See docs/scale-out.md.
+            monitor (a monitor on rank 0 alone waits, warns and goes without). See docs/frameworks.md.
         process_group: the group of the exchange (default: the world).
         capture_ranks: ``"first"``: only the rank that went first writes a capture (rank 0 when no
             rank saw it locally); ``"all"``: every rank writes its own.
