@@ -338,7 +338,9 @@ def diagnose_scale(
         )
     else:
         pattern = "stable"
-        expl = f"the scale stayed at {pow2(sc[-1])}" + (f" with {len(later_i)} isolated skip(s)" if later_i else "")
+        expl = (f"the scale stayed at {pow2(sc[-1])}" if smin == smax else
+                f"the scale held at {pow2(smax)}, then {pow2(sc[-1])} after the back-off(s)")
+        expl += (("," if smin != smax else "") + f" with {len(later_i)} isolated skip(s)") if later_i else ""
 
     if calib_i and pattern != "collapsed" and "init_scale" not in settings:
         settings["init_scale"] = settled

@@ -161,7 +161,7 @@ class FirstFault:
 
     def describe(self) -> str:
         where = f" in {self.module}" if self.module else ""
-        who = ("the other ranks were clean: this rank's own batch or forward" if self.others_clean
+        who = (f"the other ranks were clean: rank {self.rank}'s own batch or forward" if self.others_clean
                else "other ranks saw it too: a range problem every rank shares")
         return f"step {self.step}: rank {self.rank} went non-finite first ({self.kind}{where}); {who} [{self.ranks}]"
 

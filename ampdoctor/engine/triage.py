@@ -358,6 +358,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
         if first is not None:  # the captured scale, not the spec's default
             report.scaler.init_scale = first
+        report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
         report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
                                      f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
                                      "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
@@ -369,14 +370,15 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         world = int(m.get("world_size") or 1)
         if world > 1:
             report.config["capture_rank"] = m.get("rank")
-            who = (f" on rank {m.get('rank')} of {world}" + (
-                f"; the ranks that saw it: {m['ranks']}" if m.get("ranks") else "") + (
-                "; the other ranks were clean" if m.get("others_clean") else ""))
+            who = f" on rank {m.get('rank')} of {world}"
+            ranks = (f"; ranks that saw it: {m['ranks']}" if m.get("ranks") else "") + (
+                f" (only rank {m.get('first_rank')} in its own batch or forward: the others were clean)"
+                if m.get("others_clean") and m.get("first_rank") is not None else "")
         else:
-            who = ""
+            who = ranks = ""
         report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}){who}: "
                                f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
-                               f"failed again {rp.reproduced} of {rp.replays} times")
+                               f"failed again {rp.reproduced} of {rp.replays} times{ranks}")
     if run.start:
         report.notes.insert(0, run.start)
         report.config["start_step"] = step0

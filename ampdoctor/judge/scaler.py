@@ -355,7 +355,9 @@ def diagnose_scale(
         )
     else:
         pattern = "stable"
-        expl = f"the scale stayed at {pow2(sc[-1])}" + (f" with {len(later_i)} isolated skip(s)" if later_i else "")
+        expl = (f"the scale stayed at {pow2(sc[-1])}" if smin == smax else
+                f"the scale held at {pow2(smax)}, then {pow2(sc[-1])} after the back-off(s)")
+        expl += (("," if smin != smax else "") + f" with {len(later_i)} isolated skip(s)") if later_i else ""
         if not growth_i and not backoff_i and not later_i:
             expl = (f"the scale stayed at {pow2(sc[-1])} for all {n} step(s): no overflow, and fewer clean steps than "
                     f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "

@@ -33,6 +33,11 @@ def evidence(ev: dict[str, Any]) -> str:
     return "; ".join(f"{k}={num(v) if not isinstance(v, (list, dict)) else v}" for k, v in ev.items())
 
 
+def step0(report: Any) -> int:
+    """The run's number of the report's first step (a replay or a checkpoint start; else 0)."""
+    return int(report.config.get("step0") or 0)
+
+
 def scaled_stage(report: Any) -> Any:
     """The stage that ran a GradScaler (the one with scales), or None."""
     return next((s for s in report.stages if any(x is not None for x in s.scales)), None)

@@ -8,7 +8,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ampdoctor.render.common import CAUSE_TITLES, evidence, num, option_value, pct, scale, scaled_stage, skip_reasons, steps
+from ampdoctor.render.common import (
+    CAUSE_TITLES,
+    evidence,
+    num,
+    option_value,
+    pct,
+    scale,
+    scaled_stage,
+    skip_reasons,
+    step0,
+    steps,
+)
 from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
 from ampdoctor.report.model import Report
 
@@ -128,7 +139,7 @@ def _scaler(report: Report) -> str:
              f"<li>calibration skips: {sc.calibration_skips}</li></ul>"]
     stage = scaled_stage(report)
     if stage is not None:
-        parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage)], "scale runs", {1, 2}))
+        parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage, step0(report))], "scale runs", {1, 2}))
     return "".join(parts)
 
 

@@ -24,6 +24,7 @@ from ampdoctor.render.common import (
     scale,
     scaled_stage,
     skip_reasons,
+    step0,
     steps,
 )
 from ampdoctor.report.model import Report, StageSummary
@@ -163,11 +164,11 @@ def _layers(report: Report) -> list[str]:
     return lines
 
 
-def _scale_runs(stage: StageSummary) -> list[list[str]]:
-    """Runs of steps with the same scale: steps, scale, skipped steps in the run."""
+def _scale_runs(stage: StageSummary, base: int = 0) -> list[list[str]]:
+    """Runs of steps with the same scale: steps (the run's, from ``base``), scale, skipped steps in the run."""
     skipped = set(stage.skipped_steps)
     runs: list[list[Any]] = []
-    for i, s in enumerate(stage.scales):
+    for i, s in enumerate(stage.scales, start=base):
         if runs and runs[-1][2] == s:
             runs[-1][1] = i
             runs[-1][3] += i in skipped
@@ -189,7 +190,7 @@ def _scaler(report: Report) -> list[str]:
              f"- calibration skips (the scale finding its level at the start): {sc.calibration_skips}"]
     stage = scaled_stage(report)
     if stage is not None:
-        lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage), "scale runs", {1, 2})]
+        lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage, step0(report)), "scale runs", {1, 2})]
     if sc.skips:
         rows = [[str(e.step), scale(e.scale), reason_label(e.reason, module=code) if e.reason else "-"] for e in sc.skips]
         lines += ["", f"<details><summary>Skipped steps and why ({len(rows)})</summary>", "",

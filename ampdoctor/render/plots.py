@@ -12,7 +12,7 @@ import io
 import math
 from typing import Any
 
-from ampdoctor.render.common import scaled_stage
+from ampdoctor.render.common import scaled_stage, step0
 from ampdoctor.report.model import Report
 
 INSTALL_HINT = "plots need matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib"
@@ -51,11 +51,6 @@ def _png(fig: Any) -> bytes:
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
     _plt().close(fig)
     return buf.getvalue()
-
-
-def step0(report: Report) -> int:
-    """The run's number of the report's first step (a replay or a checkpoint start; else 0)."""
-    return int(report.config.get("step0") or 0)
 
 
 def loss_figure(report: Report) -> bytes | None:
