@@ -74,6 +74,7 @@ def loss_figure(report: Report) -> bytes | None:
             ax.scatter(bad, [top * (1.02 + 0.04 * n)] * len(bad), marker="x", color=_COLORS.get(s.name, "red"), zorder=4,
                        label=f"{s.name}: non-finite loss")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(_integer_ticks())  # steps are whole: a short replay gets no 4.8, 5.2 ticks
     ax.set_ylabel("loss")
     ax.set_title(TITLES["loss"])
     ax.grid(alpha=0.3)
@@ -96,11 +97,18 @@ def scale_figure(report: Report) -> bytes | None:
         ax.scatter([p[0] for p in skipped], [p[1] for p in skipped], marker="v", color="#d62728", zorder=3,
                    label=f"skipped step ({len(skipped)})")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_ylabel("log2(scale)")
     ax.set_title(TITLES["scale"])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+def _integer_ticks() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def heatmap_figure(report: Report) -> bytes | None:
@@ -132,7 +140,8 @@ def heatmap_figure(report: Report) -> bytes | None:
     axes[0].set_yticks(range(len(keys)))
     axes[0].set_yticklabels([f"{m} [{k}]" for m, k in keys], fontsize=7)
     fig.colorbar(im, ax=list(axes), fraction=0.025, pad=0.01, label="share of elements")
-    fig.suptitle(TITLES["heatmap"], fontsize=10)
+    # above the panel titles whatever the figure's height (a few rows made them overlap)
+    fig.suptitle(TITLES["heatmap"], fontsize=10, y=1.0 + 0.25 / height)
     return _png(fig)
 
 
