@@ -108,7 +108,7 @@ def scale_figure(report: Report) -> bytes | None:
 def _integer_ticks() -> Any:
     from matplotlib.ticker import MaxNLocator
 
-    return MaxNLocator(integer=True)
+    return MaxNLocator(integer=True, min_n_ticks=1)
 
 
 def heatmap_figure(report: Report) -> bytes | None:
