@@ -69,3 +69,20 @@ def test_tensor_stats_uses_it_on_the_cpu_and_not_with_a_scale(monkeypatch: pytes
     monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
     assert real(x, *_thresholds(FP16)) is None  # turned off: tensor_stats takes the eager path
     _same(tensor_stats(x, FP16), eager_stats(x, FP16))
+
+
+def test_every_fp16_and_bf16_bit_pattern() -> None:
+    """All 65,536 patterns of each 16-bit type, in one tensor and in odd-sized pieces: FP16 is widened 8 at a
+    time by the CPU's conversion instruction where it has one, then one at a time for the tail."""
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = every.view(dtype)
+        pieces = list(x.split(4093))
+        for fmt in FORMATS:
+            _same(fused.fused_stats([x], *_thresholds(fmt)), eager_stats([x], fmt))  # type: ignore[arg-type]
+            _same(fused.fused_stats(pieces, *_thresholds(fmt)), eager_stats(pieces, fmt))  # type: ignore[arg-type]
+
+
+def test_another_dtype_is_left_to_the_eager_path() -> None:
+    assert fused.fused_stats([torch.randn(4), torch.zeros(3, dtype=torch.float64)], *_thresholds(FP16)) is None
+    assert fused.fused_stats([torch.zeros(3, dtype=torch.int32)], *_thresholds(FP16)) is None

@@ -42,7 +42,12 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -90,12 +95,28 @@ void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub
 
 // FP16 / BF16: widened to float32 exactly, a block at a time, then the same loop
 template <typename T>
+inline void widen(const T* p, int32_t m, float* buf) {
+  for (int32_t i = 0; i < m; ++i) buf[i] = static_cast<float>(p[i]);
+}
+
+#if defined(__F16C__)
+// FP16: the CPU's own conversion instruction, 8 at a time (exact, like the scalar conversion)
+template <>
+inline void widen<at::Half>(const at::Half* p, int32_t m, float* buf) {
+  int32_t i = 0;
+  for (; i + 8 <= m; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  for (; i < m; ++i) buf[i] = static_cast<float>(p[i]);
+}
+#endif
+
+template <typename T>
 void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
   constexpr int32_t B = 4096;
   float buf[B];
   for (int32_t s = 0; s < n; s += B) {
     int32_t m = std::min(B, n - s);
-    for (int32_t i = 0; i < m; ++i) buf[i] = static_cast<float>(p[s + i]);
+    widen(p + s, m, buf);
     uint32_t bits[B];
     std::memcpy(bits, buf, sizeof(float) * m);
     run_bits(bits, m, uf, sub, of, a);
@@ -107,6 +128,10 @@ void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc&
 torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
   const int64_t n = ts.size();
   const int32_t INF = 0x7F800000;
+  for (auto& t : ts) {  // another device or dtype: an undefined result, and the caller takes the eager path
+    auto st = t.scalar_type();
+    if (!t.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return torch::Tensor();
+  }
   std::vector<torch::Tensor> cs;
   cs.reserve(n);
   for (auto& t : ts) cs.push_back(t.contiguous());
@@ -170,7 +195,79 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("stats", &stats, "ampdoctor one-pass statistics"); }
+// Gradient taps: a C++ hook on each watched tensor that queues (tid, gradient) with no Python call in
+// backward. The queue is drained from Python (take); when it holds `limit` elements or more the hook
+// calls `drain` (with the GIL) itself, so held gradients stay bounded like the statistics buffer's.
+struct GradTap {
+  std::mutex mu;
+  std::vector<int64_t> ids;
+  std::vector<torch::Tensor> grads;
+  int64_t pending = 0;
+  int64_t limit;
+  int64_t serial = 0;   // the step being recorded; a hook from another step does nothing
+  bool active = false;
+  pybind11::object drain;
+  GradTap(int64_t limit_, pybind11::object drain_) : limit(limit_), drain(std::move(drain_)) {}
+  ~GradTap() {  // the last owner may be a hook on the autograd thread: release Python's object under the GIL
+    if (Py_IsInitialized()) {
+      pybind11::gil_scoped_acquire gil;
+      drain = pybind11::object();
+      grads.clear();
+    }
+  }
+};
+
+void tap_watch(const std::shared_ptr<GradTap>& tap, const torch::Tensor& t, int64_t tid) {
+  std::weak_ptr<GradTap> w = tap;
+  const int64_t serial = tap->serial;
+  t.register_hook([w, tid, serial](const at::TensorBase& g) {
+    auto tp = w.lock();
+    if (!tp || !g.defined()) return;
+    bool full = false;
+    {
+      std::lock_guard<std::mutex> lock(tp->mu);
+      if (!tp->active || tp->serial != serial) return;
+      tp->ids.push_back(tid);
+      tp->grads.emplace_back(torch::Tensor(g));
+      tp->pending += g.numel();
+      full = tp->pending >= tp->limit;
+    }
+    if (full) {
+      pybind11::gil_scoped_acquire gil;
+      tp->drain();
+    }
+  });
+}
+
+pybind11::tuple tap_take(const std::shared_ptr<GradTap>& tap) {
+  std::vector<int64_t> ids;
+  std::vector<torch::Tensor> grads;
+  {
+    std::lock_guard<std::mutex> lock(tap->mu);
+    ids.swap(tap->ids);
+    grads.swap(tap->grads);
+    tap->pending = 0;
+  }
+  return pybind11::make_tuple(ids, grads);
+}
+
+void tap_start(const std::shared_ptr<GradTap>& tap, int64_t serial, bool active) {
+  std::lock_guard<std::mutex> lock(tap->mu);
+  tap->serial = serial;
+  tap->active = active;
+  tap->ids.clear();
+  tap->grads.clear();
+  tap->pending = 0;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stats", &stats, "ampdoctor one-pass statistics");
+  pybind11::class_<GradTap, std::shared_ptr<GradTap>>(m, "GradTap")
+      .def(pybind11::init<int64_t, pybind11::object>());
+  m.def("tap_watch", &tap_watch, "hook a tensor: its gradient is queued under tid");
+  m.def("tap_take", &tap_take, "(tids, gradients) queued since the last take, in arrival order");
+  m.def("tap_start", &tap_start, "a new step: clears the queue, sets the serial and whether to record");
+}
 """
 
 
@@ -296,10 +393,9 @@ def fused_stats(tensors: list[torch.Tensor], uf: int, sub: int, of: int) -> torc
     mod = kernel()
     if mod is None:
         return None
-    if any(t.device.type != "cpu" or t.dtype not in FUSED_DTYPES for t in tensors):
-        return None
     with torch.no_grad():
-        return mod.stats(tensors, uf, sub, of, CHUNK)  # type: ignore[no-any-return]  # reads data only
+        rows = mod.stats(tensors, uf, sub, of, CHUNK)  # reads data only; None for a tensor elsewhere or of another dtype
+    return rows  # type: ignore[no-any-return]
 
 
 __all__ = ["CHUNK", "build_dir", "build_now", "enabled", "fused_stats", "kernel", "start_build"]

@@ -36,6 +36,7 @@ from torch import nn
 from ampdoctor.formats import FP16, Format
 from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch import fused
 from ampdoctor.watch.stats import StatsBuffer
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel")
@@ -81,6 +82,13 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
             h._on_forward(module, args, kwargs, output)
 
     return hook
+
+
+def _drain(ref: weakref.ref[Hooks]) -> None:
+    """The gradient tap's callback when its queue is full (called from backward, with the GIL)."""
+    h = ref()
+    if h is not None:
+        h._take_grads()
 
 
 def remove_hooks(handles: list[Any]) -> None:
@@ -138,6 +146,17 @@ class Hooks:
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
         weakref.finalize(self, remove_hooks, self._handles)  # an unclosed Hooks takes its global hook with it
         self._buf = StatsBuffer(fmt)
+        self._serial = 0
+        """Counts recorded steps: a gradient hook left from another step (a tensor kept across steps) does nothing."""
+        self._tap: Any = None
+        """The C++ gradient tap (``fused``), when the kernel is built: a gradient hook that queues the gradient
+        with no Python call in backward. Without it, a Python tensor hook per watched tensor does the same."""
+        mod = fused.kernel()
+        if mod is not None and grads:
+            self._tap = mod.GradTap(self._buf.flush_numel, partial(_drain, weakref.ref(self)))
+            self._tap_watch = mod.tap_watch
+            self._tap_take = mod.tap_take
+            self._tap_start = mod.tap_start
         self.exchanged: Any = None
         """The host copy of the last ``end_step``'s ``exchange`` result (a numpy vector), else None."""
         self._reset(0)
@@ -194,6 +213,9 @@ class Hooks:
         if record is None:
             record = self.record_if(step) if self.record_if is not None else step % self.every == 0
         self._active = record
+        self._serial += 1
+        if self._tap is not None:
+            self._tap_start(self._tap, self._serial, record)
         self._sync_hook()
 
     @property
@@ -216,13 +238,27 @@ class Hooks:
         if self.activations:
             self._buf.add(("act", tid), t)
         if self.grads and t.requires_grad and self._grad_enabled:
-            t.register_hook(partial(self._on_grad, tid))
+            if self._tap is not None:
+                self._tap_watch(self._tap, t, tid)
+            else:
+                t.register_hook(partial(self._on_grad, self._serial, tid))
         return tid
 
-    def _on_grad(self, tid: int, g: torch.Tensor) -> None:
-        if self._active and g is not None:
+    def _on_grad(self, serial: int, tid: int, g: torch.Tensor) -> None:
+        if self._active and serial == self._serial and g is not None:
             self._cur.grad_order.append(tid)
             self._buf.add(("grad", tid), g)
+
+    def _take_grads(self) -> None:
+        """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
+        if self._tap is None:
+            return
+        tids, grads = self._tap_take(self._tap)
+        if tids:
+            self._cur.grad_order.extend(tids)
+            add = self._buf.add
+            for tid, g in zip(tids, grads, strict=True):
+                add(("grad", tid), g)
 
     def _tids_of(self, obj: Any) -> list[int]:
         # fast paths for the common shapes: one tensor, or a tuple of tensors
@@ -261,6 +297,7 @@ class Hooks:
         """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used)."""
         if not (self._active and self.grads):
             return
+        self._take_grads()
         for n, p in self._param_names:
             if p.grad is not None:
                 self._buf.add(("pgrad", n), p.grad)
@@ -278,6 +315,10 @@ class Hooks:
         ``exchange(keys, rows)``: called with the reduced rows still on the device, returns a 1-D
         tensor (the ranks' all-reduce) that comes back in the same copy, as ``self.exchanged``."""
         st = self._cur
+        self._take_grads()
+        self._serial += 1  # a gradient arriving after the step ended belongs to no step
+        if self._tap is not None:
+            self._tap_start(self._tap, self._serial, False)
         keys, rows = self._buf.collect()
         extra = exchange(keys, rows).reshape(-1).to(torch.float64) if exchange is not None else None
         self.exchanged = None

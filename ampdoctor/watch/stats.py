@@ -18,6 +18,7 @@ import torch
 
 from ampdoctor.formats import FP16, Format
 from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS
+from ampdoctor.watch import fused
 from ampdoctor.watch.fused import fused_stats
 
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
@@ -281,8 +282,10 @@ class StatsBuffer:
         p = self._pending.pop(device, None)
         if p is None or not p.tensors:
             return
-        dtypes = {t.dtype for t in p.tensors}
-        if len(dtypes) == 1 or p.numel < self.split_numel:
+        # the CPU kernel reads every dtype as it is (no conversion): one call for the whole batch
+        one = p.numel < self.split_numel or (device.type == "cpu" and fused.kernel() is not None)
+        dtypes = {t.dtype for t in p.tensors} if not one else set()
+        if one or len(dtypes) == 1:
             # small batches: one reduction (fixed kernel cost dominates; mixed dtypes promote to float32)
             self._keys.extend(p.keys)
             self._rows.append(tensor_stats(p.tensors, self.fmt))
