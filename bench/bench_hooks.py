@@ -43,7 +43,12 @@ CLOCK = time.perf_counter
 class NullBuffer:
     """Takes every tensor, computes nothing (the statistics stubbed out)."""
 
+    flush_numel = 1 << 22
+
     def add(self, key: Hashable, tensor: torch.Tensor) -> None:
+        pass
+
+    def add_many(self, keys: list[Hashable], tensors: list[torch.Tensor], numel: int, mixed: bool = False) -> None:
         pass
 
     def collect(self) -> tuple[list[Hashable], torch.Tensor]:

@@ -207,13 +207,15 @@ def test_own_loop_hooks() -> None:
 
 
 def test_hooks_removed_on_close() -> None:
+    import ampdoctor.watch.hooks as hooks_mod
+
     model, _, _ = tiny()
-    from torch.nn.modules.module import _global_forward_hooks
+    from ampdoctor.watch.hooks import watchers
 
     with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1)):
-        assert len(_global_forward_hooks) == 1  # one process-wide hook, nothing on the model
+        assert watchers() == 1  # one process-wide watch on module calls, nothing on the model
         assert not any(m._forward_hooks for m in model.modules())
-    assert not _global_forward_hooks
+    assert watchers() == 0 and nn.Module.__call__ is not hooks_mod._recording_call
 
 
 # host synchronisations ----------------------------------------------------------------------

@@ -383,8 +383,10 @@ class TrainStep:
         skip = found_f > 0 or (loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
         # which parameters, and which module, held the non-finite gradients
         recorded = st is not None and bool(st.pgrad)
-        if st is not None and recorded:
+        if st is not None and recorded and nbad_f > 0:  # (no non-finite norm: no non-finite element either)
             bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
+        elif recorded:
+            bad_params = []
         elif nbad_f > 0:
             bad_params = [self.names[id(gparams[int(first_f)])]]
         else:

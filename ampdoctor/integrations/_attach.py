@@ -29,7 +29,7 @@ from torch import nn
 
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.input.batches import Micro
-from ampdoctor.watch.hooks import remove_hooks, unwrap
+from ampdoctor.watch.hooks import call_wrapping_enabled, listen_calls, remove_hooks, unlisten_calls, unwrap, uses_compile
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
@@ -55,6 +55,13 @@ class ForwardTap:
         self.keep_inputs = inputs
         self.inputs: list[Any] = []
         self._last: weakref.ref[Any] | None = None
+        self._handles: list[Any] = []
+        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way (see watch.hooks)
+            self._listening = True
+            listen_calls(self)
+            weakref.finalize(self, unlisten_calls, None)
+            return
+        self._listening = False
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -71,6 +78,11 @@ class ForwardTap:
         # is about us, not the user's code
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
         weakref.finalize(self, remove_hooks, self._handles)
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # the model itself, or a torch.compile wrapper made later (a Trainer compiles after callbacks exist)
+        if id(module) == self._root_id or id(module._modules.get("_orig_mod")) == self._root_id:
+            self._seen(module, args, kwargs, output)
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -97,6 +109,9 @@ class ForwardTap:
         return got[0] if len(got) == 1 else Micro(got)
 
     def close(self) -> None:
+        if self._listening:
+            self._listening = False
+            unlisten_calls(self)
         remove_hooks(self._handles)
 
 

@@ -44,6 +44,7 @@ _SOURCE = r"""
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -195,30 +196,49 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
   return out;
 }
 
-// Gradient taps: a C++ hook on each watched tensor that queues (tid, gradient) with no Python call in
-// backward. The queue is drained from Python (take); when it holds `limit` elements or more the hook
-// calls `drain` (with the GIL) itself, so held gradients stay bounded like the statistics buffer's.
-struct GradTap {
-  std::mutex mu;
-  std::vector<int64_t> ids;
+// The tap: a step's recording in C++ (see watch.hooks). The forward hook hands it each module call
+// (module index, args, kwargs, output); it finds the floating tensors inside (as tensors.iter_tensors
+// does), gives each tensor a per-step id (the same tensor keeps its id: kept by TensorImpl, checked
+// alive through a weak pointer), queues new ones for statistics, hooks the gradient of each that
+// requires grad, and notes the call. The gradient hook is C++: no Python call in backward. Queues are
+// drained from Python; a queue that holds `limit` elements or more asks for it (record's return value,
+// or the `drain` callback, called with the GIL from backward), so held tensors stay bounded like the
+// statistics buffer's.
+struct Tap {
+  std::mutex mu;  // the gradient queue: backward may run on another thread (the autograd engine's)
+  std::vector<int64_t> grad_ids;
   std::vector<torch::Tensor> grads;
-  int64_t pending = 0;
+  int64_t grad_pending = 0;
+  bool grad_mixed = false;  // queued gradients on more than one device
   int64_t limit;
-  int64_t serial = 0;   // the step being recorded; a hook from another step does nothing
+  int64_t serial = 0;   // the step being recorded; a gradient hook from another step does nothing
   bool active = false;
+  bool acts, watch_grads;
   pybind11::object drain;
-  GradTap(int64_t limit_, pybind11::object drain_) : limit(limit_), drain(std::move(drain_)) {}
-  ~GradTap() {  // the last owner may be a hook on the autograd thread: release Python's object under the GIL
+  // forward (only touched with the GIL held)
+  std::unordered_map<c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> tids;
+  int64_t next_tid = 0;
+  std::vector<int64_t> act_ids;
+  std::vector<torch::Tensor> act_ts;
+  int64_t act_pending = 0;
+  bool act_mixed = false;
+  std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
+  std::vector<torch::Tensor> scratch;
+  Tap(int64_t limit_, bool acts_, bool grads_, pybind11::object drain_)
+      : limit(limit_), acts(acts_), watch_grads(grads_), drain(std::move(drain_)) {}
+  ~Tap() {  // the last owner may be a hook on the autograd thread: release Python's objects under the GIL
     if (Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
       drain = pybind11::object();
       grads.clear();
+      act_ts.clear();
     }
   }
 };
+using TapP = std::shared_ptr<Tap>;
 
-void tap_watch(const std::shared_ptr<GradTap>& tap, const torch::Tensor& t, int64_t tid) {
-  std::weak_ptr<GradTap> w = tap;
+void tap_watch(const TapP& tap, const torch::Tensor& t, int64_t tid) {
+  std::weak_ptr<Tap> w = tap;
   const int64_t serial = tap->serial;
   t.register_hook([w, tid, serial](const at::TensorBase& g) {
     auto tp = w.lock();
@@ -227,10 +247,11 @@ void tap_watch(const std::shared_ptr<GradTap>& tap, const torch::Tensor& t, int6
     {
       std::lock_guard<std::mutex> lock(tp->mu);
       if (!tp->active || tp->serial != serial) return;
-      tp->ids.push_back(tid);
+      if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
+      tp->grad_ids.push_back(tid);
       tp->grads.emplace_back(torch::Tensor(g));
-      tp->pending += g.numel();
-      full = tp->pending >= tp->limit;
+      tp->grad_pending += g.numel();
+      full = tp->grad_pending >= tp->limit;
     }
     if (full) {
       pybind11::gil_scoped_acquire gil;
@@ -239,34 +260,158 @@ void tap_watch(const std::shared_ptr<GradTap>& tap, const torch::Tensor& t, int6
   });
 }
 
-pybind11::tuple tap_take(const std::shared_ptr<GradTap>& tap) {
-  std::vector<int64_t> ids;
-  std::vector<torch::Tensor> grads;
-  {
-    std::lock_guard<std::mutex> lock(tap->mu);
-    ids.swap(tap->ids);
-    grads.swap(tap->grads);
-    tap->pending = 0;
+// tensors.iter_tensors in C++: tensors, then dicts, lists and tuples (4 levels deep), then to_tuple()
+void walk(pybind11::handle o, int depth, std::vector<torch::Tensor>& out) {
+  PyObject* p = o.ptr();
+  if (THPVariable_Check(p)) { out.push_back(THPVariable_Unpack(p)); return; }
+  if (depth > 4) return;
+  if (PyDict_CheckExact(p)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(p, &pos, &k, &v)) walk(v, depth + 1, out);
+  } else if (PyTuple_CheckExact(p)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p); ++i) walk(PyTuple_GET_ITEM(p, i), depth + 1, out);
+  } else if (PyList_CheckExact(p)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(p); ++i) walk(PyList_GET_ITEM(p, i), depth + 1, out);
+  } else if (PyDict_Check(p)) {  // a subclass (ModelOutput, OrderedDict): its own values(), in its order
+    for (auto v : o.attr("values")()) walk(v, depth + 1, out);
+  } else if (PyTuple_Check(p) || PyList_Check(p)) {
+    for (auto v : o) walk(v, depth + 1, out);
+  } else if (pybind11::hasattr(o, "to_tuple")) {
+    walk(o.attr("to_tuple")(), depth + 1, out);
   }
-  return pybind11::make_tuple(ids, grads);
 }
 
-void tap_start(const std::shared_ptr<GradTap>& tap, int64_t serial, bool active) {
-  std::lock_guard<std::mutex> lock(tap->mu);
-  tap->serial = serial;
-  tap->active = active;
-  tap->ids.clear();
-  tap->grads.clear();
-  tap->pending = 0;
+int64_t tid_of(Tap& tap, const torch::Tensor& t, bool grad_enabled) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto it = tap.tids.find(impl);
+  if (it != tap.tids.end()) {
+    auto alive = it->second.first.lock();
+    if (alive.get() == impl) return it->second.second;
+    tap.tids.erase(it);  // a dead tensor's address, reused
+  }
+  const int64_t tid = tap.next_tid++;
+  tap.tids.emplace(impl, std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), tid));
+  if (tap.acts) {
+    if (!tap.act_ts.empty() && tap.act_ts.front().device() != t.device()) tap.act_mixed = true;
+    tap.act_ids.push_back(tid);
+    tap.act_ts.push_back(t);
+    tap.act_pending += t.numel();
+  }
+  return tid;
+}
+
+void note(const TapP& tap, pybind11::handle obj, int depth, bool grad_enabled) {
+  Tap& tp = *tap;
+  tp.scratch.clear();
+  walk(obj, depth, tp.scratch);
+  for (const auto& t : tp.scratch) {
+    if (!t.is_floating_point()) continue;
+    const int64_t before = tp.next_tid;
+    const int64_t tid = tid_of(tp, t, grad_enabled);
+    tp.flat.push_back(tid);
+    if (tid >= before && tp.watch_grads && grad_enabled && t.requires_grad()) tap_watch(tap, t, tid);
+  }
+}
+
+// one module call; returns whether the activation queue should be drained now
+bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::handle kwargs, pybind11::handle output,
+                bool grad_enabled) {
+  Tap& tp = *tap;
+  tp.call_mod.push_back(mod);
+  tp.call_in.push_back(static_cast<int64_t>(tp.flat.size()));
+  if (kwargs.is_none() || (PyDict_Check(kwargs.ptr()) && PyDict_GET_SIZE(kwargs.ptr()) == 0)) {
+    note(tap, args, 0, grad_enabled);
+  } else {  // as iter_tensors((args, kwargs))
+    note(tap, args, 1, grad_enabled);
+    note(tap, kwargs, 1, grad_enabled);
+  }
+  tp.call_out.push_back(static_cast<int64_t>(tp.flat.size()));
+  note(tap, output, 0, grad_enabled);
+  return tp.act_pending >= tp.limit;
+}
+
+pybind11::tuple tap_take_acts(const TapP& tap) {
+  std::vector<int64_t> ids;
+  std::vector<torch::Tensor> ts;
+  ids.swap(tap->act_ids);
+  ts.swap(tap->act_ts);
+  const int64_t n = tap->act_pending;
+  const bool mixed = tap->act_mixed;
+  tap->act_pending = 0;
+  tap->act_mixed = false;
+  return pybind11::make_tuple(ids, ts, n, mixed);
+}
+
+pybind11::tuple tap_take_grads(const TapP& tap) {
+  std::vector<int64_t> ids;
+  std::vector<torch::Tensor> grads;
+  int64_t n;
+  bool mixed;
+  {
+    std::lock_guard<std::mutex> lock(tap->mu);
+    ids.swap(tap->grad_ids);
+    grads.swap(tap->grads);
+    n = tap->grad_pending;
+    mixed = tap->grad_mixed;
+    tap->grad_pending = 0;
+    tap->grad_mixed = false;
+  }
+  return pybind11::make_tuple(ids, grads, n, mixed);
+}
+
+// the calls noted since the last take: (module indices, [(inputs, outputs)]), in the order the calls ended
+pybind11::tuple tap_take_calls(const TapP& tap) {
+  Tap& tp = *tap;
+  const size_t n = tp.call_mod.size();
+  pybind11::list io(n);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t a = tp.call_in[k], b = tp.call_out[k];
+    const int64_t c = k + 1 < n ? tp.call_in[k + 1] : static_cast<int64_t>(tp.flat.size());
+    pybind11::list ins(b - a), outs(c - b);
+    for (int64_t i = a; i < b; ++i) ins[i - a] = pybind11::int_(tp.flat[i]);
+    for (int64_t i = b; i < c; ++i) outs[i - b] = pybind11::int_(tp.flat[i]);
+    io[k] = pybind11::make_tuple(ins, outs);
+  }
+  std::vector<int64_t> mods;
+  mods.swap(tp.call_mod);
+  tp.call_in.clear();
+  tp.call_out.clear();
+  tp.flat.clear();
+  return pybind11::make_tuple(mods, io);
+}
+
+void tap_start(const TapP& tap, int64_t serial, bool active) {
+  {
+    std::lock_guard<std::mutex> lock(tap->mu);
+    tap->serial = serial;
+    tap->active = active;
+    tap->grad_ids.clear();
+    tap->grads.clear();
+    tap->grad_pending = 0;
+    tap->grad_mixed = false;
+  }
+  tap->tids.clear();
+  tap->next_tid = 0;
+  tap->act_ids.clear();
+  tap->act_ts.clear();
+  tap->act_pending = 0;
+  tap->act_mixed = false;
+  tap->call_mod.clear();
+  tap->call_in.clear();
+  tap->call_out.clear();
+  tap->flat.clear();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, "ampdoctor one-pass statistics");
-  pybind11::class_<GradTap, std::shared_ptr<GradTap>>(m, "GradTap")
-      .def(pybind11::init<int64_t, pybind11::object>());
-  m.def("tap_watch", &tap_watch, "hook a tensor: its gradient is queued under tid");
-  m.def("tap_take", &tap_take, "(tids, gradients) queued since the last take, in arrival order");
-  m.def("tap_start", &tap_start, "a new step: clears the queue, sets the serial and whether to record");
+  pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
+      .def(pybind11::init<int64_t, bool, bool, pybind11::object>());
+  m.def("tap_record", &tap_record, "note one module call");
+  m.def("tap_take_acts", &tap_take_acts, "(tids, tensors, elements) queued for statistics since the last take");
+  m.def("tap_take_grads", &tap_take_grads, "(tids, gradients, elements) queued since the last take, in arrival order");
+  m.def("tap_take_calls", &tap_take_calls, "(module indices, [(input tids, output tids)]) noted since the last take");
+  m.def("tap_start", &tap_start, "a new step: clears everything, sets the serial and whether to record");
 }
 """
 

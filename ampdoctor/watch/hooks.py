@@ -25,6 +25,7 @@ meet a compiled region anyway, it does nothing there: dynamo traces it as a no-o
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -84,6 +85,63 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
     return hook
 
 
+# While a step is recorded, module calls are seen by wrapping ``nn.Module.__call__`` (one Python frame
+# around torch's own, which keeps its fast path for modules with no hooks) instead of a global forward
+# hook, which sends every module call through ``_call_impl``'s slow path: about 4 µs a call, which on a
+# model of many small modules was most of what watching cost (docs/performance.md). Recording Hooks
+# listen weakly; the wrapper is in place only while one does, and is taken away with the last.
+_LISTENERS: list[weakref.ref[Any]] = []
+_ORIG_CALL: Any = nn.Module.__call__
+
+
+def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    out = _ORIG_CALL(self, *args, **kwargs)
+    if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
+        return out
+    for ref in _LISTENERS:
+        h = ref()
+        if h is not None:
+            h._on_forward(self, args, kwargs, out)
+    return out
+
+
+def listen_calls(h: Any) -> None:
+    """Have ``h._on_forward(module, args, kwargs, output)`` called after every module call (held weakly)."""
+    global _ORIG_CALL
+    if not any(r() is h for r in _LISTENERS):
+        _LISTENERS.append(weakref.ref(h))
+    if nn.Module.__call__ is not _recording_call:
+        _ORIG_CALL = nn.Module.__call__
+        nn.Module.__call__ = _recording_call  # type: ignore[method-assign]
+
+
+def unlisten_calls(h: Any) -> None:
+    """Stop ``h`` listening (None: only drop dead listeners); unwrap ``__call__`` when nobody listens."""
+    _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not h]
+    if not _LISTENERS and nn.Module.__call__ is _recording_call:  # (wrapped again by someone else: left to them)
+        nn.Module.__call__ = _ORIG_CALL  # type: ignore[method-assign]
+
+
+def watchers() -> int:
+    """How many ``Hooks`` watch module calls now: the ``__call__`` wrapper's live listeners plus global forward
+    hooks (0 means nothing of ampdoctor's is in any module call)."""
+    live = sum(1 for r in _LISTENERS if r() is not None)
+    return live + len(torch.nn.modules.module._global_forward_hooks) + (
+        1 if not live and nn.Module.__call__ is _recording_call else 0)
+
+
+def uses_compile(root: nn.Module) -> bool:
+    """Whether any module of ``root`` runs compiled (``torch.compile(sub)`` inside, or ``sub.compile()``)."""
+    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in root.modules())
+
+
+def call_wrapping_enabled() -> bool:
+    """Whether module calls are watched through the ``__call__`` wrapper (``AMPDOCTOR_MODULE_HOOK=global``: a
+    global forward hook instead, the slower way torch offers, kept as a fallback)."""
+    return os.environ.get("AMPDOCTOR_MODULE_HOOK", "call") != "global"
+
+
 def _drain(ref: weakref.ref[Hooks]) -> None:
     """The gradient tap's callback when its queue is full (called from backward, with the GIL)."""
     h = ref()
@@ -141,22 +199,28 @@ class Hooks:
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self._param_names = [(n, p) for n, p in root.named_parameters()]
+        self._pgrad_keys: list[tuple[Hashable, torch.Tensor]] = [(("pgrad", n), p) for n, p in self._param_names]
+        self._param_keys: list[Hashable] = [("param", n) for n, _ in self._param_names]
+        self._params: list[torch.Tensor] = [p for _, p in self._param_names]
+        self._param_numel = sum(p.numel() for p in self._params)
         self._active = False
         self.record_if: Callable[[int], bool] | None = None
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
+        self._listening = False
+        self._wrap_call = True
         weakref.finalize(self, remove_hooks, self._handles)  # an unclosed Hooks takes its global hook with it
+        weakref.finalize(self, unlisten_calls, None)  # and its place among the __call__ wrapper's listeners
         self._buf = StatsBuffer(fmt)
         self._serial = 0
         """Counts recorded steps: a gradient hook left from another step (a tensor kept across steps) does nothing."""
+        self._mods = list(self._names.values())
+        self._index = {k: i for i, k in enumerate(self._names)}
+        self._root_index = self._index[id(root)]
+        self._native: Any = None
+        """The C++ recorder (``fused``'s ``Tap``) once the kernel is built: module calls, tensor ids and gradient
+        hooks in C++, with no Python call in backward. Until then (or without a compiler) the Python code here
+        does the same, and the records are the same (tests/test_hooks_native.py)."""
         self._tap: Any = None
-        """The C++ gradient tap (``fused``), when the kernel is built: a gradient hook that queues the gradient
-        with no Python call in backward. Without it, a Python tensor hook per watched tensor does the same."""
-        mod = fused.kernel()
-        if mod is not None and grads:
-            self._tap = mod.GradTap(self._buf.flush_numel, partial(_drain, weakref.ref(self)))
-            self._tap_watch = mod.tap_watch
-            self._tap_take = mod.tap_take
-            self._tap_start = mod.tap_start
         self.exchanged: Any = None
         """The host copy of the last ``end_step``'s ``exchange`` result (a numpy vector), else None."""
         self._reset(0)
@@ -164,6 +228,8 @@ class Hooks:
     # lifecycle -----------------------------------------------------------------------------
     def attach(self) -> Hooks:
         self._attached = True
+        root = self._root()
+        self._wrap_call = call_wrapping_enabled() and root is not None and not uses_compile(root)
         self._sync_hook()
         if self.tracker is not None:
             self.tracker.attach()
@@ -177,12 +243,19 @@ class Hooks:
             self.tracker.detach()
 
     def _sync_hook(self) -> None:
-        """The global forward hook is registered exactly while attached and recording."""
+        """Module calls are watched exactly while attached and recording: through the ``__call__`` wrapper,
+        or, where a module of the model is compiled (or ``AMPDOCTOR_MODULE_HOOK=global``), a global forward hook."""
         want = self._attached and self._active and not self._compiled
-        if want and not self._handles:
-            hook = _global_hook(weakref.ref(self))
-            self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
-        elif not want and self._handles:
+        if want and not self._listening:
+            self._listening = True
+            if self._wrap_call:
+                listen_calls(self)
+            else:
+                hook = _global_hook(weakref.ref(self))
+                self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
+        elif not want and self._listening:
+            self._listening = False
+            unlisten_calls(self)
             remove_hooks(self._handles)
 
     def __enter__(self) -> Hooks:
@@ -214,9 +287,39 @@ class Hooks:
             record = self.record_if(step) if self.record_if is not None else step % self.every == 0
         self._active = record
         self._serial += 1
+        if self._tap is None and record:
+            self._start_native()
         if self._tap is not None:
-            self._tap_start(self._tap, self._serial, record)
+            self._native.tap_start(self._tap, self._serial, record)
         self._sync_hook()
+
+    def _start_native(self) -> None:
+        """Record through the C++ tap from now on, if the kernel is built (checked at each recorded step)."""
+        mod = fused.kernel()
+        if mod is not None:
+            self._native = mod
+            self._tap = mod.Tap(self._buf.flush_numel, self.activations, self.grads, partial(_drain, weakref.ref(self)))
+
+    def _take_native(self) -> None:
+        """Move what the C++ tap holds into this step's record: calls, activations, gradients (in arrival order)."""
+        if self._tap is None:
+            return
+        n = self._native
+        mods, io = n.tap_take_calls(self._tap)
+        if mods:
+            st = self._cur
+            names, root = self._mods, self._root_index
+            for m, (ins, outs) in zip(mods, io, strict=True):
+                st.calls.append(Call(names[m], ins, outs))
+                if m == root:
+                    st.model_inputs, st.model_outputs = ins, outs
+        self._take_acts()
+        self._take_grads()
+
+    def _take_acts(self) -> None:
+        tids, ts, numel, mixed = self._native.tap_take_acts(self._tap)
+        if tids:
+            self._buf.add_many([("act", t) for t in tids], ts, numel, mixed)
 
     @property
     def recording(self) -> bool:
@@ -225,6 +328,7 @@ class Hooks:
     @property
     def current(self) -> StepStats:
         """The step being recorded (its calls and gradient order are on the host; rows come at ``end_step``)."""
+        self._take_native()
         return self._cur
 
     def _tid(self, t: torch.Tensor) -> int:
@@ -238,10 +342,7 @@ class Hooks:
         if self.activations:
             self._buf.add(("act", tid), t)
         if self.grads and t.requires_grad and self._grad_enabled:
-            if self._tap is not None:
-                self._tap_watch(self._tap, t, tid)
-            else:
-                t.register_hook(partial(self._on_grad, self._serial, tid))
+            t.register_hook(partial(self._on_grad, self._serial, tid))
         return tid
 
     def _on_grad(self, serial: int, tid: int, g: torch.Tensor) -> None:
@@ -253,12 +354,10 @@ class Hooks:
         """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
         if self._tap is None:
             return
-        tids, grads = self._tap_take(self._tap)
+        tids, grads, numel, mixed = self._native.tap_take_grads(self._tap)
         if tids:
             self._cur.grad_order.extend(tids)
-            add = self._buf.add
-            for tid, g in zip(tids, grads, strict=True):
-                add(("grad", tid), g)
+            self._buf.add_many([("grad", t) for t in tids], grads, numel, mixed)
 
     def _tids_of(self, obj: Any) -> list[int]:
         # fast paths for the common shapes: one tensor, or a tuple of tensors
@@ -269,11 +368,18 @@ class Hooks:
         return [self._tid(t) for t in iter_tensors(obj) if t.is_floating_point()]
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        name = self._names.get(id(module))
-        if name is None or not self._active:  # another model's module (the hook is process-wide)
+        if not self._active:
+            return
+        idx = self._index.get(id(module))
+        if idx is None:  # another model's module (the hook is process-wide)
             return
         if self.training_only and not (torch.is_grad_enabled() and _training(self._root)):
             return
+        if self._tap is not None:
+            if self._native.tap_record(self._tap, idx, args, kwargs, output, torch.is_grad_enabled()):
+                self._take_acts()  # bounded: the queue holds a flush's worth at most
+            return
+        name = self._mods[idx]
         self._grad_enabled = torch.is_grad_enabled()
         ins = self._tids_of(args if not kwargs else (args, kwargs))
         outs = self._tids_of(output)
@@ -297,17 +403,25 @@ class Hooks:
         """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used)."""
         if not (self._active and self.grads):
             return
-        self._take_grads()
-        for n, p in self._param_names:
-            if p.grad is not None:
-                self._buf.add(("pgrad", n), p.grad)
+        self._take_native()
+        keys: list[Hashable] = []
+        grads: list[torch.Tensor] = []
+        numel = 0
+        for k, p in self._pgrad_keys:
+            g = p.grad
+            if g is not None:
+                keys.append(k)
+                grads.append(g)
+                numel += g.numel()
+        if keys:
+            self._buf.add_many(keys, grads, numel, len({g.device for g in grads}) > 1)
 
     def after_step(self) -> None:
         """Queue parameter values after the optimizer update."""
         if not (self._active and self.params):
             return
-        for n, p in self._param_names:
-            self._buf.add(("param", n), p)
+        if self._param_keys:  # (a model split over devices: the buffer groups them per device)
+            self._buf.add_many(self._param_keys, self._params, self._param_numel, len({p.device for p in self._params}) > 1)
 
     def end_step(self, exchange: Callable[[list[Hashable], torch.Tensor], torch.Tensor] | None = None) -> StepStats:
         """Reduce everything queued this step and bring it to the host (one transfer).
@@ -315,10 +429,10 @@ class Hooks:
         ``exchange(keys, rows)``: called with the reduced rows still on the device, returns a 1-D
         tensor (the ranks' all-reduce) that comes back in the same copy, as ``self.exchanged``."""
         st = self._cur
-        self._take_grads()
+        self._take_native()
         self._serial += 1  # a gradient arriving after the step ended belongs to no step
         if self._tap is not None:
-            self._tap_start(self._tap, self._serial, False)
+            self._native.tap_start(self._tap, self._serial, False)
         keys, rows = self._buf.collect()
         extra = exchange(keys, rows).reshape(-1).to(torch.float64) if exchange is not None else None
         self.exchanged = None
@@ -345,16 +459,9 @@ class Hooks:
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()
-        for key, row in zip(keys, host, strict=True):
-            kind, ident = cast(tuple[str, Any], key)
-            if kind == "act":
-                st.act[ident] = row
-            elif kind == "grad":
-                st.grad[ident] = row
-            elif kind == "pgrad":
-                st.pgrad[ident] = row
-            elif kind == "param":
-                st.param[ident] = row
+        into: dict[str, dict[Any, Any]] = {"act": st.act, "grad": st.grad, "pgrad": st.pgrad, "param": st.param}
+        for (kind, ident), row in zip(cast(list[tuple[str, Any]], keys), host, strict=True):
+            into[kind][ident] = row
         self._tids = {}
         return st
 

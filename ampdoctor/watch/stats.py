@@ -278,6 +278,22 @@ class StatsBuffer:
         if p.numel >= self.flush_numel:
             self._flush(device)
 
+    def add_many(self, keys: list[Hashable], tensors: list[torch.Tensor], numel: int, mixed: bool = False) -> None:
+        """``add`` for each pair; ``numel`` is their total, ``mixed`` whether they are on more than one device."""
+        if mixed or numel >= self.big_numel:
+            for k, t in zip(keys, tensors, strict=True):
+                self.add(k, t)
+            return
+        device = tensors[0].device
+        p = self._pending.get(device)
+        if p is None:
+            p = self._pending[device] = _Pending([], [])
+        p.keys.extend(keys)
+        p.tensors.extend(tensors)
+        p.numel += numel
+        if p.numel >= self.flush_numel:
+            self._flush(device)
+
     def _flush(self, device: torch.device) -> None:
         p = self._pending.pop(device, None)
         if p is None or not p.tensors:

@@ -1,0 +1,139 @@
+"""The C++ recorder (``fused``'s ``Tap``) gives exactly the records of the Python hooks it replaces:
+the same calls with the same tensor ids, the same gradient arrival order, the same model inputs and
+outputs, the same rows. Run on models whose calls take keyword arguments, return tuples, lists, dicts
+and dict subclasses, call a module twice, run a part under no_grad and return integer tensors."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.records import StepStats
+from ampdoctor.watch import fused
+from ampdoctor.watch.hooks import Hooks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel() -> None:
+    if fused.build_now() is None:
+        pytest.skip("no C++ compiler / ninja here: the C++ recorder cannot be built (the Python hooks are used)")
+
+
+class Out(OrderedDict):  # a ModelOutput-like dict subclass
+    pass
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.a(x) * gate
+        return h, [self.b(h), torch.argmax(h, dim=-1)]  # an integer tensor: not watched
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.pair = Pair()
+        self.norm = nn.LayerNorm(6)
+        self.act = nn.GELU()
+        self.side = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor, scale: torch.Tensor) -> Out:
+        x = self.emb(ids)
+        h, (z, _) = self.pair(x, gate=scale)
+        y = self.act(self.norm(h + z))
+        y = self.act(y)  # the same module twice
+        with torch.no_grad():
+            self.side(y)  # no gradient hook on what no_grad makes
+        return Out(logits=self.head(y), hidden=y)
+
+
+def _step(h: Hooks, model: Net, ids: torch.Tensor, scale: torch.Tensor, step: int) -> StepStats:
+    h.begin_step(step)
+    out = model(ids, scale)
+    (out["logits"].square().mean() + out["hidden"].sum() * 0.01).backward()
+    h.after_backward()
+    h.after_step()
+    st = h.end_step()
+    model.zero_grad(set_to_none=True)
+    return st
+
+
+def _run(native: bool, flush_numel: int | None = None, steps: int = 2) -> list[StepStats]:
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 10, (4, 5))
+    scale = torch.rand(4, 5, 6, requires_grad=True)
+    h = Hooks(model)
+    if not native:
+        h._start_native = lambda: None  # type: ignore[method-assign]
+    if flush_numel is not None:
+        h._buf.flush_numel = flush_numel
+    with h:
+        sts = [_step(h, model, ids, scale, i) for i in range(steps)]
+    assert (h._tap is not None) == native
+    return sts
+
+
+def _same(a: StepStats, b: StepStats) -> None:
+    assert [(c.module, c.inputs, c.outputs) for c in a.calls] == [(c.module, c.inputs, c.outputs) for c in b.calls]
+    assert a.grad_order == b.grad_order
+    assert (a.model_inputs, a.model_outputs) == (b.model_inputs, b.model_outputs)
+    for kind in ("act", "grad", "pgrad", "param"):
+        ra, rb = getattr(a, kind), getattr(b, kind)
+        assert ra.keys() == rb.keys(), kind
+        for k in ra:
+            np.testing.assert_array_equal(ra[k], rb[k])
+
+
+def test_the_cpp_recorder_gives_the_python_records() -> None:
+    py, cc = _run(native=False), _run(native=True)
+    for a, b in zip(py, cc, strict=True):
+        _same(a, b)
+    st = cc[1]
+    assert [c.module for c in st.calls] == ["emb", "pair.a", "pair.b", "pair", "norm", "act", "act", "side", "head",
+                                            "<model>"]
+    side = next(c for c in st.calls if c.module == "side")
+    assert side.outputs[0] not in st.grad  # made under no_grad: no gradient hook
+    assert len(st.model_inputs) == 1  # the float input (scale); the ids are integers
+    assert len(st.model_outputs) == 2 and st.grad_order[0] in st.model_outputs
+
+
+def test_a_full_queue_is_drained_during_backward() -> None:
+    """A queue holding a flush's worth of elements is handed over mid-step (from the gradient hook, with the
+    GIL): the records are the same as with no limit."""
+    for a, b in zip(_run(native=True), _run(native=True, flush_numel=64), strict=True):
+        _same(a, b)
+    for a, b in zip(_run(native=False, flush_numel=64), _run(native=True, flush_numel=64), strict=True):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gradient_hook_left_from_an_earlier_step_records_nothing(native: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    model = nn.Sequential(lin)
+    x = torch.randn(2, 3)
+    h = Hooks(model)
+    if not native:
+        h._start_native = lambda: None  # type: ignore[method-assign]
+    with h:
+        h.begin_step(0)
+        kept = model(x)  # its gradient hook belongs to step 0
+        h.end_step()
+        h.begin_step(1)
+        model(x).sum().backward()
+        kept.sum().backward()  # step 0's tensor, backward in step 1
+        st = h.end_step()
+    assert (h._tap is not None) == native
+    assert st.grad_order == [1]  # step 1's output, once: step 0's output (also tid 1 then) records nothing
