@@ -86,3 +86,34 @@ def test_every_fp16_and_bf16_bit_pattern() -> None:
 def test_another_dtype_is_left_to_the_eager_path() -> None:
     assert fused.fused_stats([torch.randn(4), torch.zeros(3, dtype=torch.float64)], *_thresholds(FP16)) is None
     assert fused.fused_stats([torch.zeros(3, dtype=torch.int32)], *_thresholds(FP16)) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_norms_are_the_float64_norms_and_nonfinite_exactly_when_an_element_is(data: st.DataObject) -> None:
+    """The recipe's per-parameter gradient norms on the CPU: the float64 norm rounded to float32, so finite for
+    any finite tensor whose norm fits float32 (``_foreach_norm`` in float32 overflows from |x| = 1.8e19)."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    sizes = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=5))
+    ts = []
+    for n in sizes:
+        bits = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))
+        ts.append(torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32).copy()).to(dtype))
+    got = fused.fused_norms(ts)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (len(ts),)
+    ref = torch.stack([torch.linalg.vector_norm(t.double()) if t.numel() else torch.zeros((), dtype=torch.float64)
+                       for t in ts])
+    for g, r, t in zip(got.tolist(), ref.tolist(), ts, strict=True):
+        if not torch.isfinite(t).all():
+            assert not np.isfinite(g)  # NaN or Inf in: never a finite norm
+        elif r <= 3.4e38:
+            assert np.isfinite(g) and g == pytest.approx(r, rel=1e-6)  # (float32 rounding of the float64 norm)
+
+
+def test_norms_match_foreach_norm_on_gradients() -> None:
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(64, 64, generator=g), torch.randn(64, generator=g) * 1e-3, torch.randn(3 * fused.CHUNK + 5, generator=g)]
+    got = fused.fused_norms(ts)
+    want = torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
+    assert got is not None and torch.allclose(got, want, rtol=1e-5, atol=0)
+    assert fused.fused_norms([torch.zeros(2, dtype=torch.float64)]) is None  # another dtype: _foreach_norm

@@ -113,6 +113,10 @@ class _MultiFormatBuffer(StatsBuffer):
         if self._qnumel[slot] >= self.flush_numel:
             self._flush_slot(slot)
 
+    def add_many(self, keys: list[Hashable], tensors: list[torch.Tensor], numel: int, mixed: bool = False) -> None:
+        for k, t in zip(keys, tensors, strict=True):
+            self.add(k, t)
+
     def _flush_slot(self, slot: tuple[torch.device, bool]) -> None:
         keys, ts = self._queue.pop(slot, ([], []))
         self._qnumel.pop(slot, None)

@@ -36,6 +36,7 @@ from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch.fused import fused_norms
 from ampdoctor.watch.hooks import Hooks, unwrap
 
 
@@ -302,8 +303,10 @@ class TrainStep:
         grads = [p.grad for p in gparams if p.grad is not None]
         dev = grads[0].device if grads else self.device
         if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            per = torch.stack([n.to(dev) for n in norms])
+            per = fused_norms(grads) if dev.type == "cpu" else None  # one C++ call on the CPU (watch.fused)
+            if per is None:
+                norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+                per = torch.stack(norms if all(n.device == dev for n in norms) else [n.to(dev) for n in norms])
             pre = torch.linalg.vector_norm(per, 2.0)
             bad = ~torch.isfinite(per)
             nbad = bad.sum()
