@@ -302,6 +302,7 @@ class TrainStep:
         gparams = [p for p in self.params if p.grad is not None]
         grads = [p.grad for p in gparams if p.grad is not None]
         dev = grads[0].device if grads else self.device
+        per: torch.Tensor | None = None
         if grads:
             per = fused_norms(grads) if dev.type == "cpu" else None  # one C++ call on the CPU (watch.fused)
             if per is None:
@@ -369,7 +370,7 @@ class TrainStep:
             st = None
             parts = [packed]
             nper = 0
-            if self.sentinel is not None and grads:  # each gradient's L2 norm too (no extra pass)
+            if self.sentinel is not None and per is not None:  # each gradient's L2 norm too (no extra pass)
                 parts.append(per.to(packed.device, torch.float64))
                 nper = per.numel()
             if rx is not None:
