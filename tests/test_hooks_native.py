@@ -109,6 +109,16 @@ def test_the_cpp_recorder_gives_the_python_records() -> None:
     assert len(st.model_outputs) == 2 and st.grad_order[0] in st.model_outputs
 
 
+def test_rows_made_in_cpp_equal_the_eager_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Activation and gradient rows are made in C++ as each tensor appears; the Python hooks with the eager
+    statistics (no kernel at all) give the same rows."""
+    cc = _run(native=True)
+    monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
+    eager = _run(native=False)
+    for a, b in zip(eager, cc, strict=True):
+        _same(a, b)
+
+
 def test_a_full_queue_is_drained_during_backward() -> None:
     """A queue holding a flush's worth of elements is handed over mid-step (from the gradient hook, with the
     GIL): the records are the same as with no limit."""

@@ -12,7 +12,7 @@ Rules (from the issue that defines the product):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def innermost(names: Iterable[str]) -> list[str]:
     return [a for a in ns if not any(is_ancestor(a, b) for b in ns)]
 
 
-def _bad(rows: dict[int, np.ndarray], tids: list[int]) -> bool:
+def _bad(rows: dict[int, np.ndarray], tids: Sequence[int]) -> bool:
     return any(t in rows and nonfinite(rows[t]) > 0 for t in tids)
 
 

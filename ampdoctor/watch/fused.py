@@ -125,6 +125,21 @@ void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc&
   }
 }
 
+// NUMEL ZERO UNDERFLOW SUBNORMAL NORMAL OVERFLOW POSINF NEGINF NAN ABSMAX MIN_NONZERO (stats.Col)
+void fill_row(const Acc& t, double* o) {
+  int64_t numel = 0;
+  for (int q = 0; q < 8; ++q) numel += t.c[q];
+  o[0] = numel;
+  for (int q = 0; q < 6; ++q) o[1 + q] = t.c[q];
+  o[7] = t.c[7];
+  o[8] = t.c[6];
+  float amax, amin;
+  std::memcpy(&amax, &t.amax, 4);
+  std::memcpy(&amin, &t.amin, 4);
+  o[9] = amax;
+  o[10] = amin;  // +inf (the bits of INF) when no finite non-zero element
+}
+
 }  // namespace
 
 torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
@@ -179,22 +194,30 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
     t.amax = part[k].amax > t.amax ? part[k].amax : t.amax;
     t.amin = part[k].amin < t.amin ? part[k].amin : t.amin;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const Acc& t = tot[j];
-    int64_t numel = 0;
-    for (int q = 0; q < 8; ++q) numel += t.c[q];
-    // NUMEL ZERO UNDERFLOW SUBNORMAL NORMAL OVERFLOW POSINF NEGINF NAN ABSMAX MIN_NONZERO
-    o[j][0] = numel;
-    for (int q = 0; q < 6; ++q) o[j][1 + q] = t.c[q];
-    o[j][7] = t.c[7];
-    o[j][8] = t.c[6];
-    float amax, amin;
-    std::memcpy(&amax, &t.amax, 4);
-    std::memcpy(&amin, &t.amin, 4);
-    o[j][9] = amax;
-    o[j][10] = amin;  // +inf (the bits of INF) when no finite non-zero element
-  }
+  for (int64_t j = 0; j < n; ++j) fill_row(tot[j], &o[j][0]);
   return out;
+}
+
+// the row of one tensor, read right where it is made (the tap): no batching, the data still in cache
+bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double* o) {
+  auto st = t0.scalar_type();
+  if (!t0.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return false;
+  const torch::Tensor t = t0.contiguous();
+  Acc a;
+  for (int q = 0; q < 8; ++q) a.c[q] = 0;
+  a.amax = 0; a.amin = 0x7F800000;
+  const int64_t m = t.numel();
+  constexpr int64_t C = int64_t{1} << 30;  // int32 counts per pass
+  for (int64_t s = 0; s < m; s += C) {
+    const int32_t len = static_cast<int32_t>(std::min(C, m - s));
+    switch (st) {
+      case at::kFloat: run_bits(reinterpret_cast<const uint32_t*>(t.data_ptr<float>() + s), len, uf, sub, of, a); break;
+      case at::kHalf: run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a); break;
+      default: run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a); break;
+    }
+  }
+  fill_row(a, o);
+  return true;
 }
 
 // L2 norm of each tensor (float32 result, as _foreach_norm(dtype=float32) gives), the squares summed in
@@ -262,26 +285,34 @@ torch::Tensor norms(std::vector<torch::Tensor> ts, int64_t chunk) {
 // statistics buffer's.
 struct Tap {
   std::mutex mu;  // the gradient queue: backward may run on another thread (the autograd engine's)
-  std::vector<int64_t> grad_ids;
+  std::vector<int64_t> grad_order;  // every watched gradient's tid, in arrival order
+  std::vector<int64_t> grad_ids;    // queued as tensors (another device or dtype, or rows not wanted here)
   std::vector<torch::Tensor> grads;
+  std::vector<int64_t> grad_row_ids;  // reduced on arrival (CPU): their rows
+  std::vector<double> grad_rows;
   int64_t grad_pending = 0;
   bool grad_mixed = false;  // queued gradients on more than one device
   int64_t limit;
   int64_t serial = 0;   // the step being recorded; a gradient hook from another step does nothing
   bool active = false;
   bool acts, watch_grads;
+  bool rows;             // reduce CPU tensors here, on arrival, to stats rows with these thresholds
+  int32_t uf, sub, of;
   pybind11::object drain;
   // forward (only touched with the GIL held)
   std::unordered_map<c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> tids;
   int64_t next_tid = 0;
   std::vector<int64_t> act_ids;
   std::vector<torch::Tensor> act_ts;
+  std::vector<int64_t> act_row_ids;
+  std::vector<double> act_rows;
   int64_t act_pending = 0;
   bool act_mixed = false;
   std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
   std::vector<torch::Tensor> scratch;
-  Tap(int64_t limit_, bool acts_, bool grads_, pybind11::object drain_)
-      : limit(limit_), acts(acts_), watch_grads(grads_), drain(std::move(drain_)) {}
+  Tap(int64_t limit_, bool acts_, bool grads_, bool rows_, int64_t uf_, int64_t sub_, int64_t of_, pybind11::object drain_)
+      : limit(limit_), acts(acts_), watch_grads(grads_), rows(rows_), uf(uf_), sub(sub_), of(of_),
+        drain(std::move(drain_)) {}
   ~Tap() {  // the last owner may be a hook on the autograd thread: release Python's objects under the GIL
     if (Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
@@ -300,9 +331,17 @@ void tap_watch(const TapP& tap, const torch::Tensor& t, int64_t tid) {
     auto tp = w.lock();
     if (!tp || !g.defined()) return;
     bool full = false;
+    double row[11];
+    const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, row);
     {
       std::lock_guard<std::mutex> lock(tp->mu);
       if (!tp->active || tp->serial != serial) return;
+      tp->grad_order.push_back(tid);
+      if (reduced) {
+        tp->grad_row_ids.push_back(tid);
+        tp->grad_rows.insert(tp->grad_rows.end(), row, row + 11);
+        return;
+      }
       if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
       tp->grad_ids.push_back(tid);
       tp->grads.emplace_back(torch::Tensor(g));
@@ -349,6 +388,12 @@ int64_t tid_of(Tap& tap, const torch::Tensor& t, bool grad_enabled) {
   const int64_t tid = tap.next_tid++;
   tap.tids.emplace(impl, std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), tid));
   if (tap.acts) {
+    double row[11];
+    if (tap.rows && row_of(t, tap.uf, tap.sub, tap.of, row)) {
+      tap.act_row_ids.push_back(tid);
+      tap.act_rows.insert(tap.act_rows.end(), row, row + 11);
+      return tid;
+    }
     if (!tap.act_ts.empty() && tap.act_ts.front().device() != t.device()) tap.act_mixed = true;
     tap.act_ids.push_back(tid);
     tap.act_ts.push_back(t);
@@ -387,54 +432,70 @@ bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::h
   return tp.act_pending >= tp.limit;
 }
 
+torch::Tensor rows_tensor(std::vector<double>& v) {
+  const int64_t k = static_cast<int64_t>(v.size() / 11);
+  auto out = torch::empty({k, 11}, torch::kFloat64);
+  if (k) std::memcpy(out.data_ptr<double>(), v.data(), sizeof(double) * v.size());
+  v.clear();
+  return out;
+}
+
+// (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11])
 pybind11::tuple tap_take_acts(const TapP& tap) {
-  std::vector<int64_t> ids;
+  std::vector<int64_t> ids, rids;
   std::vector<torch::Tensor> ts;
   ids.swap(tap->act_ids);
   ts.swap(tap->act_ts);
+  rids.swap(tap->act_row_ids);
+  auto rows = rows_tensor(tap->act_rows);
   const int64_t n = tap->act_pending;
   const bool mixed = tap->act_mixed;
   tap->act_pending = 0;
   tap->act_mixed = false;
-  return pybind11::make_tuple(ids, ts, n, mixed);
+  return pybind11::make_tuple(ids, ts, n, mixed, rids, rows);
 }
 
+// (arrival order, then as tap_take_acts)
 pybind11::tuple tap_take_grads(const TapP& tap) {
-  std::vector<int64_t> ids;
+  std::vector<int64_t> order, ids, rids;
   std::vector<torch::Tensor> grads;
+  torch::Tensor rows;
   int64_t n;
   bool mixed;
   {
     std::lock_guard<std::mutex> lock(tap->mu);
+    order.swap(tap->grad_order);
     ids.swap(tap->grad_ids);
     grads.swap(tap->grads);
+    rids.swap(tap->grad_row_ids);
+    rows = rows_tensor(tap->grad_rows);
     n = tap->grad_pending;
     mixed = tap->grad_mixed;
     tap->grad_pending = 0;
     tap->grad_mixed = false;
   }
-  return pybind11::make_tuple(ids, grads, n, mixed);
+  return pybind11::make_tuple(order, ids, grads, n, mixed, rids, rows);
 }
 
-// the calls noted since the last take: (module indices, [(inputs, outputs)]), in the order the calls ended
+// the calls noted since the last take, flat (no Python object per call: see records.StepStats.calls):
+// (module indices, bounds, tids); call k's inputs are tids[bounds[2k]:bounds[2k+1]], its outputs
+// tids[bounds[2k+1]:bounds[2k+2]], in the order the calls ended
 pybind11::tuple tap_take_calls(const TapP& tap) {
   Tap& tp = *tap;
   const size_t n = tp.call_mod.size();
-  pybind11::list io(n);
+  std::vector<int64_t> bounds;
+  bounds.reserve(2 * n + 1);
   for (size_t k = 0; k < n; ++k) {
-    const int64_t a = tp.call_in[k], b = tp.call_out[k];
-    const int64_t c = k + 1 < n ? tp.call_in[k + 1] : static_cast<int64_t>(tp.flat.size());
-    pybind11::list ins(b - a), outs(c - b);
-    for (int64_t i = a; i < b; ++i) ins[i - a] = pybind11::int_(tp.flat[i]);
-    for (int64_t i = b; i < c; ++i) outs[i - b] = pybind11::int_(tp.flat[i]);
-    io[k] = pybind11::make_tuple(ins, outs);
+    bounds.push_back(tp.call_in[k]);
+    bounds.push_back(tp.call_out[k]);
   }
-  std::vector<int64_t> mods;
+  bounds.push_back(static_cast<int64_t>(tp.flat.size()));
+  std::vector<int64_t> mods, flat;
   mods.swap(tp.call_mod);
+  flat.swap(tp.flat);
   tp.call_in.clear();
   tp.call_out.clear();
-  tp.flat.clear();
-  return pybind11::make_tuple(mods, io);
+  return pybind11::make_tuple(mods, bounds, flat);
 }
 
 void tap_start(const TapP& tap, int64_t serial, bool active) {
@@ -442,8 +503,11 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
     std::lock_guard<std::mutex> lock(tap->mu);
     tap->serial = serial;
     tap->active = active;
+    tap->grad_order.clear();
     tap->grad_ids.clear();
     tap->grads.clear();
+    tap->grad_row_ids.clear();
+    tap->grad_rows.clear();
     tap->grad_pending = 0;
     tap->grad_mixed = false;
   }
@@ -451,6 +515,8 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
   tap->next_tid = 0;
   tap->act_ids.clear();
   tap->act_ts.clear();
+  tap->act_row_ids.clear();
+  tap->act_rows.clear();
   tap->act_pending = 0;
   tap->act_mixed = false;
   tap->call_mod.clear();
@@ -463,7 +529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, "ampdoctor one-pass statistics");
   m.def("norms", &norms, "the L2 norm of each tensor (float32), squares summed in double");
   pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
-      .def(pybind11::init<int64_t, bool, bool, pybind11::object>());
+      .def(pybind11::init<int64_t, bool, bool, bool, int64_t, int64_t, int64_t, pybind11::object>());
   m.def("tap_record", &tap_record, "note one module call");
   m.def("tap_take_acts", &tap_take_acts, "(tids, tensors, elements) queued for statistics since the last take");
   m.def("tap_take_grads", &tap_take_grads, "(tids, gradients, elements) queued since the last take, in arrival order");

@@ -38,7 +38,7 @@ from ampdoctor.formats import FP16, Format
 from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import fused
-from ampdoctor.watch.stats import StatsBuffer
+from ampdoctor.watch.stats import StatsBuffer, _thresholds
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel")
 
@@ -298,28 +298,34 @@ class Hooks:
         mod = fused.kernel()
         if mod is not None:
             self._native = mod
-            self._tap = mod.Tap(self._buf.flush_numel, self.activations, self.grads, partial(_drain, weakref.ref(self)))
+            # rows made in C++ as each tensor appears (data still in cache, nothing held) where the buffer
+            # is the plain one; a buffer of its own (``ampdoctor layers``: several formats) gets the tensors
+            rows = type(self._buf) is StatsBuffer
+            self._tap = mod.Tap(self._buf.flush_numel, self.activations, self.grads, rows, *_thresholds(self.fmt),
+                                partial(_drain, weakref.ref(self)))
 
     def _take_native(self) -> None:
         """Move what the C++ tap holds into this step's record: calls, activations, gradients (in arrival order)."""
         if self._tap is None:
             return
-        n = self._native
-        mods, io = n.tap_take_calls(self._tap)
+        mods, bounds, tids = self._native.tap_take_calls(self._tap)
         if mods:
             st = self._cur
-            names, root = self._mods, self._root_index
-            for m, (ins, outs) in zip(mods, io, strict=True):
-                st.calls.append(Call(names[m], ins, outs))
-                if m == root:
-                    st.model_inputs, st.model_outputs = ins, outs
+            st.flat_calls.append((self._mods, mods, bounds, tids))  # Call objects made when read
+            root = self._root_index
+            if root in mods:  # the model's own call (the last one): its inputs and outputs
+                k = len(mods) - 1 - mods[::-1].index(root)
+                st.model_inputs = tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
+                st.model_outputs = tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
         self._take_acts()
         self._take_grads()
 
     def _take_acts(self) -> None:
-        tids, ts, numel, mixed = self._native.tap_take_acts(self._tap)
+        tids, ts, numel, mixed, rtids, rows = self._native.tap_take_acts(self._tap)
         if tids:
             self._buf.add_many([("act", t) for t in tids], ts, numel, mixed)
+        if rtids:
+            self._buf.add_rows([("act", t) for t in rtids], rows)
 
     @property
     def recording(self) -> bool:
@@ -354,10 +360,12 @@ class Hooks:
         """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
         if self._tap is None:
             return
-        tids, grads, numel, mixed = self._native.tap_take_grads(self._tap)
+        order, tids, grads, numel, mixed, rtids, rows = self._native.tap_take_grads(self._tap)
+        self._cur.grad_order.extend(order)
         if tids:
-            self._cur.grad_order.extend(tids)
             self._buf.add_many([("grad", t) for t in tids], grads, numel, mixed)
+        if rtids:
+            self._buf.add_rows([("grad", t) for t in rtids], rows)
 
     def _tids_of(self, obj: Any) -> list[int]:
         # fast paths for the common shapes: one tensor, or a tuple of tensors
@@ -381,8 +389,8 @@ class Hooks:
             return
         name = self._mods[idx]
         self._grad_enabled = torch.is_grad_enabled()
-        ins = self._tids_of(args if not kwargs else (args, kwargs))
-        outs = self._tids_of(output)
+        ins = tuple(self._tids_of(args if not kwargs else (args, kwargs)))
+        outs = tuple(self._tids_of(output))
         self._cur.calls.append(Call(name, ins, outs))
         if id(module) == self._root_id:
             self._cur.model_inputs = ins

@@ -294,6 +294,11 @@ class StatsBuffer:
         if p.numel >= self.flush_numel:
             self._flush(device)
 
+    def add_rows(self, keys: list[Hashable], rows: torch.Tensor) -> None:
+        """Rows already reduced (``[len(keys), NCOLS]`` float64): the C++ tap's, made as each tensor appeared."""
+        self._keys.extend(keys)
+        self._rows.append(rows)
+
     def _flush(self, device: torch.device) -> None:
         p = self._pending.pop(device, None)
         if p is None or not p.tensors:
