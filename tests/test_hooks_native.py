@@ -147,3 +147,28 @@ def test_a_gradient_hook_left_from_an_earlier_step_records_nothing(native: bool)
         st = h.end_step()
     assert (h._tap is not None) == native
     assert st.grad_order == [1]  # step 1's output, once: step 0's output (also tid 1 then) records nothing
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_training_only_leaves_evaluation_forwards_out(native: bool) -> None:
+    """What the framework callbacks set, possibly after recording started: an evaluation forward (eval mode,
+    or no_grad) inside a recorded step is not recorded; a training forward is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    x = torch.randn(2, 3)
+    h = Hooks(model)
+    if not native:
+        h._start_native = lambda: None  # type: ignore[method-assign]
+    with h:
+        h.begin_step(0)
+        h.training_only = True  # set while already listening
+        model.eval()
+        model(x)
+        model.train()
+        with torch.no_grad():
+            model(x)
+        model(x).sum().backward()
+        st = h.end_step()
+    assert (h._tap is not None) == native
+    assert [c.module for c in st.calls] == ["0", "1", "<model>"]
+    assert len(st.act) == 3 and len(st.grad) == 2  # input, two outputs; gradients of the two outputs

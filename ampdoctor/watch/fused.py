@@ -310,6 +310,9 @@ struct Tap {
   bool act_mixed = false;
   std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
   std::vector<torch::Tensor> scratch;
+  std::unordered_map<PyObject*, int64_t> mod_index;  // the watched model's modules (by identity, like id())
+  pybind11::object root_ref;                         // a weakref to the model (training_only)
+  bool training_only = false;
   Tap(int64_t limit_, bool acts_, bool grads_, bool rows_, int64_t uf_, int64_t sub_, int64_t of_, pybind11::object drain_)
       : limit(limit_), acts(acts_), watch_grads(grads_), rows(rows_), uf(uf_), sub(sub_), of(of_),
         drain(std::move(drain_)) {}
@@ -317,6 +320,7 @@ struct Tap {
     if (Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
       drain = pybind11::object();
+      root_ref = pybind11::object();
       grads.clear();
       act_ts.clear();
     }
@@ -413,6 +417,35 @@ void note(const TapP& tap, pybind11::handle obj, int depth, bool grad_enabled) {
     tp.flat.push_back(tid);
     if (tid >= before && tp.watch_grads && grad_enabled && t.requires_grad()) tap_watch(tap, t, tid);
   }
+}
+
+bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::handle kwargs, pybind11::handle output,
+                bool grad_enabled);
+
+void tap_configure(const TapP& tap, pybind11::list modules, pybind11::object root_ref, bool training_only) {
+  tap->mod_index.clear();
+  for (size_t i = 0; i < modules.size(); ++i) tap->mod_index.emplace(modules[i].ptr(), static_cast<int64_t>(i));
+  tap->root_ref = std::move(root_ref);
+  tap->training_only = training_only;
+}
+
+// the __call__ wrapper's listener (watch.hooks): one module call, anything's; returns whether the activation
+// queue should be drained now
+bool tap_call(const TapP& tap, pybind11::handle module, pybind11::handle args, pybind11::handle kwargs,
+              pybind11::handle output) {
+  Tap& tp = *tap;
+  if (!tp.active) return false;
+  auto it = tp.mod_index.find(module.ptr());
+  if (it == tp.mod_index.end()) return false;  // another model's module
+  const bool grad = at::GradMode::is_enabled();
+  if (tp.training_only) {  // only training forwards: grad enabled and the model in train mode
+    if (!grad || !tp.root_ref) return false;
+    PyObject* root = PyWeakref_GetObject(tp.root_ref.ptr());
+    if (root == nullptr || root == Py_None) return false;
+    pybind11::handle r(root);
+    if (!pybind11::getattr(r, "training").cast<bool>()) return false;
+  }
+  return tap_record(tap, it->second, args, kwargs, output, grad);
 }
 
 // one module call; returns whether the activation queue should be drained now
@@ -531,6 +564,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
       .def(pybind11::init<int64_t, bool, bool, bool, int64_t, int64_t, int64_t, pybind11::object>());
   m.def("tap_record", &tap_record, "note one module call");
+  m.def("tap_configure", &tap_configure, "the watched modules (in index order), a weakref to the model, training_only");
+  m.def("tap_call", &tap_call, "note one module call if it is a watched module's and the step is recorded");
   m.def("tap_take_acts", &tap_take_acts, "(tids, tensors, elements) queued for statistics since the last take");
   m.def("tap_take_grads", &tap_take_grads, "(tids, gradients, elements) queued since the last take, in arrival order");
   m.def("tap_take_calls", &tap_take_calls, "(module indices, [(input tids, output tids)]) noted since the last take");

@@ -90,7 +90,7 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
 # hook, which sends every module call through ``_call_impl``'s slow path: about 4 µs a call, which on a
 # model of many small modules was most of what watching cost (docs/performance.md). Recording Hooks
 # listen weakly; the wrapper is in place only while one does, and is taken away with the last.
-_LISTENERS: list[weakref.ref[Any]] = []
+_LISTENERS: list[tuple[weakref.ref[Any], Callable[..., bool] | None]] = []
 _ORIG_CALL: Any = nn.Module.__call__
 
 
@@ -98,18 +98,26 @@ def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     out = _ORIG_CALL(self, *args, **kwargs)
     if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
         return out
-    for ref in _LISTENERS:
+    for ref, fast in _LISTENERS:
+        if fast is not None:  # the C++ recorder, called directly (it filters modules and steps itself)
+            if fast(self, args, kwargs, out):
+                h = ref()
+                if h is not None:
+                    h._take_acts()
+            continue
         h = ref()
         if h is not None:
             h._on_forward(self, args, kwargs, out)
     return out
 
 
-def listen_calls(h: Any) -> None:
-    """Have ``h._on_forward(module, args, kwargs, output)`` called after every module call (held weakly)."""
+def listen_calls(h: Any, fast: Callable[..., bool] | None = None) -> None:
+    """Have ``h._on_forward(module, args, kwargs, output)`` called after every module call (``h`` held weakly),
+    or ``fast(module, args, kwargs, output)``, which holds no reference to ``h`` and returns whether to call
+    ``h._take_acts()``."""
     global _ORIG_CALL
-    if not any(r() is h for r in _LISTENERS):
-        _LISTENERS.append(weakref.ref(h))
+    unlisten_calls(h)
+    _LISTENERS.append((weakref.ref(h), fast))
     if nn.Module.__call__ is not _recording_call:
         _ORIG_CALL = nn.Module.__call__
         nn.Module.__call__ = _recording_call  # type: ignore[method-assign]
@@ -117,7 +125,7 @@ def listen_calls(h: Any) -> None:
 
 def unlisten_calls(h: Any) -> None:
     """Stop ``h`` listening (None: only drop dead listeners); unwrap ``__call__`` when nobody listens."""
-    _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not h]
+    _LISTENERS[:] = [(r, f) for r, f in _LISTENERS if r() is not None and r() is not h]
     if not _LISTENERS and nn.Module.__call__ is _recording_call:  # (wrapped again by someone else: left to them)
         nn.Module.__call__ = _ORIG_CALL  # type: ignore[method-assign]
 
@@ -125,7 +133,7 @@ def unlisten_calls(h: Any) -> None:
 def watchers() -> int:
     """How many ``Hooks`` watch module calls now: the ``__call__`` wrapper's live listeners plus global forward
     hooks (0 means nothing of ampdoctor's is in any module call)."""
-    live = sum(1 for r in _LISTENERS if r() is not None)
+    live = sum(1 for r, _ in _LISTENERS if r() is not None)
     return live + len(torch.nn.modules.module._global_forward_hooks) + (
         1 if not live and nn.Module.__call__ is _recording_call else 0)
 
@@ -191,9 +199,7 @@ class Hooks:
         root = unwrap(model)
         self._compiled = _is_compiled(model)
         """A compiled model runs its modules inside dynamo's graph: no forward hook (see the module doc)."""
-        self.training_only = False
-        """Record only training forwards (the root in train mode, grad enabled): the framework callbacks set
-        it, so an evaluation run in the middle of training stays out of the next step's statistics."""
+        self._training_only = False
         self._root = weakref.ref(root)
         self._root_id = id(root)
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
@@ -242,6 +248,21 @@ class Hooks:
         if self.tracker is not None:
             self.tracker.detach()
 
+    @property
+    def training_only(self) -> bool:
+        """Record only training forwards (the root in train mode, grad enabled): the framework callbacks set
+        it, so an evaluation run in the middle of training stays out of the next step's statistics."""
+        return self._training_only
+
+    @training_only.setter
+    def training_only(self, value: bool) -> None:
+        self._training_only = value
+        if self._listening:  # the C++ recorder checks it itself: listen again with the new setting
+            self._listening = False
+            unlisten_calls(self)
+            remove_hooks(self._handles)
+            self._sync_hook()
+
     def _sync_hook(self) -> None:
         """Module calls are watched exactly while attached and recording: through the ``__call__`` wrapper,
         or, where a module of the model is compiled (or ``AMPDOCTOR_MODULE_HOOK=global``), a global forward hook."""
@@ -249,7 +270,14 @@ class Hooks:
         if want and not self._listening:
             self._listening = True
             if self._wrap_call:
-                listen_calls(self)
+                fast = None
+                root = self._root()
+                if self._tap is not None and root is not None:
+                    # the same modules, in the same order, as self._names
+                    self._native.tap_configure(self._tap, [m for _, m in root.named_modules()], self._root,
+                                               self._training_only)
+                    fast = partial(self._native.tap_call, self._tap)
+                listen_calls(self, fast)
             else:
                 hook = _global_hook(weakref.ref(self))
                 self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True))
@@ -381,7 +409,7 @@ class Hooks:
         idx = self._index.get(id(module))
         if idx is None:  # another model's module (the hook is process-wide)
             return
-        if self.training_only and not (torch.is_grad_enabled() and _training(self._root)):
+        if self._training_only and not (torch.is_grad_enabled() and _training(self._root)):
             return
         if self._tap is not None:
             if self._native.tap_record(self._tap, idx, args, kwargs, output, torch.is_grad_enabled()):
