@@ -3,9 +3,11 @@
     python bench/bench_overhead.py [--device cpu|cuda] [--rounds 7] [--steps 5] [--models deep_mlp,gpt,wide,word_lm]
         [--variants bare,ampdoctor full,ampdoctor sentinel] [--threads N]
 
-One process, variants interleaved (A B C A B C ...), each variant with its own copy of the model
+One process, variants interleaved (A B C C B A A B C ...), each variant with its own copy of the model
 (same initial weights), its own optimizer (AdamW) and GradScaler; autocast fp16 + GradScaler in
-every variant. Reports the median step time of each variant and its ratio to the bare step.
+every variant. Reports the median step time of each variant and three ratios to the bare step:
+``ratio`` (of the medians), ``paired`` (the median over rounds of the ratio within each round: the
+steadiest on a machine whose speed drifts) and ``mean`` (of the means: rare slow steps included).
 
 Variants: bare | detect_anomaly (check_nan=True) | DebugUnderflowOverflow (if transformers is
 installed) | ampdoctor Monitor with full statistics every step | Monitor every 10th step |
@@ -135,6 +137,16 @@ def time_it(fn: Callable[[], Any], device: torch.device, repeats: int = 15) -> f
     return statistics.median(ts)
 
 
+def paired(times: list[float], bare: list[float], steps: int) -> float:
+    """The median over rounds of (this variant's median step in the round / the bare step's in the same round):
+    each ratio compares steps taken seconds apart, so a machine that speeds up or slows down between rounds
+    moves both. ``ratio`` compares the medians of the whole run; ``mean`` the means (what a run of many steps
+    pays, rare slow steps such as a garbage collection included)."""
+    rounds = len(bare) // steps
+    return statistics.median(statistics.median(times[r * steps:(r + 1) * steps]) /
+                             statistics.median(bare[r * steps:(r + 1) * steps]) for r in range(rounds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -175,8 +187,8 @@ def main() -> None:
                 v.step(x, y)
             v.times.clear()
         i = 0
-        for _ in range(a.rounds):
-            for v in variants:
+        for r in range(a.rounds):
+            for v in (variants if r % 2 == 0 else variants[::-1]):  # alternate the order: drift cancels
                 for _ in range(a.steps):
                     x, y = batches[i % len(batches)]
                     i += 1
@@ -185,10 +197,12 @@ def main() -> None:
         print(f"\n{mname} ({sum(1 for _ in model.modules())} modules, {nparams:,} parameters)")
         if variants:
             base = statistics.median(variants[0].times)
-            print(f"  {'variant':24} {'median ms':>10} {'ratio':>7}")
+            bare_mean = statistics.fmean(variants[0].times)
+            print(f"  {'variant':24} {'median ms':>10} {'ratio':>7} {'paired':>7} {'mean':>7}")
         for v in variants:
             m = statistics.median(v.times)  # noqa: F821 - base is set when there are variants
-            print(f"  {v.name:24} {m * 1e3:10.2f} {m / base:7.2f}")
+            print(f"  {v.name:24} {m * 1e3:10.2f} {m / base:7.2f} {paired(v.times, variants[0].times, a.steps):7.3f} "
+                  f"{statistics.fmean(v.times) / bare_mean:7.3f}")
             if v.monitor is not None:
                 v.monitor.close()
         # statistics against one plain pass over the same tensors
