@@ -10,7 +10,9 @@ autocast fp16. Variants:
   one process-wide ``register_module_forward_hook`` (what dispatching a hook costs at all);
 - ``Hooks per module``: ``ampdoctor.Hooks`` as it was before issue 14 (a forward hook registered on
   every module), statistics stubbed (tensors queued into a buffer that drops them);
-- ``Hooks global``: ``ampdoctor.Hooks`` now (one global hook filtered to the model), same stub;
+- ``Hooks global``: ``ampdoctor.Hooks`` now, same stub (named for issue 14's first step, one global hook;
+  since then module calls are seen through a wrapper of ``nn.Module.__call__`` and recorded in C++ once
+  the kernel is built: ``AMPDOCTOR_MODULE_HOOK=global`` and ``AMPDOCTOR_FUSED=0`` bring back each older way);
 - ``Hooks global, not recorded``: the same on steps it does not record (every=10**9): no hook at all.
 """
 

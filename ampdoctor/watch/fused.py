@@ -16,6 +16,11 @@ imports the finished build directly. No step ever waits for the compiler: steps 
 ready use the eager path, which gives the same rows (tested on random bit patterns). Without a
 compiler, or with ``AMPDOCTOR_FUSED=0``, the eager path is all there is. CUDA tensors always take
 the eager path.
+
+The same build holds two more things the monitor uses on every step: ``norms`` (each gradient's L2
+norm in one call, squares summed in double) and ``Tap``, the C++ side of ``watch.hooks``: per-step
+tensor ids, module calls, gradient hooks that call no Python, and the rows of CPU tensors made as
+each tensor appears (still in cache, and nothing held until the step ends).
 """
 
 from __future__ import annotations

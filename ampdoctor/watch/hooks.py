@@ -1,28 +1,37 @@
 """Hooks on every module, module output and parameter of a model; records statistics only.
 
 A step is bracketed by ``begin_step`` and ``end_step``. During it:
-- forward hooks queue every module's output tensors and note which tensors were its inputs;
-- a tensor hook on every recorded tensor that requires grad queues the gradient flowing back
-  through it (the gradient at a module's output is the module's *incoming* gradient in backward;
-  the gradient at its input is its *outgoing* gradient);
+- every call of a watched module notes which tensors were its inputs and outputs, and each new
+  floating tensor is queued for statistics;
+- every recorded tensor that requires grad gets a gradient hook that queues the gradient flowing
+  back through it (the gradient at a module's output is the module's *incoming* gradient in
+  backward; the gradient at its input is its *outgoing* gradient);
 - ``after_backward`` queues every parameter's gradient (call it after ``scaler.unscale_``);
 - ``after_step`` queues every parameter's value after the update.
 ``end_step`` reduces what is queued and copies it to the host in one transfer: the only host
 synchronisation the monitor makes in a step. Hooks never synchronise.
 
-Nothing is stored on the model. The forward hook is one process-wide module hook
-(``torch.nn.modules.module.register_module_forward_hook``), filtered to the watched model's
-modules, and registered only while a step is being recorded: steps that are not recorded run
-with no hook at all, and ``torch.save(model)`` never pickles an ampdoctor object. The global hook
-holds the ``Hooks`` weakly, so an unclosed monitor (a notebook cell run twice) does not keep the
-model alive; its hook goes away with it.
+Two recorders give the same records (tests/test_hooks_native.py): the C++ one in ``watch.fused``
+(``Tap``: tensor ids, calls, gradient hooks in C++, rows of CPU tensors made as each tensor appears,
+no Python call in backward), used once the kernel is built, and the Python code here until then or
+without a compiler.
 
-A ``torch.compile``d model is watched through its original module (``_orig_mod``) without the
-forward hook: its modules run inside dynamo's graph, where a hook could only break the graph, so
-its parameter gradients and values are recorded and its activations are not. (Should the hook
-meet a compiled region anyway, it does nothing there: dynamo traces it as a no-op.)
+Nothing is stored on the model. Module calls are seen by wrapping ``nn.Module.__call__`` while a
+step is recorded (one frame around torch's own, which keeps its fast path for modules without
+hooks; a global forward hook sends every call through ``_call_impl``'s slow path, about 4 µs a
+call). Where a module of the model is compiled, or with ``AMPDOCTOR_MODULE_HOOK=global``, a
+process-wide forward hook (``register_module_forward_hook``) is used instead. Either is filtered
+to the watched model's modules and in place only while a step is recorded: steps that are not
+recorded run with nothing of ours at all, and ``torch.save(model)`` never pickles an ampdoctor
+object. Both hold the ``Hooks`` weakly, so an unclosed monitor (a notebook cell run twice) does
+not keep the model alive; its watch goes away with it.
+
+A ``torch.compile``d model is watched through its original module (``_orig_mod``) without
+watching its calls: its modules run inside dynamo's graph, where a hook could only break the
+graph, so its parameter gradients and values are recorded and its activations are not. (Should
+the wrapper or the hook meet a compiled region anyway, it does nothing there: dynamo traces it as
+a no-op.)
 """
-
 from __future__ import annotations
 
 import os
@@ -213,6 +222,8 @@ class Hooks:
         self.record_if: Callable[[int], bool] | None = None
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
         self._listening = False
+        self._configured = False
+        """Whether the C++ recorder knows the modules and ``training_only`` (told once, again when it changes)."""
         self._wrap_call = True
         weakref.finalize(self, remove_hooks, self._handles)  # an unclosed Hooks takes its global hook with it
         weakref.finalize(self, unlisten_calls, None)  # and its place among the __call__ wrapper's listeners
@@ -257,6 +268,7 @@ class Hooks:
     @training_only.setter
     def training_only(self, value: bool) -> None:
         self._training_only = value
+        self._configured = False
         if self._listening:  # the C++ recorder checks it itself: listen again with the new setting
             self._listening = False
             unlisten_calls(self)
@@ -273,9 +285,10 @@ class Hooks:
                 fast = None
                 root = self._root()
                 if self._tap is not None and root is not None:
-                    # the same modules, in the same order, as self._names
-                    self._native.tap_configure(self._tap, [m for _, m in root.named_modules()], self._root,
-                                               self._training_only)
+                    if not self._configured:  # the same modules, in the same order, as self._names
+                        self._native.tap_configure(self._tap, [m for _, m in root.named_modules()], self._root,
+                                                   self._training_only)
+                        self._configured = True
                     fast = partial(self._native.tap_call, self._tap)
                 listen_calls(self, fast)
             else:
