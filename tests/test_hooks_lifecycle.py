@@ -120,3 +120,26 @@ def test_hooks_register_nothing_on_steps_not_recorded() -> None:
         assert [c.module for c in h.end_step().calls] == [c.module for c in st.calls]
     assert not tmod._has_any_global_hook()  # no flag left either
     assert [c.module for c in st.calls] == ["0", "1", "2", "<model>"]
+
+
+def test_a_compiled_training_function_traces_through_the_call_wrapper() -> None:
+    """The model is called inside a ``torch.compile``d function while the ``__call__`` wrapper is in place (and
+    taken away on the steps not recorded): one graph, no graph break, no recompilation; the parameters are
+    still watched."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, x, y = tiny()
+
+    @torch.compile(backend="eager")
+    def loss_of(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(m(x), y)
+
+    with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.01), every=2) as mon:
+        recs = [mon.step(loss_of(model, x)) for _ in range(6)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert not torch._dynamo.utils.counters["recompiles"]
+    assert recs[0].stats is not None and set(recs[0].stats.pgrad) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert watchers() == 0
