@@ -172,3 +172,24 @@ def test_training_only_leaves_evaluation_forwards_out(native: bool) -> None:
     assert (h._tap is not None) == native
     assert [c.module for c in st.calls] == ["0", "1", "<model>"]
     assert len(st.act) == 3 and len(st.grad) == 2  # input, two outputs; gradients of the two outputs
+
+
+@pytest.mark.parametrize("how", ["call", "global"])
+def test_the_tracker_names_the_module_an_exception_came_from(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampdoctor.watch.hooks import ModuleTracker, watchers
+
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    monkeypatch.setenv("AMPDOCTOR_MODULE_HOOK", how)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Tanh(), Boom()))
+    t = ModuleTracker(model)
+    t.attach()
+    model[0](torch.ones(1, 2))
+    assert t.current is None  # a call that returned leaves nothing behind
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 2))
+    assert t.current == "1.1" and t.stack == ["<model>", "1", "1.1"]
+    t.detach()
+    assert watchers() == 0

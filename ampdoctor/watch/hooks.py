@@ -103,8 +103,30 @@ _LISTENERS: list[tuple[weakref.ref[Any], Callable[..., bool] | None]] = []
 _ORIG_CALL: Any = nn.Module.__call__
 
 
-def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+_TRACKERS: list[weakref.ref[ModuleTracker]] = []
+
+
+def _tracked_call(self: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A call while a ``ModuleTracker`` listens: its module is on the trackers' stacks while it runs (an
+    exception leaves it there: the module it came from)."""
+    pushed = []
+    if not torch.compiler.is_compiling():
+        for ref in _TRACKERS:
+            t = ref()
+            if t is not None:
+                name = t._names.get(id(self))
+                if name is not None:
+                    t.stack.append(name)
+                    pushed.append(t)
     out = _ORIG_CALL(self, *args, **kwargs)
+    for t in pushed:
+        if t.stack:
+            t.stack.pop()
+    return out
+
+
+def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    out = _ORIG_CALL(self, *args, **kwargs) if not _TRACKERS else _tracked_call(self, args, kwargs)
     if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
         return out
     for ref, fast in _LISTENERS:
@@ -124,9 +146,13 @@ def listen_calls(h: Any, fast: Callable[..., bool] | None = None) -> None:
     """Have ``h._on_forward(module, args, kwargs, output)`` called after every module call (``h`` held weakly),
     or ``fast(module, args, kwargs, output)``, which holds no reference to ``h`` and returns whether to call
     ``h._take_acts()``."""
-    global _ORIG_CALL
     unlisten_calls(h)
     _LISTENERS.append((weakref.ref(h), fast))
+    _wrap()
+
+
+def _wrap() -> None:
+    global _ORIG_CALL
     if nn.Module.__call__ is not _recording_call:
         _ORIG_CALL = nn.Module.__call__
         nn.Module.__call__ = _recording_call  # type: ignore[method-assign]
@@ -135,14 +161,15 @@ def listen_calls(h: Any, fast: Callable[..., bool] | None = None) -> None:
 def unlisten_calls(h: Any) -> None:
     """Stop ``h`` listening (None: only drop dead listeners); unwrap ``__call__`` when nobody listens."""
     _LISTENERS[:] = [(r, f) for r, f in _LISTENERS if r() is not None and r() is not h]
-    if not _LISTENERS and nn.Module.__call__ is _recording_call:  # (wrapped again by someone else: left to them)
-        nn.Module.__call__ = _ORIG_CALL  # type: ignore[method-assign]
+    _TRACKERS[:] = [r for r in _TRACKERS if r() is not None and r() is not h]
+    if not _LISTENERS and not _TRACKERS and nn.Module.__call__ is _recording_call:  # (wrapped again by someone
+        nn.Module.__call__ = _ORIG_CALL  # type: ignore[method-assign]  # else: left to them)
 
 
 def watchers() -> int:
     """How many ``Hooks`` watch module calls now: the ``__call__`` wrapper's live listeners plus global forward
     hooks (0 means nothing of ampdoctor's is in any module call)."""
-    live = sum(1 for r, _ in _LISTENERS if r() is not None)
+    live = sum(1 for r, _ in _LISTENERS if r() is not None) + sum(1 for r in _TRACKERS if r() is not None)
     return live + len(torch.nn.modules.module._global_forward_hooks) + (
         1 if not live and nn.Module.__call__ is _recording_call else 0)
 
@@ -536,20 +563,32 @@ class ModuleTracker:
         root = unwrap(model)
         self._compiled = _is_compiled(model)
         """A compiled model: no hooks (dynamo would trace them), so no module is named."""
+        self._wrap_call = call_wrapping_enabled() and not uses_compile(root)
+        """Through the ``__call__`` wrapper (as ``Hooks``), else process-wide pre/post forward hooks."""
         self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
         self.stack: list[str] = []
         self._handles: list[Any] = []
+        self._listening = False
         weakref.finalize(self, remove_hooks, self._handles)
+        weakref.finalize(self, unlisten_calls, None)
 
     def attach(self) -> None:
-        if self._handles or self._compiled:
+        if self._handles or self._listening or self._compiled:
             return
         self.stack.clear()
         ref = weakref.ref(self)
+        if self._wrap_call:
+            self._listening = True
+            _TRACKERS.append(ref)
+            _wrap()
+            return
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(partial(_tracker_enter, ref)))
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(partial(_tracker_leave, ref)))
 
     def detach(self) -> None:
+        if self._listening:
+            self._listening = False
+            unlisten_calls(self)
         remove_hooks(self._handles)
 
     @property
