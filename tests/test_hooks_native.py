@@ -128,15 +128,20 @@ def test_a_full_queue_is_drained_during_backward() -> None:
         _same(a, b)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_gradient_hook_left_from_an_earlier_step_records_nothing(native: bool) -> None:
+def _small(model: nn.Module, native: bool) -> tuple[nn.Module, torch.Tensor, Hooks]:
+    """``model`` (seeded), an input, and Hooks on it: the C++ recorder, or (``native=False``) the Python one."""
     torch.manual_seed(0)
-    lin = nn.Linear(3, 3)
-    model = nn.Sequential(lin)
-    x = torch.randn(2, 3)
+    for p in model.parameters():
+        nn.init.normal_(p)
     h = Hooks(model)
     if not native:
         h._start_native = lambda: None  # type: ignore[method-assign]
+    return model, torch.randn(2, 3), h
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gradient_hook_left_from_an_earlier_step_records_nothing(native: bool) -> None:
+    model, x, h = _small(nn.Sequential(nn.Linear(3, 3)), native)
     with h:
         h.begin_step(0)
         kept = model(x)  # its gradient hook belongs to step 0
@@ -153,12 +158,7 @@ def test_a_gradient_hook_left_from_an_earlier_step_records_nothing(native: bool)
 def test_training_only_leaves_evaluation_forwards_out(native: bool) -> None:
     """What the framework callbacks set, possibly after recording started: an evaluation forward (eval mode,
     or no_grad) inside a recorded step is not recorded; a training forward is."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-    x = torch.randn(2, 3)
-    h = Hooks(model)
-    if not native:
-        h._start_native = lambda: None  # type: ignore[method-assign]
+    model, x, h = _small(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), native)
     with h:
         h.begin_step(0)
         h.training_only = True  # set while already listening

@@ -10,7 +10,7 @@ returns one device tensor, which the caller copies to the host once a step.
 from __future__ import annotations
 
 import struct
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -268,15 +268,7 @@ class StatsBuffer:
             self._keys.append(key)
             self._rows.append(tensor_stats([tensor], self.fmt))
             return
-        device = tensor.device
-        p = self._pending.get(device)
-        if p is None:
-            p = self._pending[device] = _Pending([], [])
-        p.keys.append(key)
-        p.tensors.append(tensor)
-        p.numel += numel
-        if p.numel >= self.flush_numel:
-            self._flush(device)
+        self._enqueue(tensor.device, (key,), (tensor,), numel)
 
     def add_many(self, keys: list[Hashable], tensors: list[torch.Tensor], numel: int, mixed: bool = False) -> None:
         """``add`` for each pair; ``numel`` is their total, ``mixed`` whether they are on more than one device."""
@@ -284,7 +276,9 @@ class StatsBuffer:
             for k, t in zip(keys, tensors, strict=True):
                 self.add(k, t)
             return
-        device = tensors[0].device
+        self._enqueue(tensors[0].device, keys, tensors, numel)
+
+    def _enqueue(self, device: torch.device, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor], numel: int) -> None:
         p = self._pending.get(device)
         if p is None:
             p = self._pending[device] = _Pending([], [])
