@@ -275,19 +275,31 @@ def check_batch(batch: Any) -> list[FieldCheck]:
     return out
 
 
-def outlier_ratio(batches: Batches, field: str, index: int) -> tuple[float, list[int]]:
-    """How many times the batch's absmax in ``field`` exceeds the median over all batches,
-    and which samples exceed 1000x that median."""
-    cache: dict[str, list[float]] = batches.__dict__.setdefault("_absmax_by_field", {})
-    absmaxes = cache.get(field)
-    if absmaxes is None:  # every batch's absmax of this field, once per run (rules ask for it per event)
+def _absmaxes(batches: Batches, field: str) -> tuple[list[float], float]:
+    """Every batch's finite absmax in ``field`` and their median: once per run (rules ask per event)."""
+    cache: dict[str, tuple[list[float], float]] = batches.__dict__.setdefault("_absmax_by_field", {})
+    got = cache.get(field)
+    if got is None:
         absmaxes = []
         for b in batches.items:
             d = dict(fields(b))
             t = d.get(field)
             absmaxes.append(float(t[torch.isfinite(t)].abs().max()) if t is not None and torch.isfinite(t).any() else 0.0)
-        cache[field] = absmaxes
-    med = float(np.median(absmaxes))
+        got = cache[field] = (absmaxes, float(np.median(absmaxes)))
+    return got
+
+
+def absmax_ratio(batches: Batches, field: str, index: int) -> float:
+    """How many times the batch's absmax in ``field`` exceeds the median over all batches (1.0 when the
+    median is 0): ``outlier_ratio``'s first value, without looking at the samples."""
+    absmaxes, med = _absmaxes(batches, field)
+    return absmaxes[index] / med if med > 0 else 1.0
+
+
+def outlier_ratio(batches: Batches, field: str, index: int) -> tuple[float, list[int]]:
+    """How many times the batch's absmax in ``field`` exceeds the median over all batches,
+    and which samples exceed 1000x that median."""
+    absmaxes, med = _absmaxes(batches, field)
     if med <= 0:
         return 1.0, []
     t = dict(fields(batches.items[index]))[field]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ampdoctor.fmt import pow2
 from ampdoctor.formats import FP16
-from ampdoctor.input.batches import Batches, check_batch, outlier_ratio
+from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, scan_batches
@@ -856,11 +856,11 @@ def _calibration_steps(res: StageResult) -> list[int]:
 
 
 def _outlier(batches: Batches, step: int) -> tuple[str, float, list[int]] | None:
-    b = batches[step]
-    for fc in check_batch(b):
-        r, samples = outlier_ratio(batches, fc.field, batches.index(step))
-        if r >= OUTLIER_RATIO:
-            return fc.field, r, samples
+    index = batches.index(step)
+    for name, _ in fields(batches[step]):  # the cached ratio first; the samples only for an outlier
+        if absmax_ratio(batches, name, index) >= OUTLIER_RATIO:
+            r, samples = outlier_ratio(batches, name, index)
+            return name, r, samples
     return None
 
 
