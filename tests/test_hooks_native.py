@@ -96,7 +96,10 @@ def _same(a: StepStats, b: StepStats) -> None:
             np.testing.assert_array_equal(ra[k], rb[k])
 
 
-def test_the_cpp_recorder_gives_the_python_records() -> None:
+@pytest.mark.parametrize("how", ["call", "global"])
+def test_the_cpp_recorder_gives_the_python_records(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the ``__call__`` wrapper and through the global forward hook (the fallback)."""
+    monkeypatch.setenv("AMPDOCTOR_MODULE_HOOK", how)
     py, cc = _run(native=False), _run(native=True)
     for a, b in zip(py, cc, strict=True):
         _same(a, b)
