@@ -9,6 +9,7 @@ created it is the answer. Only the first forward of a step is recorded; nothing 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch.hooks import call_wrapping_enabled, track_calls, unlisten_calls, uses_compile
 
 MODEL = "<model>"
 
@@ -42,12 +44,32 @@ class GraphRecorder:
         self.calls: list[tuple[str, list[Any], list[Any]]] = []
         self._open: list[list[Any]] = []
         names = {m: n or MODEL for n, m in model.named_modules()}
-        self.handles = []
+        self._names = {id(m): n for m, n in names.items()}
+        self.handles: list[Any] = []
+        self._tracking = False
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
             return  # a compiled model runs its modules inside dynamo's graph: hooks there would break it
+        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way, nothing on the model (watch.hooks)
+            self._tracking = True
+            track_calls(self)
+            weakref.finalize(self, unlisten_calls, None)
+            return
         for m in model.modules():
             self.handles.append(m.register_forward_pre_hook(self._pre(m), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post(names[m]), with_kwargs=True))
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        if id(module) not in self._names:
+            return False
+        if module is self.model:
+            self.calls, self._open = [], []
+        self._open.append(_nodes((args, kwargs)) if torch.is_grad_enabled() else [])
+        return True
+
+    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        ins = self._open.pop() if self._open else []
+        if torch.is_grad_enabled():
+            self.calls.append((self._names[id(module)], ins, _nodes(output)))
 
     def _pre(self, module: nn.Module) -> Any:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -66,6 +88,9 @@ class GraphRecorder:
         return hook
 
     def remove(self) -> None:
+        if self._tracking:
+            self._tracking = False
+            unlisten_calls(self)
         for h in self.handles:
             h.remove()
         self.handles.clear()

@@ -103,26 +103,29 @@ _LISTENERS: list[tuple[weakref.ref[Any], Callable[..., bool] | None]] = []
 _ORIG_CALL: Any = nn.Module.__call__
 
 
-_TRACKERS: list[weakref.ref[ModuleTracker]] = []
+_TRACKERS: list[weakref.ref[Any]] = []
 
 
 def _tracked_call(self: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """A call while a ``ModuleTracker`` listens: its module is on the trackers' stacks while it runs (an
-    exception leaves it there: the module it came from)."""
-    pushed = []
+    """A call while a tracker listens (``ModuleTracker``, ``blame.GraphRecorder``): ``t._enter(module, args,
+    kwargs)`` before the call, and for the trackers that returned True, ``t._leave(module, args, kwargs,
+    output)`` after it. An exception skips ``_leave``: what was entered stays (the module it came from)."""
+    entered = []
     if not torch.compiler.is_compiling():
         for ref in _TRACKERS:
             t = ref()
-            if t is not None:
-                name = t._names.get(id(self))
-                if name is not None:
-                    t.stack.append(name)
-                    pushed.append(t)
+            if t is not None and t._enter(self, args, kwargs):
+                entered.append(t)
     out = _ORIG_CALL(self, *args, **kwargs)
-    for t in pushed:
-        if t.stack:
-            t.stack.pop()
+    for t in entered:
+        t._leave(self, args, kwargs, out)
     return out
+
+
+def track_calls(t: Any) -> None:
+    """Have ``t._enter`` and ``t._leave`` called around every module call (``t`` held weakly)."""
+    _TRACKERS.append(weakref.ref(t))
+    _wrap()
 
 
 def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -579,8 +582,7 @@ class ModuleTracker:
         ref = weakref.ref(self)
         if self._wrap_call:
             self._listening = True
-            _TRACKERS.append(ref)
-            _wrap()
+            track_calls(self)
             return
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(partial(_tracker_enter, ref)))
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(partial(_tracker_leave, ref)))
@@ -594,6 +596,17 @@ class ModuleTracker:
     @property
     def current(self) -> str | None:
         return self.stack[-1] if self.stack else None
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        name = self._names.get(id(module))
+        if name is None:
+            return False
+        self.stack.append(name)
+        return True
+
+    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
 
 
 def _tracker_enter(ref: weakref.ref[ModuleTracker], module: nn.Module, *_: Any) -> None:
