@@ -196,3 +196,19 @@ def test_the_tracker_names_the_module_an_exception_came_from(how: str, monkeypat
     assert t.current == "1.1" and t.stack == ["<model>", "1", "1.1"]
     t.detach()
     assert watchers() == 0
+
+
+def test_a_compiled_submodule_keeps_the_global_hook() -> None:
+    """Inside dynamo a wrapped ``__call__`` would be traced: a model with a compiled part is watched through the
+    global forward hook instead, and its other modules are still recorded."""
+    import torch.nn.modules.module as tmod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), torch.compile(nn.Tanh(), backend="eager"), nn.Linear(3, 1))
+    with Hooks(model) as h:
+        h.begin_step(0)
+        assert not h._wrap_call and len(tmod._global_forward_hooks) == 1
+        model(torch.randn(2, 3)).sum().backward()
+        st = h.end_step()
+    assert {"0", "2", "<model>"} <= {c.module for c in st.calls}
+    assert not tmod._global_forward_hooks

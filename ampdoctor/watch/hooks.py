@@ -99,11 +99,10 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
 # hook, which sends every module call through ``_call_impl``'s slow path: about 4 µs a call, which on a
 # model of many small modules was most of what watching cost (docs/performance.md). Recording Hooks
 # listen weakly; the wrapper is in place only while one does, and is taken away with the last.
+# Trackers (ModuleTracker, blame.GraphRecorder) also need the start of each call: see _tracked_call.
 _LISTENERS: list[tuple[weakref.ref[Any], Callable[..., bool] | None]] = []
-_ORIG_CALL: Any = nn.Module.__call__
-
-
 _TRACKERS: list[weakref.ref[Any]] = []
+_ORIG_CALL: Any = nn.Module.__call__
 
 
 def _tracked_call(self: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -179,7 +178,8 @@ def watchers() -> int:
 
 def uses_compile(root: nn.Module) -> bool:
     """Whether any module of ``root`` runs compiled (``torch.compile(sub)`` inside, or ``sub.compile()``)."""
-    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
+    # _modules, not getattr: a missing attribute goes through nn.Module.__getattr__ and an exception, per module
+    return any(isinstance(m._modules.get("_orig_mod"), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
                for m in root.modules())
 
 
