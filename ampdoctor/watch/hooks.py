@@ -339,6 +339,7 @@ class Hooks:
 
     # per step --------------------------------------------------------------------------------
     def _reset(self, step: int) -> None:
+        self._split: bool | None = None
         self._step = step
         self._tids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._next_tid = 0
@@ -493,14 +494,20 @@ class Hooks:
                 grads.append(g)
                 numel += g.numel()
         if keys:
-            self._buf.add_many(keys, grads, numel, len({g.device for g in grads}) > 1)
+            self._buf.add_many(keys, grads, numel, self._params_split())  # (a gradient lives with its parameter)
+
+    def _params_split(self) -> bool:
+        """Whether the parameters are on more than one device (a model split over GPUs): looked at once a step."""
+        if self._split is None:
+            self._split = len({p.device for p in self._params}) > 1
+        return self._split
 
     def after_step(self) -> None:
         """Queue parameter values after the optimizer update."""
         if not (self._active and self.params):
             return
         if self._param_keys:  # (a model split over devices: the buffer groups them per device)
-            self._buf.add_many(self._param_keys, self._params, self._param_numel, len({p.device for p in self._params}) > 1)
+            self._buf.add_many(self._param_keys, self._params, self._param_numel, self._params_split())
 
     def end_step(self, exchange: Callable[[list[Hashable], torch.Tensor], torch.Tensor] | None = None) -> StepStats:
         """Reduce everything queued this step and bring it to the host (one transfer).
