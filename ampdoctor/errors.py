@@ -27,6 +27,11 @@ class OutputExistsError(AmpDoctorError):
     """An output file exists and --force was not given."""
 
 
+class OutputError(AmpDoctorError):
+    """An output cannot be written (a full disk, a quota, an I/O error); the message names the path and
+    how many bytes were needed. Nothing half-written is left behind."""
+
+
 class CaptureError(AmpDoctorError):
     """A capture folder (or checkpoint) cannot be read or does not fit the spec's model."""
 

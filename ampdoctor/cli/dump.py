@@ -21,7 +21,7 @@ from ampdoctor.engine.run import Run
 from ampdoctor.errors import OutputExistsError, UsageError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import SpecNames
-from ampdoctor.io import write_atomic
+from ampdoctor.io import write_group
 from ampdoctor.records import Col, StageResult, StepStats
 from ampdoctor.report.model import Report, _clean
 
@@ -174,14 +174,10 @@ def dump_files(report: Report, results: dict[str, StageResult], cfg: TriageConfi
 
 
 def write_dump(folder: str | Path, files: dict[str, bytes | str]) -> list[Path]:
-    """Write each file atomically into ``folder`` (created when missing)."""
+    """Write the files into ``folder`` (created when missing) all or nothing: a full disk leaves neither a
+    half-written file nor a folder this call created (``io.write_group``)."""
     p = Path(folder)
-    p.mkdir(exist_ok=True)
-    out = []
-    for name, data in files.items():
-        write_atomic(p / name, data)
-        out.append(p / name)
-    return out
+    return write_group({p / name: data for name, data in files.items()}, what=f"--dump-dir {p}")
 
 
 def dump(folder: str | Path, report: Report, run: Run) -> list[Path]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ampdoctor.errors import UsageError
+from ampdoctor.errors import OutputError, UsageError
 from ampdoctor.io import check_folder_writable, check_writable
 
 STDOUT = "-"
@@ -47,5 +47,10 @@ def check_triage_outputs(json_path: Path | None, report_path: Path | None, log: 
 
 def write_json_stdout(text: str) -> None:
     """The JSON report on stdout, newline-terminated, flushed (a pipe reader sees all of it)."""
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except OSError as e:  # stdout on a full disk (`--json - > file`), or /dev/full
+        from ampdoctor.io import write_failure
+
+        raise OutputError(write_failure(None, e, len(text.encode("utf-8")), what="the JSON report to stdout")) from None

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.errors import OutputExistsError, UsageError
-from ampdoctor.io import check_folder_writable, check_writable, write_atomic
+from ampdoctor.io import check_folder_writable, check_writable, write_atomic, write_group
 from ampdoctor.report.model import Report
 
 FORMATS = {".md": "markdown", ".markdown": "markdown", ".json": "json", ".html": "html", ".htm": "html"}
@@ -55,15 +55,10 @@ def write_report(path: Path, report: Report) -> list[Path]:
 
 
 def write_files(path: Path, files: dict[Path, str | bytes]) -> list[Path]:
-    """Write a report at ``path`` and its images (``files``) atomically, images first; return them, report last."""
-    written = []
+    """Write a report at ``path`` and its images (``files``) all or nothing (``io.write_group``: a full disk
+    leaves no half of it), images first; return them, report last."""
     # images first, the Markdown last: a reader never finds a report whose images are missing
-    for p, data in sorted(files.items(), key=lambda kv: kv[0] == path):
-        if p != path:
-            p.parent.mkdir(exist_ok=True)
-        write_atomic(p, data)
-        written.append(p)
-    return written
+    return write_group(dict(sorted(files.items(), key=lambda kv: kv[0] == path)))
 
 
 def write_layers_report(path: Path, doc: dict[str, Any]) -> list[Path]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.step import TrainStep, make_optimizer, stage_precision
+from ampdoctor.errors import OutputError
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, micro_batches, to_device
 from ampdoctor.input.config import TriageConfig
@@ -192,6 +193,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
             if not loss_finite and scaler is None:
                 result.stopped = f"loss became non-finite at step {step}"
                 break
+    except OutputError:  # the step log could not be written (a full disk): ampdoctor's own output, not data
+        raise
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.current
         bw = graph.blame(e) if module is None and graph is not None else None  # raised in backward: whose node raised

@@ -26,17 +26,25 @@ The reader keeps the last row of a step that appears twice (a resumed run redid 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import errno
 import io
+import logging
 import math
 import os
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from ampdoctor.errors import AmpDoctorError
+from ampdoctor.errors import AmpDoctorError, OutputError
+from ampdoctor.io import write_failure
+
+log = logging.getLogger("ampdoctor")
 
 COLUMNS: tuple[str, ...] = (
     "step",
@@ -105,11 +113,40 @@ def header_line(columns: Sequence[str] = COLUMNS) -> str:
     return buf.getvalue()
 
 
+class StepLogWarning(UserWarning):
+    """The step log cannot be written (a full disk, a quota, an I/O error): rows are being lost; training goes on."""
+
+
+OnError = Literal["warn", "raise"]
+RETRY_MAX_GAP = 256
+"""After a failed write, the next attempts are made 1, 2, 4, ... rows later, at most this many apart: a full
+disk costs one failing system call every so often, and the log resumes when space comes back."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` made by the calling function point at the first frame
+    outside ampdoctor (the user's training loop, or the framework driving the Monitor)."""
+    f = sys._getframe(1)
+    level = 1
+    while f.f_back is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+        f = f.f_back
+        level += 1
+    return level
+
+
 class StepLogWriter:
-    """Writes a step log line by line, flushing each line. Opens the file at the first ``write``.
+    """Writes a step log line by line, each line in one system call. Opens the file at the first ``write``.
 
     ``StepLogWriter(path).write({"step": 0, "lr": 1e-3, ..., "scaler_scale": 65536.0})``, or pass
     a dataclass instance with those fields. Use as a context manager, or call ``close()``.
+
+    A write that fails (no space left, a quota, an I/O error) never leaves half a line: the file is cut
+    back to its last whole row. ``on_error="warn"`` (the Monitor: training must go on) warns once
+    (``StepLogWarning``, and the ``ampdoctor`` logger) that rows are being lost from that step, keeps
+    trying now and then (1, 2, 4, ... rows apart), and says at ``close()`` which steps are missing;
+    ``write`` and ``close`` never raise for it. ``on_error="raise"`` (``ampdoctor triage --log``): the
+    partial log this writer created is removed and ``OutputError`` names the path and the bytes.
     """
 
     def __init__(
@@ -119,9 +156,12 @@ class StepLogWriter:
         extra_columns: Sequence[str] = (),
         mode: Mode = "append",
         fsync: bool = False,
+        on_error: OnError = "warn",
     ) -> None:
         if mode not in ("append", "new", "overwrite"):
             raise StepLogError(f"mode must be 'append', 'new' or 'overwrite', not {mode!r}")
+        if on_error not in ("warn", "raise"):
+            raise StepLogError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
         dup = [c for c in extra_columns if c in COLUMNS]
         if dup:
             raise StepLogError(f"extra column(s) {', '.join(dup)} repeat the standard columns")
@@ -129,8 +169,22 @@ class StepLogWriter:
         self.columns: tuple[str, ...] = COLUMNS + tuple(extra_columns)
         self.mode: Mode = mode
         self.fsync = fsync
-        self._f: IO[str] | None = None
+        self.on_error: OnError = on_error
+        self._f: IO[bytes] | None = None
+        self._good = 0
+        """Bytes of the file that are whole rows (a failed write is cut back to here)."""
+        self._pending = b""
+        """The header of a new file, written with the first row."""
+        self._created = False
         self.rows_written = 0
+        self.rows_lost = 0
+        """Rows that could not be written."""
+        self.lost_steps: list[tuple[int, int]] = []
+        """(first, last) step of each run of rows that could not be written."""
+        self._skip = 0
+        self._gap = 1
+        self._warned = False
+        self._summarised = False
 
     # opening ---------------------------------------------------------------------------------
     def check(self, first_step: int | None) -> None:
@@ -170,36 +224,107 @@ class StepLogWriter:
             )
         return data
 
-    def _open(self, first_step: int) -> IO[str]:
+    def _open(self, first_step: int) -> IO[bytes]:
         p = self.path
         data = self._existing(first_step)
         if data is None:
-            f = open(p, "w", encoding="utf-8", newline="")
-            f.write(header_line(self.columns))
-            f.flush()
+            self._created = not p.exists()
+            f = open(p, "wb", buffering=0)
+            self._pending = header_line(self.columns).encode("utf-8")
+            self._good = 0
             return f
         if not data.endswith(b"\n"):
             with open(p, "r+b") as fb:  # a half-written line is not a finished step
                 fb.truncate(data.rfind(b"\n") + 1)
-        return open(p, "a", encoding="utf-8", newline="")
+        f = open(p, "ab", buffering=0)
+        self._good = f.seek(0, os.SEEK_END)
+        return f
 
     # writing ---------------------------------------------------------------------------------
     def write(self, record: Mapping[str, Any] | Any) -> None:
-        """Append one step (a mapping or dataclass; unknown keys ignored) and flush it."""
+        """Append one step (a mapping or dataclass; unknown keys ignored) in one system call.
+
+        A write the disk refuses is cut back to the last whole row; then ``on_error`` decides (see the class)."""
         line = format_row(record, self.columns)
-        if self._f is None:
-            step = _as_mapping(record).get("step")
-            self._f = self._open(int(step) if step is not None else 0)
-        self._f.write(line)
-        self._f.flush()
-        if self.fsync:
-            os.fsync(self._f.fileno())
+        rec = _as_mapping(record)
+        step = rec.get("step")
+        if self._skip > 0:  # rows are being lost: try again only now and then
+            self._skip -= 1
+            self._lose(step, None, len(line))
+            return
+        data = b""
+        try:
+            if self._f is None:
+                self._f = self._open(int(step) if step is not None else 0)
+            data = self._pending + line.encode("utf-8")
+            n = self._f.write(data)
+            if n != len(data):  # a short write: the disk filled up within this line
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if self.fsync:
+                os.fsync(self._f.fileno())
+        except OSError as e:
+            self._cut_back()
+            self._lose(step, e, len(data) or len(line))
+            return
+        self._good += len(data)
+        self._pending = b""
+        if self.lost_steps and self._gap > 1:
+            first, last = self.lost_steps[-1]
+            log.warning("ampdoctor: the step log %s is written again from step %s (steps %s..%s were lost)",
+                        self.path, step, first, last)
+        self._gap = 1
         self.rows_written += 1
 
+    def _cut_back(self) -> None:
+        """Cut the file back to its last whole row (a failed write may have left part of a line)."""
+        if self._f is None:
+            return
+        try:
+            os.ftruncate(self._f.fileno(), self._good)
+        except OSError:
+            pass
+
+    def _lose(self, step: Any, e: OSError | None, size: int) -> None:
+        s = int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else -1
+        if e is not None and self.on_error == "raise":
+            self._close_quietly()
+            if self._created:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            raise OutputError(write_failure(self.path, e, size, what=f"the step log {self.path} at step {s}")) from None
+        self.rows_lost += 1
+        if self.lost_steps and self.lost_steps[-1][1] in (s - 1, s):
+            self.lost_steps[-1] = (self.lost_steps[-1][0], s)
+        else:
+            self.lost_steps.append((s, s))
+        if e is None:
+            return
+        self._skip = self._gap
+        self._gap = min(self._gap * 2, RETRY_MAX_GAP)
+        if self._warned:
+            return
+        self._warned = True
+        why = write_failure(self.path, e, size, what="-").removeprefix("cannot write -: ").split("; ", 1)[0]
+        msg = (f"ampdoctor: rows of the step log {self.path} are being lost from step {s} on ({why}); training goes on, "
+               "and writing is tried again now and then: free some space, or pass another log path")
+        log.warning(msg)
+        warnings.warn(msg, StepLogWarning, stacklevel=user_stacklevel())
+
+    def _close_quietly(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
+
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        """Close the file; never raises. Rows that were lost are named once more (the ``ampdoctor`` logger)."""
+        self._close_quietly()
+        if self.rows_lost and not self._summarised:
+            self._summarised = True
+            spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in self.lost_steps[:5])
+            more = f" and {len(self.lost_steps) - 5} more runs" if len(self.lost_steps) > 5 else ""
+            log.warning("ampdoctor: the step log %s misses %d row(s) it could not write: steps %s%s",
+                        self.path, self.rows_lost, spans, more)
 
     def __enter__(self) -> StepLogWriter:
         return self
