@@ -9,7 +9,6 @@ batch since, the failing one last. Errors are one line (``CaptureError``), never
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import CAPTURE_VERSION, MANIFEST, MICRO_KEY
+from ampdoctor.engine.capture import MANIFEST, MICRO_KEY
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro
+from ampdoctor.input.capture_schema import read_manifest, validate_batches, validate_state
 from ampdoctor.watch.hooks import unwrap
 
 
@@ -69,48 +69,44 @@ def _load(path: Path, name: str) -> Any:
 
 
 def read_capture(path: str | Path) -> Captured:
-    """Read and check a capture folder; raise CaptureError (one line) saying what is wrong."""
+    """Read and check a capture folder; raise CaptureError (one line) saying what is wrong.
+
+    Every manifest field is validated against ``ampdoctor/schema/capture.schema.json`` and every tensor
+    file's layout (``input.capture_schema``) before anything is used: a capture is a file users mail to
+    each other, and a damaged one is one line naming the file and the field."""
     p = Path(path)
     if not p.is_dir():
         raise CaptureError(f"{p}: no such capture folder; pass the folder Monitor(capture=...) wrote")
     mf = p / MANIFEST
     if not mf.exists():
         raise CaptureError(f"{p}: no {MANIFEST}; this is not an ampdoctor capture folder")
-    try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CaptureError(f"{mf}: not valid JSON ({e}); the capture is truncated") from None
-    if manifest.get("schema_version") != CAPTURE_VERSION:
-        raise CaptureError(f"{p}: capture schema version {manifest.get('schema_version')!r}; this ampdoctor reads "
-                           f"version {CAPTURE_VERSION}")
-    files = set(manifest.get("files", []))
+    manifest = read_manifest(mf)
+    files = set(manifest["files"])
     batches = _load(p, "batches.pt")
-    if not isinstance(batches, list) or not batches:
-        raise CaptureError(f"{p}: batches.pt holds no batch (pass batch= to monitor.step so the capture can keep it)")
-    batches = [Micro(b[MICRO_KEY]) if isinstance(b, dict) and set(b) == {MICRO_KEY} else b for b in batches]
-    steps = [int(s) for s in manifest.get("batch_steps", [])]
+    validate_batches(batches, p / "batches.pt")
+    batches = [Micro(b[MICRO_KEY]) if isinstance(b, dict) and set(b) == {MICRO_KEY} and isinstance(b[MICRO_KEY], list)
+               else b for b in batches]
+    steps = [int(s) for s in manifest["batch_steps"]]
     step = int(manifest["step"])
-    if len(steps) != len(batches) or (steps and steps[-1] != step):
-        raise CaptureError(f"{p}: batches.pt does not end with the batch of step {step}; the capture is inconsistent")
+    if len(steps) != len(batches):
+        raise CaptureError(f"{p}: batches.pt holds {len(batches)} batch(es) but {MANIFEST} field batch_steps names "
+                           f"{len(steps)}; the capture is inconsistent (capture again)")
     if "state.pt" in files:
         st = _load(p, "state.pt")
-        return Captured(p, manifest, _model_state(st, p), StartState(st.get("optimizer"), st.get("scaler"), step),
+        validate_state(st, p / "state.pt")
+        return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), step),
                         [batches[-1]], from_snapshot=False)
     if "snapshot.pt" in files:
-        snap_step = int(manifest.get("snapshot_step") or steps[0])
+        snap = manifest.get("snapshot_step")
+        snap_step = int(snap) if snap is not None else steps[0]
         if steps[0] != snap_step:
             raise CaptureError(f"{p}: the batches since the snapshot (step {snap_step}) were left out; "
                                "it cannot re-reach the failing step (raise capture_max_bytes)")
         st = _load(p, "snapshot.pt")
-        return Captured(p, manifest, _model_state(st, p), StartState(st.get("optimizer"), st.get("scaler"), snap_step),
+        validate_state(st, p / "snapshot.pt")
+        return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
                         batches, from_snapshot=True)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
-
-
-def _model_state(st: Any, p: Path) -> dict[str, torch.Tensor]:
-    if not isinstance(st, dict) or not isinstance(st.get("model"), dict):
-        raise CaptureError(f"{p}: the state file holds no model state")
-    return st["model"]
 
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:

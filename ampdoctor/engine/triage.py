@@ -219,7 +219,8 @@ def triage(
                             optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None)
 
     for name in cfg.stage_list():
-        log = StepLogWriter(log_path, mode="overwrite") if log_path is not None and name == cfg.target else None
+        log = (StepLogWriter(log_path, mode="overwrite", on_error="raise")  # a full disk: one line, exit 2
+               if log_path is not None and name == cfg.target else None)
         try:
             run.results[name] = run_stage(name, context(name, log, snapshot=name == cfg.target))
         finally:
@@ -289,18 +290,33 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     """The spec's model with the captured weights, the captured batches; check the optimizer state fits.
     A spec without ``build_optimizer`` gets the captured optimizer's class and parameter groups."""
     cap = read_capture(capture)
+    rebuilt_from_layout = None
     if spec.build_optimizer is None:
-        rebuilt = layout_optimizer(cap.manifest.get("optimizer_layout"))
-        if rebuilt is not None:
-            spec = replace(spec, build_optimizer=rebuilt)
+        rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
+        if rebuilt_from_layout is not None:
+            spec = replace(spec, build_optimizer=rebuilt_from_layout)
     model = build_model(spec, cfg, device)
     load_into(model, cap.model, cap.path)
-    if cap.start.optimizer is not None:
+    if rebuilt_from_layout is None:
+        preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
+    try:  # the optimizer (the spec's, or rebuilt from the capture's layout) and its state must fit the model
+        opt = make_optimizer(spec.build_optimizer, model)
+        if cap.start.optimizer is not None:
+            want = [set(g) for g in opt.param_groups]
+            opt.load_state_dict(copy.deepcopy(cap.start.optimizer))
+            _optimizer_state_fits(opt, want, cap.path)
+    except CaptureError:
+        raise
+    except Exception as e:
+        what = ("layout (manifest field optimizer_layout) cannot be rebuilt" if rebuilt_from_layout is not None
+                else "state does not fit build_optimizer()")
+        raise CaptureError(f"{cap.path}: the captured optimizer {what} "
+                           f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]})") from None
+    if cap.start.scaler is not None:
         try:
-            make_optimizer(spec.build_optimizer, model).load_state_dict(copy.deepcopy(cap.start.optimizer))
+            torch.amp.GradScaler(device.type).load_state_dict(dict(cap.start.scaler))
         except Exception as e:
-            raise CaptureError(f"{cap.path}: the captured optimizer state does not fit build_optimizer() "
-                               f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
+            raise CaptureError(f"{cap.path}: the captured GradScaler state cannot be loaded ({type(e).__name__}: {e})") from None
     batches = Batches(cap.batches, cycled=False)
     args, kwargs, target = split(to_device(micro_batches(batches[0])[0], device))
     try:
@@ -310,6 +326,24 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
     return spec, model, batches, cap
+
+
+def _optimizer_state_fits(opt: torch.optim.Optimizer, want: list[set[str]], where: Path) -> None:
+    """``load_state_dict`` takes any param_groups and state: a damaged capture would otherwise fail at the first
+    step, reported as a model bug. Each group keeps every hyperparameter the optimizer has, and each state
+    tensor the shape of its parameter (or one element: a step count)."""
+    for i, (g, keys) in enumerate(zip(opt.param_groups, want, strict=False)):
+        lost = sorted(keys - set(g))
+        if lost:
+            raise CaptureError(f"{where}: the captured optimizer state's param group {i} has no {lost[0]!r}; the "
+                               "capture is damaged or from another optimizer (capture again)")
+    for p, st in opt.state.items():
+        if not isinstance(st, dict):
+            raise CaptureError(f"{where}: the captured optimizer state holds {type(st).__name__} for a parameter, not its state")
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.numel() > 1 and tuple(v.shape) != tuple(p.shape):
+                raise CaptureError(f"{where}: the captured optimizer state {k!r} is {tuple(v.shape)} for a parameter of "
+                                   f"{tuple(p.shape)}; the capture is damaged or from another model (capture again)")
 
 
 def build_report(run: Run, argv: list[str] | None = None) -> Report:
