@@ -18,7 +18,7 @@ from torch import nn
 
 from ampdoctor import Monitor
 from ampdoctor.engine.monitor import SkipRateError, SkipRateWarning
-from ampdoctor.errors import AmpDoctorError
+from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.watch.steplog import COLUMNS, read_step_log
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
@@ -152,7 +152,7 @@ def test_alert_warns_once_above_rate() -> None:
             warnings.simplefilter("always")
             train(mon, model, x, y, 8)
     alerts = [m for m in w if issubclass(m.category, SkipRateWarning)]
-    assert len(alerts) == 1 and "above 10%" in str(alerts[0].message)
+    assert len(alerts) == 1 and "(alert_rate 10%)" in str(alerts[0].message)
 
 
 def test_state_dict_round_trip_and_resumed_log(tmp_path: Path) -> None:
@@ -188,14 +188,15 @@ def test_own_loop_hooks() -> None:
     model, x, y = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     sc = torch.amp.GradScaler("cpu", init_scale=256.0)
-    with Monitor(model, opt, sc, inject_inf_at=1, max_norm=1.0) as mon:
+    with Monitor(model, opt, sc, inject_inf_at=1) as mon:
         recs = []
         for i in range(3):
             with mon.autocast():
                 loss = nn.functional.mse_loss(model(x), y)
             sc.scale(loss).backward()
             if i == 2:
-                sc.unscale_(opt)  # the user may unscale themselves
+                sc.unscale_(opt)  # the user may unscale and clip themselves
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             mon.after_backward(loss)
             sc.step(opt)
             sc.update()
@@ -204,6 +205,16 @@ def test_own_loop_hooks() -> None:
     assert [r.skipped for r in recs] == [False, True, False]
     assert recs[1].scale_after == 128.0 and sc.get_scale() == 128.0
     assert recs[2].grad_l2_post_clip <= 1.0 + 1e-6
+
+
+def test_own_loop_max_norm_is_a_usage_error() -> None:
+    # where the loop steps the optimizer the monitor only observes: it never clips the user's gradients
+    model, x, y = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Monitor(model, opt, max_norm=1.0) as mon:
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(UsageError, match="max_norm"):
+            mon.after_backward()
 
 
 def test_hooks_removed_on_close() -> None:
@@ -245,7 +256,7 @@ def test_one_host_sync_per_step(sync_counter: collections.Counter[str], every: i
     model, x, y = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     sc = torch.amp.GradScaler("cpu", init_scale=256.0)
-    with Monitor(model, opt, sc, every=every, max_norm=1.0, inject_inf_at=2) as mon:
+    with Monitor(model, opt, sc, every=every, inject_inf_at=2) as mon:
         for i in range(4):
             with mon.autocast():
                 loss = nn.functional.mse_loss(model(x), y)

@@ -37,7 +37,6 @@ import math
 import os
 import random
 import shutil
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +47,9 @@ import torch
 from torch import nn
 
 from ampdoctor._version import __version__
-from ampdoctor.input.batches import Micro
+from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.judge.scaler import COLLAPSE_BINADES
+from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch.hooks import unwrap
 
@@ -66,11 +66,21 @@ class CaptureWarning(UserWarning):
     """Writing a capture failed; training goes on."""
 
 
+MODEL_INPUTS_KEY = "ampdoctor_model_inputs"
+"""A batch taken from the model's own call (``Monitor`` without ``batch=``): ``{MODEL_INPUTS_KEY:
+{"args": [...], "kwargs": {...}}}`` (read back as ``input.batches.ModelInputs``)."""
+
+
 def host_copy(obj: Any) -> Any:
     """A detached host copy of every tensor in a nested structure; Mappings become dicts (so the copy
     loads with ``weights_only=True``); non-tensor leaves of other types are kept when they are plain
     Python values and dropped (None) otherwise."""
+    if isinstance(obj, ModelInputs):
+        return {MODEL_INPUTS_KEY: {"args": [host_copy(v) for v in obj.args],
+                                   "kwargs": {str(k): host_copy(v) for k, v in obj.kwargs.items()}}}
     if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):
+            obj = obj.to_local()  # type: ignore[attr-defined]  # this rank's shard: no collective
         t = obj.detach()
         if t.device.type == "cpu":
             return t.clone()
@@ -100,6 +110,40 @@ def nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(nbytes(v) for v in obj)
     return 0
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def sharded_engine(model: nn.Module) -> str | None:
+    """Which sharding engine holds the model's parameters: ``"fsdp1"`` (``FullyShardedDataParallel``
+    modules), ``"fsdp2"`` (``fully_shard``: DTensor parameters on an ``FSDPModule``), ``"tensor_parallel"``
+    (DTensor parameters otherwise), ``"deepspeed"`` (a ``DeepSpeedEngine``), or None (one process's
+    whole model, DDP included)."""
+    kinds = {type(m).__name__ for m in model.modules()}
+    if "DeepSpeedEngine" in kinds:
+        return "deepspeed"
+    if "FullyShardedDataParallel" in kinds:
+        return "fsdp1"
+    if any(_is_dtensor(p) for p in model.parameters()):
+        return "fsdp2" if any(k.startswith("FSDP") for k in kinds) else "tensor_parallel"
+    return None
+
+
+def local_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state as this process holds it, with no collective: ``state_dict()`` for a whole model
+    (DDP and compiled: the inner module's names); under a sharding engine, whose ``state_dict()`` gathers
+    across ranks (a collective only one rank would join), each parameter's and buffer's local shard."""
+    inner = unwrap(model)
+    if sharded_engine(inner) is None:
+        return dict(inner.state_dict())
+    out: dict[str, Any] = {}
+    for n, p in inner.named_parameters():
+        out[n] = p.to_local() if _is_dtensor(p) else p  # type: ignore[attr-defined]
+    for n, b in inner.named_buffers():
+        out[n] = b.to_local() if _is_dtensor(b) else b  # type: ignore[attr-defined]
+    return out
 
 
 def rng_states() -> dict[str, Any]:
@@ -186,6 +230,34 @@ class Trigger:
 
 
 @dataclass
+class FailingStep:
+    """Which step is the run's failing one (see the module docstring); keeps the scale history it needs."""
+
+    _applied_scales: set[float] = field(default_factory=set)
+    _peak_scale: float = 0.0
+
+    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False) -> Trigger | None:
+        """Whether this step is a failing one; updates the scale history."""
+        if scale is not None and math.isfinite(scale) and scale > 0:
+            self._peak_scale = max(self._peak_scale, scale)
+        trig: Trigger | None = None
+        if skipped and reason == "nonfinite_loss":
+            trig = Trigger("nonfinite_loss")
+        elif skipped and (scale is None or scale in self._applied_scales):
+            trig = Trigger("nonfinite_grad", reason)
+        elif nonfinite and not skipped:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
+            trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
+        elif alert:
+            trig = Trigger("skip_rate_alert")
+        elif (scale is not None and self._peak_scale > 0 and scale > 0
+              and math.log2(self._peak_scale / scale) >= COLLAPSE_BINADES):
+            trig = Trigger("scale_collapsed", f"{self._peak_scale:g} -> {scale:g}")
+        if not skipped and scale is not None:
+            self._applied_scales.add(scale)
+        return trig
+
+
+@dataclass
 class Capture:
     """Keeps what a capture needs and writes it once, on the first failing step."""
 
@@ -203,9 +275,12 @@ class Capture:
     _snapshot_step: int | None = None
     _batches: list[Any] = field(default_factory=list)
     _batch_steps: list[int] = field(default_factory=list)
-    _applied_scales: set[float] = field(default_factory=set)
-    _peak_scale: float = 0.0
+    _rule: FailingStep = field(default_factory=FailingStep)
     done: bool = False
+    quiet: bool = False
+    """``Monitor(quiet=True)``: nothing on the default stderr handler (see ``ampdoctor.notify``)."""
+    sharded: str | None = None
+    """The sharding engine of the model (``sharded_engine``): the capture then holds this rank's shard."""
 
     # every step ----------------------------------------------------------------------------------
     def before_update(self, step: int, batch: Any) -> None:
@@ -225,7 +300,7 @@ class Capture:
     def state(self) -> dict[str, Any]:
         """Host copies of the model, optimizer and scaler state, as they are now."""
         return {
-            "model": host_copy(unwrap(self.model).state_dict()),  # DDP / compiled: the inner module's names
+            "model": host_copy(local_state(self.model)),  # no collective (a sharded model: this rank's shard)
             "optimizer": host_copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
             "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
         }
@@ -234,23 +309,7 @@ class Capture:
         """Whether this step is the failing one (see the module docstring); updates the scale history."""
         if self.done:
             return None
-        if scale is not None and math.isfinite(scale) and scale > 0:
-            self._peak_scale = max(self._peak_scale, scale)
-        trig: Trigger | None = None
-        if skipped and reason == "nonfinite_loss":
-            trig = Trigger("nonfinite_loss")
-        elif skipped and (scale is None or scale in self._applied_scales):
-            trig = Trigger("nonfinite_grad", reason)
-        elif nonfinite and not skipped:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
-            trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
-        elif alert:
-            trig = Trigger("skip_rate_alert")
-        elif (scale is not None and self._peak_scale > 0 and scale > 0
-              and math.log2(self._peak_scale / scale) >= COLLAPSE_BINADES):
-            trig = Trigger("scale_collapsed", f"{self._peak_scale:g} -> {scale:g}")
-        if not skipped and scale is not None:
-            self._applied_scales.add(scale)
-        return trig
+        return self._rule.judge(skipped=skipped, reason=reason, scale=scale, alert=alert, nonfinite=nonfinite)
 
     # the capture ---------------------------------------------------------------------------------
     def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
@@ -260,14 +319,20 @@ class Capture:
         try:
             self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before,
                                        extra=extra or {})
-            log.warning("ampdoctor: step %d failed (%s); captured to %s: replay it with `ampdoctor triage SPEC --from %s`",
-                        step, trig.reason, self.written, self.written)
-            return self.written
         except Exception as e:  # never break the user's loop
-            msg = f"ampdoctor could not write the capture of step {step} to {self.path}: {type(e).__name__}: {e}"
-            log.warning(msg)
-            warnings.warn(msg, CaptureWarning, stacklevel=4)
+            msg = (f"ampdoctor: could not write the capture of step {step} to {self.path} "
+                   f"({type(e).__name__}: {str(e)[:200]}); training goes on")
+            say(msg, quiet=self.quiet, warned=True)
+            if not self.quiet:
+                warn_user(msg, CaptureWarning)
             return None
+        where = self.written
+        shard = (f" (this rank's shard of a {self.sharded} model: replaying a sharded capture is not supported yet)"
+                 if self.sharded else "")
+        say("ampdoctor: step %d failed (%s); captured to %s%s\n  replay it: ampdoctor triage SPEC.py --from %s"
+            "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)",
+            step, trig.reason, where, shard, where, quiet=self.quiet)
+        return where
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any]) -> Path:
@@ -327,6 +392,7 @@ class Capture:
             "monitor": self.settings,
             "rank": rank,
             "world_size": world,
+            "sharded": self.sharded,
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "state_step": step if "state.pt" in files else None,

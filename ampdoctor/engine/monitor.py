@@ -47,8 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,19 +56,21 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture
-from ampdoctor.engine.ranks import RankExchange, RankView, rank_path
+from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, CaptureWarning, FailingStep, Trigger, sharded_engine
+from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
+from ampdoctor.input.batches import named_tensors
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
+from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
+from ampdoctor.watch.tap import ForwardTap
 
-log = logging.getLogger("ampdoctor")
-log.addHandler(logging.NullHandler())  # a library: no output unless the application configures logging
+log = logging.getLogger("ampdoctor")  # heard on stderr until the application configures logging (ampdoctor.notify)
 
 EXTRA_COLUMNS: tuple[str, ...] = ("scale_after", "skip_rate", "nonfinite_params", "injected")
 """Columns the monitor writes after the standard ones (see ``steplog.COLUMNS``)."""
@@ -85,6 +86,19 @@ class SkipRateError(AmpDoctorError):
 
 class SkipRateWarning(UserWarning):
     """The rolling skip rate went above ``alert_rate``."""
+
+
+class MonitorOffWarning(UserWarning):
+    """Something inside ampdoctor failed, or the setup is one it cannot read correctly: the monitor turned
+    itself off and the training goes on without it."""
+
+
+UNSUPPORTED = {
+    "fsdp2": "FSDP2 (fully_shard)",
+    "tensor_parallel": "tensor parallelism (DTensor parameters)",
+    "deepspeed": "DeepSpeed",
+}
+"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning."""
 
 
 @dataclass
@@ -164,6 +178,21 @@ class FirstFault:
         who = (f"the other ranks were clean: rank {self.rank}'s own batch or forward" if self.others_clean
                else "other ranks saw it too: a range problem every rank shares")
         return f"step {self.step}: rank {self.rank} went non-finite first ({self.kind}{where}); {who} [{self.ranks}]"
+
+
+def _check_types(model: Any, optimizer: Any, scaler: Any) -> None:
+    """Misuse of the constructor is a ``UsageError`` naming the argument, at once."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model: Monitor takes the nn.Module you train, got {type(model).__name__}")
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
+        raise UsageError(f"optimizer: Monitor takes a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "unscale_", "update", "is_enabled")):
+        raise UsageError(f"scaler: Monitor takes a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+
+
+def _check_loss(loss: Any, where: str) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(f"{where}(loss): the loss must be the tensor you call .backward() on, got {type(loss).__name__}")
 
 
 @dataclass
@@ -274,7 +303,53 @@ class Monitor:
         distributed: bool | None = None,
         process_group: Any = None,
         capture_ranks: Literal["first", "all"] = "first",
+        quiet: bool = False,
     ) -> None:
+        _check_types(model, optimizer, scaler)
+        self.quiet = quiet
+        self._off: str | None = None
+        """Why the monitor is off (it failed, or cannot read this setup); None while it watches."""
+        self._owe_exchange = False
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.max_norm = max_norm
+        self.step_num = first_step
+        self.first_step = first_step
+        self.first_fault: FirstFault | None = None
+        """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
+        self.first_failure: tuple[int, str] | None = None
+        """(step, reason) of the run's first failing step (see ``engine.capture.FailingStep``)."""
+        self.last: MonitorRecord | None = None
+        self._pending: _Pending | None = None
+        self._closed = False
+        self._accumulated = False
+        self.ranks: RankExchange | None = None
+        self.rank: int | None = None
+        self.capture: Capture | None = None
+        self.tap: ForwardTap | None = None
+        self.writer: StepLogWriter | None = None
+        self.log_path: Path | None = None
+        self.total_skips = 0
+        self._recent: deque[bool] = deque(maxlen=max(int(window), 1))
+        self._recent_skips = 0
+        self._over = 0
+        self._alerted = False
+        self.scale_changes: list[tuple[int, float]] = []
+        """(first step, scale) each time the scale used changed: the whole scale history, compactly."""
+        self.skips: list[tuple[int, str]] = []
+        """(step, reason) of every skipped step."""
+        self.engine = sharded_engine(unwrap(model))
+        """The sharding engine holding the model (``engine.capture.sharded_engine``), None for a whole model."""
+        if self.engine in UNSUPPORTED:
+            if max_norm is not None:
+                raise UsageError(f"max_norm: under {UNSUPPORTED[self.engine]} clip with the engine's own clip_grad_norm_")
+            self._turn_off(f"{UNSUPPORTED[self.engine]} is not supported yet: ampdoctor cannot read its sharded "
+                           "gradients correctly, so it watches nothing of this run", warn=True)
+            return
+        if self.engine == "fsdp1" and max_norm is not None:
+            raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
+                             "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
         if max_norm is not None and not max_norm > 0:
@@ -290,11 +365,7 @@ class Monitor:
         self.full_after = full_after
         self._full_until = -1
         """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
-        self.model = model
-        self.optimizer = optimizer
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._user_scaler = scaler
-        self.max_norm = max_norm
         self.window = window
         self.alert_rate = alert_rate
         self.alert_min_steps = alert_min_steps
@@ -323,31 +394,32 @@ class Monitor:
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
         self._params = self.recipe.params
         self._names = self.recipe.names
-        self.ranks: RankExchange | None = None
         if distributed is not False:
             self.ranks = RankExchange.detect(self.recipe.modules, [self._names[id(p)] for p in self._params], process_group)
             if distributed and self.ranks is None:
                 raise UsageError("distributed=True but torch.distributed is not initialised with more than one rank")
         self.recipe.ranks = self.ranks
-        self.rank: int | None = self.ranks.rank if self.ranks is not None else None
+        self.rank = self.ranks.rank if self.ranks is not None else None
         if self.rank is not None:
             log = rank_path(str(log), self.rank) if log else log
             capture = rank_path(str(capture), self.rank) if capture is not None else None
         if capture_ranks not in ("first", "all"):
             raise UsageError(f"capture_ranks must be 'first' or 'all', got {capture_ranks!r}")
         self.capture_ranks = capture_ranks
-        self.first_fault: FirstFault | None = None
-        """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         if snapshot_every < 1:
             raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
-        self.capture: Capture | None = None
         if capture is not None:
             settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
                         "every": every, "activations": activations, "snapshot_every": snapshot_every}
             self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
-                                   str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None)
+                                   str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
+                                   quiet=quiet, sharded=self.engine)
+        self._failing = FailingStep()
+        self.tap = ForwardTap(model, None, inputs=True) if capture is not None else None
+        """With a capture: the model's own inputs of each step's training forwards (the batch, without ``batch=``)."""
+        self._batch_checked = False
         self._last_stats: StepStats | None = None
-        self.log_path: Path | None = Path(log) if log else None
+        self.log_path = Path(log) if log else None
         """The step log this process writes (per rank under torch.distributed)."""
         self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (RANK_COLUMNS if self.rank is not None else ()),
                                      mode=log_mode, fsync=fsync) if log else None)
@@ -358,23 +430,14 @@ class Monitor:
             # a wrong log path fails now, not after the first step (rows already there: judged at the
             # first write, as a load_state_dict may yet continue the run)
             self.writer.check(first_step if first_step > 0 else None)
-        self.step_num = first_step
-        self.first_step = first_step
-        self.total_skips = 0
-        self._recent: deque[bool] = deque(maxlen=window)
-        self._recent_skips = 0
-        self._over = 0
-        self._alerted = False
-        self.scale_changes: list[tuple[int, float]] = []
-        """(first step, scale) each time the scale used changed: the whole scale history, compactly."""
-        self.skips: list[tuple[int, str]] = []
-        """(step, reason) of every skipped step."""
-        self._pending: _Pending | None = None
         self._spiked = False
         self._asked = False
         """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
-        self.last: MonitorRecord | None = None
-        self._closed = False
+        if self.engine == "fsdp1" and self.rank in (None, 0):
+            say("ampdoctor: FSDP (FullyShardedDataParallel): each rank holds a shard of the gradients, so the step "
+                "log leaves the gradient norms out; losses, skips, the first rank and each rank's capture of its "
+                "shard are exact", quiet=quiet)
+        self.hooks.on_error = self._hook_failed
         self.hooks.attach()
         self.hooks.begin_step(self.step_num)
         start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
@@ -387,43 +450,153 @@ class Monitor:
         self.close()
 
     def close(self) -> None:
-        """Remove the hooks and close the log. Safe to call twice."""
-        self.hooks.detach()
-        if self.writer is not None:
-            self.writer.close()
+        """Remove the hooks and close the log. Safe to call twice; never raises."""
         self._closed = True
+        for part in ("tap", "hooks", "writer"):
+            obj = getattr(self, part, None)
+            if obj is None:
+                continue
+            try:
+                obj.close() if part != "hooks" else obj.detach()
+            except Exception:  # pragma: no cover - closing must not break the user's exit
+                pass
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Forward passes inside (evaluation) are not recorded into the next step's statistics."""
+        if self._off is not None:
+            yield
+            return
         self.hooks.detach()
         try:
             yield
         finally:
-            self.hooks.attach()
-            self.hooks.begin_step(self.step_num)
+            if self._off is None and not self._closed:
+                self.hooks.attach()
+                self.hooks.begin_step(self.step_num)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` on the model's device type with ``amp_dtype`` (disabled when None)."""
+        if self._off is not None and not hasattr(self, "recipe"):
+            return contextlib.nullcontext()
         return self.recipe.autocast()
 
     @property
     def skip_rate(self) -> float:
         """Rolling skip rate over the last ``window`` steps."""
-        return self._recent_skips / len(self._recent) if self._recent else 0.0
+        recent = getattr(self, "_recent", None)
+        return self._recent_skips / len(recent) if recent else 0.0
+
+    @property
+    def off(self) -> str | None:
+        """Why the monitor turned itself off (an internal failure, or a setup it cannot read); None while on."""
+        return self._off
 
     @property
     def should_skip(self) -> bool:
-        """After ``after_backward``: whether this step must be skipped (non-finite loss or gradient)."""
+        """After ``after_backward``: whether this step must be skipped (non-finite loss or gradient).
+        False once the monitor is off (``off``): the loop then runs as it would without it."""
+        if self._off is not None:
+            return False
         if self._pending is None:
             raise UsageError("should_skip is known after monitor.after_backward(loss)")
         self._asked = True
         return self._pending.m.skip
 
+    # failing safe ------------------------------------------------------------------------------
+    def _turn_off(self, why: str, *, warn: bool, who: int | None = None) -> None:
+        """Turn the monitor off for the rest of the run: hooks, tap and the exchange go; the log is closed.
+        ``warn``: say it (once, on this rank; ``who``: only on that rank)."""
+        if self._off is not None:
+            return
+        self._off = why
+        self._pending = None
+        for part in ("tap", "hooks"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                try:
+                    obj.close() if part == "tap" else obj.detach()
+                except Exception:
+                    pass
+        w = getattr(self, "writer", None)
+        if w is not None:
+            try:
+                w.close()
+            except Exception:
+                pass
+        rank = getattr(self, "rank", None)
+        if warn and (who is None or rank is None or who == rank):
+            where = f" (rank {rank})" if rank is not None else ""
+            msg = f"ampdoctor{where}: {why}; the monitor is off and the training goes on without it"
+            say(msg, quiet=self.quiet, warned=not self.quiet)
+            if not self.quiet:
+                warn_user(msg, MonitorOffWarning)
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        """Something of ampdoctor's raised: off, with one warning naming the step and what failed. Under
+        torch.distributed the other ranks learn it at the next exchange (this rank still joins it once)."""
+        if self._off is not None:
+            return
+        rx = getattr(self, "ranks", None)
+        if rx is not None:
+            self._owe_exchange = True
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        self._turn_off(f"{where} failed at step {self.step_num} ({type(exc).__name__}{': ' + detail if detail else ''})",
+                       warn=True)
+
+    def _hook_failed(self, exc: BaseException) -> None:
+        self._fail("recording the forward", exc)
+
+    def _pay_exchange(self) -> None:
+        """A rank that turned off joins the exchange once more, flagged off, so that no rank waits in a
+        collective it alone would run; after it every rank is off. Never raises."""
+        rx = getattr(self, "ranks", None)
+        self._owe_exchange = False
+        if rx is None:
+            return
+        self.ranks = None
+        self.recipe.ranks = None
+        try:
+            row = torch.zeros(SLOTS, dtype=torch.float64, device=self.device)
+            row[0] = OFF
+            rx.exchange(row).cpu()
+        except Exception:  # pragma: no cover - the collective itself broke: nothing more to join
+            pass
+
+    def _blank(self) -> MonitorRecord:
+        """The record of a step taken while the monitor is off (no measurement)."""
+        rec = MonitorRecord(self.step_num, None, math.nan, math.nan, math.nan, False, "", None,
+                            rank=getattr(self, "rank", None))
+        self.step_num += 1
+        return rec
+
+    def _plain_step(self, loss: torch.Tensor | None) -> MonitorRecord:
+        """``step()`` once the monitor is off: PyTorch's AMP recipe, nothing of ampdoctor's."""
+        opt, sc = self.optimizer, self.scaler
+        assert opt is not None
+        if loss is not None:
+            (sc.scale(loss) if sc is not None else loss).backward()
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if sc is not None:
+            if self.max_norm is not None:
+                try:
+                    sc.unscale_(opt)
+                except RuntimeError:  # already unscaled this step (the failure came after it)
+                    pass
+                torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+            sc.step(opt)
+            sc.update()
+        else:
+            if self.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return self._blank()
+
     # fault injection ---------------------------------------------------------------------------
     def spike(self, target: torch.Tensor) -> torch.Tensor:
         """``target * spike_factor`` at the steps in ``inject_spike_at``, else ``target`` unchanged."""
-        if self.step_num in self.inject_spike_at:
+        if self._off is None and self.step_num in self.inject_spike_at:
             self._spiked = True
             return target * self.spike_factor
         return target
@@ -456,12 +629,23 @@ class Monitor:
         """Gradient accumulation: the (scaled) backward of one micro-batch's loss, already divided by
         the number of micro-batches as loops do. After the last one call ``step()`` with no loss: the
         step's logged loss is the sum over its micro-batches (the full loss, not the last one's share)."""
-        self.recipe.backward(loss)
+        _check_loss(loss, "backward")
+        if self._off is None:
+            try:
+                self.recipe.note_loss(loss)
+            except Exception as e:
+                self._fail("the loss check", e)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self._accumulated = True
 
     def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> MonitorRecord:
         """One training step from a loss: backward, unscale_, clip, step or skip, update, zero_grad.
 
-        ``batch``: this step's batch, kept (on the host) for the capture when ``capture`` is set.
+        ``batch``: this step's batch, kept (on the host) for the capture when ``capture`` is set;
+        without it the capture keeps the model's own inputs of the step's forward.
+
+        The monitor owns this step and runs PyTorch's AMP recipe; should anything of ampdoctor's fail,
+        it warns once, turns itself off and still takes the step (see ``off``).
 
         Returns the step's record; raises ``SkipRateError`` (after logging the step) when the skip
         rate has stayed above ``max_skip_rate`` for ``patience`` steps.
@@ -470,53 +654,119 @@ class Monitor:
             raise UsageError("Monitor without an optimizer cannot step: call monitor.after_backward(loss) after your "
                              "backward, update the weights yourself, then monitor.after_step()")
         if loss is not None:
-            self.recipe.backward(loss)  # the loss check (on the device), then the scaled backward
-        elif self.recipe._loss_sum is None:
+            _check_loss(loss, "step")
+        elif not self._accumulated:
             raise UsageError("step() without a loss: call monitor.backward(loss) for each micro-batch first")
-        pend = self._after_backward(loss, batch)
+        self._accumulated = False
+        if self._off is not None:
+            return self._plain_step(loss)
+        if loss is not None:
+            try:
+                self.recipe.note_loss(loss)  # the loss check, on the device
+            except Exception as e:
+                self._fail("the loss check", e)
+                return self._plain_step(loss)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        pend = self._after_backward(loss, batch, observe=False)
+        if pend is None:  # it failed: the step goes on without the monitor
+            return self._plain_step(None)
         self.recipe.apply(pend.m)  # step or skip, scaler.update() on both paths
         self.recipe.zero_grad()
-        return self._after_step(None, stacklevel=4)
+        return self._guarded_after_step(None)
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's loss, for loops (and framework callbacks) that run backward themselves and
         call ``after_backward()`` with no loss: the step's logged loss is the sum of the noted ones,
-        and a non-finite one skips the step (``nonfinite_loss``). No host sync."""
-        self.recipe.note_loss(loss)
+        and a non-finite one is logged (``nonfinite_loss``). No host sync."""
+        _check_loss(loss, "note_loss")
+        if self._off is not None:
+            return
+        try:
+            self.recipe.note_loss(loss)
+        except Exception as e:
+            self._fail("the loss check", e)
 
     def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:
-        """Your own loop: call after ``scaler.scale(loss).backward()`` (and ``unscale_``, if you do it).
+        """Your own loop: call after ``scaler.scale(loss).backward()`` (and after ``unscale_`` and your
+        clipping, if you do them), before ``scaler.step``.
 
-        Calls ``scaler.unscale_(optimizer)`` if you have not, injects faults, takes the global norm,
-        clips (``max_norm``), queues the statistics and copies them to the host (the one sync).
-        Then ``should_skip`` says whether the step must be skipped (GradScaler will skip it itself).
+        Observes only: it writes nothing your training reads (no ``unscale_``, no clip, no write to the
+        gradients or to GradScaler): the gradients' norms and statistics are taken as ``unscale_``
+        would make them, and the step's skip is the one GradScaler will make. It queues the
+        statistics and copies them to the host (the one sync). Then ``should_skip`` says whether the
+        step holds a non-finite loss or gradient (a loop without a GradScaler can skip on it).
         """
         if loss is not None:
-            self.recipe.note_loss(loss)
-        self._after_backward(loss, batch)
+            _check_loss(loss, "after_backward")
+        if self._owe_exchange:
+            self._pay_exchange()
+        if self._off is not None:
+            return
+        if loss is not None:
+            try:
+                self.recipe.note_loss(loss)
+            except Exception as e:
+                self._fail("the loss check", e)
+                self._pay_exchange()
+                return
+        self._after_backward(loss, batch, observe=True)
 
-    def _after_backward(self, loss: torch.Tensor | None, batch: Any = None) -> _Pending:
+    def _after_backward(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
+        """The measurement at the step's one host copy; None when it failed (the monitor is then off, and
+        under torch.distributed this rank has joined the step's exchange all the same)."""
         if self._pending is not None:
             raise UsageError("after_backward called twice for one step; call after_step() in between")
-        m, injected = self.recipe.measure(loss, before_unscale=self._inject_inf)
+        rx = self.ranks
+        calls = rx.calls if rx is not None else 0
+        try:
+            return self._measure(loss, batch, observe)
+        except (UsageError, SkipRateError):
+            raise
+        except Exception as e:
+            self._fail("measuring the step", e)
+            if rx is not None and rx.calls == calls:  # this step's exchange is still to be joined
+                self._pay_exchange()
+            return None
+
+    def _measure(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
+        m, injected = self.recipe.measure(loss, before_unscale=self._inject_inf, observe=observe)
+        if m.ranks is not None and m.ranks.off:  # a rank's monitor failed: every rank turns off, here and now
+            self.ranks = self.recipe.ranks = None
+            self._turn_off(f"the monitor of rank {m.ranks.off[0]} failed (its warning says what), so every rank's is off "
+                           f"from step {self.step_num}", warn=True, who=0)
+            return None
         if self._spiked:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
         if self.mode == "sentinel" and (m.skip or (m.stats is None and m.tripped)):
             self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
             if m.stats is None:  # the tripping step passed unrecorded: take what is still there, in full
-                st = self._trip_stats()
+                st = self._trip_stats(1.0 / m.scale if self.recipe.grads_scaled and m.scale else None)
                 m.stats = st
                 if st.pgrad:
                     m.bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
                     m.bad_count = len(m.bad_params)
                     if m.skip and m.reason.startswith("nonfinite_grad"):
                         m.reason = self.recipe.grad_reason(st, m.bad_params)
+        if not observe:
+            m.will_skip = m.skip
         self._pending = _Pending(self.step_num, m, injected)
         if m.stats is not None:
             self._last_stats = m.stats
-        if self.capture is not None:
-            self.capture.before_update(self.step_num, batch)
+        cap = self.capture
+        if cap is not None and not cap.done:
+            taken = self.tap.take() if self.tap is not None else None
+            b = batch if batch is not None else taken
+            if not self._batch_checked:
+                self._batch_checked = True
+                if b is None or not named_tensors(b):
+                    msg = (f"ampdoctor: the capture armed at {cap.path} has no batch to keep at step {self.step_num}: "
+                           "no batch= was passed and no training call of the model itself was seen; pass "
+                           "batch= to mon.step() or mon.after_backward(), or a failure cannot be replayed")
+                    say(msg, quiet=self.quiet, warned=not self.quiet)
+                    if not self.quiet:
+                        warn_user(msg, CaptureWarning)
+            cap.before_update(self.step_num, b)
         return self._pending
 
     # sentinel mode -----------------------------------------------------------------------------
@@ -524,12 +774,13 @@ class Monitor:
         """Sentinel mode: whether ``step`` gets full per-layer statistics."""
         return step % self.full_every == 0 or step < self._full_until
 
-    def _trip_stats(self) -> StepStats:
+    def _trip_stats(self, inv_scale: float | None) -> StepStats:
         """The sentinel tripped on a step not recorded: take what is still there in full now, the
-        parameter gradients (and weights with ``weights=True``). A second host copy, on this step only."""
+        parameter gradients (and weights with ``weights=True``). A second host copy, on this step only.
+        ``inv_scale``: the gradients still carry the loss scale (see ``Hooks.after_backward``)."""
         h = self.hooks
         h.begin_step(self.step_num, record=True)
-        h.after_backward()
+        h.after_backward(inv_scale)
         h.after_step()
         st = h.end_step()
         st.extra["sentinel_trip"] = 1.0
@@ -539,29 +790,42 @@ class Monitor:
         """Your own loop: call after the optimizer step and ``scaler.update()``. No host sync.
 
         ``skipped`` defaults to what the step did: with a GradScaler, its verdict (exactly what the
-        scaler did); without one, the monitor's verdict if you read ``should_skip`` this step (you
-        skipped on it), else applied: a plain loop applies every step, and a non-finite one is logged
-        as ``applied:<reason>``, not as a skip that did not happen.
+        scaler did: it skips on a non-finite gradient; a non-finite loss with finite gradients is
+        applied, and logged ``applied:nonfinite_loss``); without one, the monitor's verdict if you read
+        ``should_skip`` this step (you skipped on it), else applied: a plain loop applies every step,
+        and a non-finite one is logged as ``applied:<reason>``, not as a skip that did not happen.
         Writes the log row, updates the skip rate and history; may warn or raise (see the class).
         """
+        if self._off is not None:
+            return self._blank()
         if skipped is None and self.scaler is None and not self._asked:
             skipped = False
-        return self._after_step(skipped, stacklevel=4)
+        return self._guarded_after_step(skipped)
 
-    def _after_step(self, skipped: bool | None, stacklevel: int) -> MonitorRecord:
+    def _guarded_after_step(self, skipped: bool | None) -> MonitorRecord:
+        try:
+            return self._after_step(skipped)
+        except (UsageError, SkipRateError):
+            raise
+        except Exception as e:
+            self._fail("writing the step's record", e)
+            return self._blank()
+
+    def _after_step(self, skipped: bool | None) -> MonitorRecord:
         pend = self._pending
         if pend is None:
             raise UsageError("call monitor.after_backward(loss) before monitor.after_step()")
         self._pending = None
         self._asked = False
         m = pend.m
-        sk = m.skip if skipped is None else bool(skipped)
+        will = m.will_skip if m.will_skip is not None else m.skip
+        sk = will if skipped is None else bool(skipped)
         reason = m.reason if sk else ""
         first = m.ranks.first if m.ranks is not None else None
         if sk and first is not None and first.rank != self.rank and first.local and not any(
                 f.local for f in m.ranks.faults if f.rank == self.rank):  # type: ignore[union-attr]
             reason = f"nonfinite_from_rank:{first.rank}"  # clean here: the gradients came through DDP's all-reduce
-        if not sk and m.skip:  # the caller applied a non-finite step (no GradScaler to skip it): say so
+        if not sk and m.skip:  # the step was applied with a non-finite loss or gradient: say so
             reason = f"applied:{m.reason}"
         if sk and not reason:
             reason = "skipped_by_caller"
@@ -576,39 +840,65 @@ class Monitor:
             self.skips.append((pend.step, reason))
         if m.scale is not None and (not self.scale_changes or self.scale_changes[-1][1] != m.scale):
             self.scale_changes.append((pend.step, m.scale))
+        pre, post = (m.grad_l2_pre_clip, m.grad_l2_post_clip) if self.engine is None else (math.nan, math.nan)
         rec = MonitorRecord(
-            pend.step, m.lr, m.grad_l2_pre_clip, m.grad_l2_post_clip, m.loss, sk, reason, m.scale,
+            pend.step, m.lr, pre, post, m.loss, sk, reason, m.scale,
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
             m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
         )
         if m.ranks is not None and m.ranks.faults and self.first_fault is None:
-            self._note_first(pend.step, m.ranks)
+            first = m.ranks.first
+            assert first is not None
+            self.first_fault = FirstFault(pend.step, first.rank, first.kind, first.module, m.ranks.others_clean,
+                                          m.ranks.column())
         if self.writer is not None:
             self.writer.write(rec.row())
         self.last = rec
         self.step_num += 1
         if not self._closed:
             self.hooks.begin_step(self.step_num)
-        if self.capture is not None and not self.capture.done:
-            self._maybe_capture(rec, m, rate)
-        self._judge_rate(rate, pend.step, stacklevel)
+        alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
+        trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert,
+                                   nonfinite=m.skip)
+        if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
+            self.first_failure = (rec.step, trig.reason)
+            self._say_failure(rec, m, trig)
+        if self.capture is not None and not self.capture.done and trig is not None:
+            self._maybe_capture(rec, m, trig)
+        if self.capture is not None and self.capture.done and self.tap is not None:
+            self.tap.close()  # nothing more to keep
+            self.tap = None
+        self._judge_rate(rate, pend.step)
         return rec
 
-    def _note_first(self, step: int, view: RankView) -> None:
-        first = view.first
-        assert first is not None
-        self.first_fault = FirstFault(step, first.rank, first.kind, first.module, view.others_clean, view.column())
-        if self.rank in (0, first.rank):  # not a line from each of a thousand ranks
-            log.warning("ampdoctor: %s", self.first_fault.describe())
+    def _say_failure(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> None:
+        """The run's first failing step, on stderr (once, from the rank that saw it first)."""
+        view = m.ranks
+        first = view.first if view is not None else None
+        if self.rank is not None and self.rank != (first.rank if first is not None else 0):
+            return
+        r = rec.skip_reason.removeprefix("applied:")
+        module = r.split(":", 1)[1] if r.startswith("nonfinite_grad:") else None
+        if trig.reason == "nonfinite_loss":
+            what = f"the loss is {rec.loss:g}"
+        elif trig.reason == "nonfinite_grad":
+            what = ("a gradient went non-finite" + (f", first in {module}" if module else "")
+                    + (f" ({rec.nonfinite_count} parameter(s))" if rec.nonfinite_count else ""))
+        else:
+            what = f"the loss scale collapsed ({trig.detail})"
+        done = "skipped" if rec.skipped else "applied"
+        scale = f" at scale {rec.scaler_scale:g}" if rec.scaler_scale is not None else ""
+        who = ""
+        if first is not None and view is not None:
+            where = f" in {first.module}" if first.module else ""
+            who = (f"; rank {first.rank} went first ({first.kind}{where}), "
+                   + ("the other ranks were clean" if view.others_clean else "other ranks saw it too"))
+        say(f"ampdoctor: step {rec.step} failed: {what}; the step was {done}{scale}{who}", quiet=self.quiet)
 
-    def _maybe_capture(self, rec: MonitorRecord, m: Measured, rate: float) -> None:
+    def _maybe_capture(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> None:
         cap = self.capture
         assert cap is not None
-        alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
-        trig = cap.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert, nonfinite=m.skip)
-        if trig is None:
-            return
         view = m.ranks
         extra: dict[str, Any] = {}
         if view is not None:
@@ -632,15 +922,22 @@ class Monitor:
         if out is not None:
             rec.capture = str(out)
 
-    def _judge_rate(self, rate: float, step: int, stacklevel: int) -> None:
+    def _judge_rate(self, rate: float, step: int) -> None:
         n = len(self._recent)
         if rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps:
             if not self._alerted:
                 self._alerted = True
-                msg = (f"skip rate {rate:.1%} over the last {n} steps is above {self.alert_rate:.0%} (step {step}): "
-                       "the model is in a range FP16 cannot hold; see the step log's skip_reason")
-                log.warning(msg)
-                warnings.warn(msg, SkipRateWarning, stacklevel=stacklevel)
+                if self.rank in (None, 0):  # every rank skips alike: one rank says it
+                    reasons = Counter(r for s, r in self.skips if s > step - n)
+                    top = ", ".join(f"{r} x{c}" for r, c in reasons.most_common(3))
+                    more = len(reasons) - 3
+                    log_hint = (f"read the step log with `ampdoctor scaler {self.log_path}`" if self.log_path is not None
+                                else "Monitor(log=...) keeps a step log for `ampdoctor scaler`")
+                    msg = (f"ampdoctor: step {step}: {rate:.1%} of the last {n} steps were skipped (alert_rate "
+                           f"{self.alert_rate:.0%}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; {log_hint}")
+                    say(msg, quiet=self.quiet, warned=not self.quiet)
+                    if not self.quiet:
+                        warn_user(msg, SkipRateWarning)
         elif rate <= self.alert_rate:
             self._alerted = False
         if self.max_skip_rate is not None:

@@ -15,7 +15,7 @@ Per rank, the row holds:
 
 - ``flags``: bit 0 the loss is non-finite; bit 1 a module output is (a recorded step); bit 2 a
   gradient at an activation is (a recorded step); bit 3 a parameter gradient is; bit 4 the
-  model's input (the batch) is.
+  model's input (the batch) is; bit 5 (``OFF``) this rank's monitor failed and is leaving.
 - ``forward``: the module whose output went non-finite first, in execution order (its inputs were
   finite); with bit 4, the first module that read the batch. ``index + 1`` into ``modules``.
 - ``backward``: the module whose outgoing gradient went non-finite first in backward.
@@ -43,6 +43,9 @@ SLOTS = 4
 HANDSHAKE_TIMEOUT = 120.0
 """Seconds a rank's monitor waits for every other rank's at start-up before it goes without the exchange."""
 LOSS, FORWARD, BACKWARD, GRAD, INPUT = 1, 2, 4, 8, 16
+OFF = 32
+"""Not a fault: the rank's monitor failed and turned off; every rank turns off after this exchange (the
+rank that failed joins it once more, flagged, so no rank waits in a collective the others left)."""
 KINDS = ((INPUT, "input"), (FORWARD, "forward"), (LOSS, "loss"), (BACKWARD, "backward"), (GRAD, "grad"))
 """A rank's fault kinds, from the earliest in the step to the latest: its kind is the first that is set."""
 LOCAL = LOSS | FORWARD | BACKWARD | INPUT
@@ -81,6 +84,8 @@ class RankView:
 
     world: int
     faults: tuple[RankFault, ...]
+    off: tuple[int, ...] = ()
+    """Ranks whose monitor failed and left (``OFF``): every rank turns off after this step."""
 
     @property
     def first(self) -> RankFault | None:
@@ -125,6 +130,8 @@ class RankExchange:
         self.modules = list(modules)
         self._index = {m: i for i, m in enumerate(self.modules)}
         self.params = list(params)
+        self.calls = 0
+        """Exchanges joined so far (a failing step tells whether this step's was joined)."""
 
     @classmethod
     def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None,
@@ -233,6 +240,7 @@ class RankExchange:
         """Every rank's row, summed into one ``world x SLOTS`` tensor: the step's one collective."""
         import torch.distributed as dist
 
+        self.calls += 1
         full = torch.zeros((self.world, SLOTS), dtype=torch.float64, device=row.device)
         full[self.rank] = row
         dist.all_reduce(full, group=self.group)
@@ -242,15 +250,19 @@ class RankExchange:
     def decode(self, host: np.ndarray) -> RankView:
         """The host copy of ``exchange``'s result into the ranks that saw something."""
         faults = []
+        off = []
         for r, (flags, fwd, bwd, param) in enumerate(np.asarray(host, dtype=np.float64).reshape(self.world, SLOTS)):
             fl = int(flags)
+            if fl & OFF:
+                off.append(r)
+                fl &= ~OFF
             if not fl:
                 continue
             module = self._module(int(fwd)) or self._module(int(bwd))
             if module is None and int(param) > 0 and int(param) - 1 < len(self.params):
                 module = locate.module_of_param(self.params[int(param) - 1], self.modules)
             faults.append(RankFault(r, fl, module))
-        return RankView(self.world, tuple(faults))
+        return RankView(self.world, tuple(faults), tuple(off))
 
     def _module(self, code: int) -> str | None:
         return self.modules[code - 1] if 0 < code <= len(self.modules) else None
@@ -316,4 +328,4 @@ def rank_path(path: str, rank: int) -> str:
     return str(p.with_name(f"{p.name}.rank{rank}"))
 
 
-__all__ = ["HANDSHAKE_TIMEOUT", "KINDS", "LOCAL_KINDS", "handshake", "SLOTS", "RankExchange", "RankFault", "RankView", "parse_column", "rank_path"]
+__all__ = ["HANDSHAKE_TIMEOUT", "KINDS", "OFF", "LOCAL_KINDS", "handshake", "SLOTS", "RankExchange", "RankFault", "RankView", "parse_column", "rank_path"]

@@ -33,9 +33,10 @@ from torch import nn
 
 from ampdoctor.engine.ranks import RankExchange, RankView
 from ampdoctor.errors import UsageError
-from ampdoctor.input.batches import cast_floating, filter_kwargs, split
+from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.fused import fused_norms
 from ampdoctor.watch.hooks import Hooks, unwrap
 
@@ -73,8 +74,26 @@ def stage_precision(stage: str, target: str) -> Precision:
     return {"fp32": FP32, "amp": AMP, "bf16": BF16}[stage]
 
 
+def forward_probe(output: Any) -> torch.Tensor:
+    """A stand-in loss for a forward whose targets are unknown (a ``ModelInputs`` batch): 0, or NaN when
+    any floating output element is NaN/Inf (0 * inf is NaN), so the loss check sees a non-finite forward.
+    Its gradients are zeros (or NaN through non-finite values): they say nothing of the real loss's."""
+    parts = [t.float().sum() * 0.0 for t in iter_tensors(output) if t.is_floating_point()]
+    if not parts:
+        raise TypeError("the model returned no floating tensor; the replay of a captured forward needs one")
+    return torch.stack(parts).sum()
+
+
 def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
-    """The scalar loss: loss_fn(output, target), or the model's own loss."""
+    """The scalar loss: loss_fn(output, target), or the model's own loss.
+
+    With ``UNKNOWN_TARGET`` (a captured call of the model, its targets outside it): the model's own loss
+    when its output carries one, else ``forward_probe`` (the forward alone is replayed)."""
+    if target is UNKNOWN_TARGET:
+        own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(own, torch.Tensor) and own.numel() == 1:
+            return own.reshape(())
+        return forward_probe(output)
     if loss_fn is not None:
         loss = loss_fn(output, target)
     elif isinstance(output, torch.Tensor):
@@ -154,6 +173,9 @@ class Measured:
     """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
     ranks: RankView | None = None
     """Under torch.distributed: which ranks saw a non-finite value at this step (see ``engine.ranks``)."""
+    will_skip: bool | None = None
+    """What the step will do: with a GradScaler where the caller steps, GradScaler's own verdict (its
+    found-inf flags: a non-finite loss with finite gradients is applied); else ``skip``."""
 
 
 _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
@@ -226,6 +248,14 @@ class TrainStep:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._loss_ok: torch.Tensor | None = None
+        self.grad_inv_scale: float | None = None
+        """This step's parameter gradients still carry the loss scale (observe mode, before ``unscale_``):
+        their statistics are taken times this, 1 / the scale the last host copy foretold (``_scale_hint``)."""
+        self.grads_scaled = False
+        """The last ``measure`` read gradients that still carried the loss scale (observe mode, before ``unscale_``)."""
+        self._scale_hint: float | None = self.scaler.get_scale() if self.scaler is not None else None
+        """The scale GradScaler will use at the next step, from this step's host copy (no sync to learn it;
+        before the first step, GradScaler's ``init_scale`` or loaded state)."""
         self.ranks: RankExchange | None = None
         """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
 
@@ -283,17 +313,36 @@ class TrainStep:
         except (AttributeError, KeyError):  # pragma: no cover - future PyTorch
             return {}
 
-    def measure(self, loss: torch.Tensor | None, before_unscale: Callable[[], str] | None = None) -> tuple[Measured, str]:
+    def measure(self, loss: torch.Tensor | None, before_unscale: Callable[[], str] | None = None, *,
+                observe: bool = False) -> tuple[Measured, str]:
         """unscale_ → master gradients → norms and clip → the step's one host copy → skip decision.
 
         ``before_unscale`` runs between backward and ``unscale_`` (fault injection) and returns a
         label. Returns the measurement and that label.
+
+        ``observe=True``: the caller (the user's loop, a framework) steps the optimizer, so the recipe
+        writes nothing the training reads: no ``unscale_`` (gradients still carrying the loss scale are
+        measured divided by it), no clipping, no write to GradScaler's found-inf flags; the skip it
+        reports is the one GradScaler will make. Otherwise the recipe owns the step (PyTorch's AMP
+        recipe): it unscales, clips, and a non-finite loss forces the skip by *setting* the found-inf
+        flag to 1 (fused optimizers skip only on exactly 1).
         """
         sc = self.scaler
         already = bool(self.scaler_found()) if sc is not None else False
         label = before_unscale() if before_unscale is not None else ""
-        if sc is not None and not already and self.optimizer is not None:
+        if observe and self.max_norm is not None:
+            raise UsageError("max_norm clips inside Monitor.step(), which owns the step; where your loop steps the "
+                             "optimizer, clip it yourself (after scaler.unscale_) and leave max_norm out")
+        scaled = sc is not None and not already and observe  # gradients still carry the loss scale
+        if sc is not None and not already and self.optimizer is not None and not observe:
             sc.unscale_(self.optimizer)
+        self.grad_inv_scale = None
+        self.grads_scaled = scaled
+        if scaled and self.hooks is not None and self.hooks.recording:
+            assert sc is not None
+            if self._scale_hint is None:
+                self._scale_hint = sc.get_scale()  # (a sync, once: afterwards the last host copy tells it)
+            self.grad_inv_scale = 1.0 / self._scale_hint
         if self.master is not None:
             for p32, p16 in zip(self.master, self.model_params, strict=True):
                 p32.grad = None if p16.grad is None else p16.grad.float()
@@ -308,6 +357,11 @@ class TrainStep:
             if per is None:
                 norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
                 per = torch.stack(norms if all(n.device == dev for n in norms) else [n.to(dev) for n in norms])
+            if scaled:  # the norms GradScaler's unscale_ would give, from the scaled gradients (nothing written)
+                inv = getattr(sc, "_scale", None)
+                inv_t = (inv.double().reciprocal().float() if inv is not None
+                         else torch.full((), 1.0 / sc.get_scale(), device=dev))  # type: ignore[union-attr]
+                per = per * inv_t.to(per.device)
             pre = torch.linalg.vector_norm(per, 2.0)
             bad = ~torch.isfinite(per)
             nbad = bad.sum()
@@ -315,7 +369,7 @@ class TrainStep:
         else:
             pre = torch.zeros((), device=dev)
             nbad = first_bad = torch.zeros((), device=dev)
-        if self.max_norm is not None and grads:
+        if self.max_norm is not None and grads and not observe:
             torch.nn.utils.clip_grads_with_norm_(gparams, self.max_norm, pre)
             post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
@@ -332,11 +386,15 @@ class TrainStep:
         # the skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours
         if sc is not None:
             fi = self.scaler_found()
-            flag = (~loss_ok.to(dev)).to(torch.float32)
-            if label.startswith("inf") and already:
-                flag = torch.ones((), device=dev)
-            for t in fi.values():
-                t.add_(flag.to(t.device, t.dtype))  # GradScaler then skips and backs off
+            # set, never add: every optimizer GradScaler drives (fused Adam/AdamW too) skips on found_inf == 1
+            force: torch.Tensor | None = None
+            if label.startswith("inf") and already:  # an injected Inf after the flags were taken (asked for)
+                force = torch.ones((), device=dev)
+            elif not observe:  # the recipe owns the step: a non-finite loss skips it and backs the scale off
+                force = (~loss_ok.to(dev)).to(torch.float32)
+            if force is not None:
+                for t in fi.values():
+                    torch.maximum(t, force.to(t.device, t.dtype), out=t)
             found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (nbad > 0).float()
             s_dev: torch.Tensor | None = getattr(sc, "_scale", None)
             t_dev: torch.Tensor | None = getattr(sc, "_growth_tracker", None)
@@ -355,7 +413,7 @@ class TrainStep:
         rx = self.ranks
         exchanged: np.ndarray | None = None
         if hooks is not None and recording:
-            hooks.after_backward()  # parameter gradients, as the optimizer will see them
+            hooks.after_backward(self.grad_inv_scale)  # parameter gradients, as the optimizer will see them
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
             hooks.after_step()
             hooks.add_scalars(_PACKED, packed)
@@ -385,6 +443,8 @@ class TrainStep:
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
         skip = found_f > 0 or (loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
+        # what the step will do: GradScaler skips on its found-inf alone where the caller steps (observe)
+        will_skip = (found_f > 0) if (observe and sc is not None) else skip
         # which parameters, and which module, held the non-finite gradients
         recorded = st is not None and bool(st.pgrad)
         if st is not None and recorded and nbad_f > 0:  # (no non-finite norm: no non-finite element either)
@@ -405,11 +465,15 @@ class TrainStep:
             grown = scale_f * sc.get_growth_factor() if tracker_f + 1 >= sc.get_growth_interval() else scale_f
             after_ok: float | None = grown if math.isfinite(grown) else scale_f
             after_skip: float | None = scale_f * sc.get_backoff_factor()
+            if self.grad_inv_scale is not None and self._scale_hint != scale_f and st is not None:
+                st.pgrad = {}  # the scale changed behind the recipe's back: rows taken with the wrong factor are dropped
+            self._scale_hint = after_skip if will_skip else after_ok
         else:
             after_ok = after_skip = None
         return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
                         bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None,
-                        tripped, rx.decode(exchanged) if rx is not None and exchanged is not None else None), label
+                        tripped, rx.decode(exchanged) if rx is not None and exchanged is not None else None,
+                        will_skip=will_skip), label
 
     def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
         """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""

@@ -178,10 +178,38 @@ def _leaves(b: Any) -> list[Any]:
     return [b]
 
 
+class ModelInputs:
+    """The arguments of one call of the model, as a capture saw them (``Monitor`` without ``batch=``): the
+    targets, if the loss needs any, were outside the model, so they are not known (``UNKNOWN_TARGET``)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"ModelInputs({len(self.args)} args, kwargs {sorted(self.kwargs)})"
+
+
+class _Unknown:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNKNOWN_TARGET"
+
+
+UNKNOWN_TARGET: Any = _Unknown()
+"""The target of a ``ModelInputs`` batch: the loop computed its loss outside the model from targets the
+capture never saw."""
+
+
 def map_tensors(b: Any, fn: Any) -> Any:
     """Apply fn to every tensor in a nested batch; other values pass through untouched."""
     if isinstance(b, torch.Tensor):
         return fn(b)
+    if isinstance(b, ModelInputs):
+        return ModelInputs(tuple(map_tensors(v, fn) for v in b.args), {k: map_tensors(v, fn) for k, v in b.kwargs.items()})
     if isinstance(b, dict):
         return type(b)({k: map_tensors(v, fn) for k, v in b.items()}) if type(b) is dict else {k: map_tensors(v, fn) for k, v in b.items()}
     if isinstance(b, tuple):
@@ -207,7 +235,10 @@ def split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     - ``(inputs, targets)``: model(inputs), target targets; longer tuples pass all but the last.
     - ``{...}``: model(**batch); target ``batch["labels"]`` when present, else the dict itself.
     - a tensor: model(tensor), target the tensor itself (reconstruction).
+    - ``ModelInputs``: model(*args, **kwargs) as captured; target ``UNKNOWN_TARGET``.
     """
+    if isinstance(batch, ModelInputs):
+        return batch.args, batch.kwargs, UNKNOWN_TARGET
     if isinstance(batch, dict):
         return (), dict(batch), batch.get("labels", batch)
     if isinstance(batch, (list, tuple)):
@@ -248,6 +279,8 @@ def fields(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Named floating tensors of a batch: 'inputs', 'targets', 'input_ids', '[0]' ..."""
     if isinstance(batch, torch.Tensor):
         return [(prefix or "batch", batch)] if batch.is_floating_point() else []
+    if isinstance(batch, ModelInputs):
+        return [(n, t) for n, t in named_tensors(batch, prefix) if t.is_floating_point()]
     if isinstance(batch, dict):
         return [x for k, v in batch.items() for x in fields(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
     if isinstance(batch, (list, tuple)):
@@ -312,6 +345,9 @@ def named_tensors(batch: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
     """Every tensor of a batch, named as in ``fields`` ('inputs', 'targets', 'input_ids', '[0]' ...)."""
     if isinstance(batch, torch.Tensor):
         return [(prefix or "batch", batch)]
+    if isinstance(batch, ModelInputs):  # a captured call of the model: its arguments by position and name
+        return ([x for i, v in enumerate(batch.args) for x in named_tensors(v, f"{prefix}args[{i}]")]
+                + [x for k, v in batch.kwargs.items() for x in named_tensors(v, f"{prefix}{k}")])
     if isinstance(batch, dict):
         return [x for k, v in batch.items() for x in named_tensors(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
     if isinstance(batch, (list, tuple)):
@@ -326,6 +362,8 @@ def layout(batch: Any) -> tuple[Any, ...]:
     dimension but the first (the batch size may differ, e.g. a short last batch)."""
     if isinstance(batch, torch.Tensor):
         return ("tensor", batch.dtype, tuple(batch.shape[1:]))
+    if isinstance(batch, ModelInputs):
+        return ("call", layout(batch.args), layout(batch.kwargs))
     if isinstance(batch, dict):
         return ("dict", tuple((k, layout(v)) for k, v in batch.items()))
     if isinstance(batch, (list, tuple)):

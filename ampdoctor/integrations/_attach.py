@@ -18,9 +18,6 @@ accumulation) are kept as one step.
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,91 +25,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
-from ampdoctor.input.batches import Micro
-from ampdoctor.watch.hooks import call_wrapping_enabled, listen_calls, remove_hooks, unlisten_calls, unwrap, uses_compile
-
-
-def output_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model returned: ``output.loss``, ``output["loss"]``, or a scalar tensor output."""
-    loss = None
-    if isinstance(output, dict):
-        loss = output.get("loss")
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    elif isinstance(output, torch.Tensor) and output.dim() == 0:
-        loss = output
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
-
-
-class ForwardTap:
-    """A process-wide forward hook filtered to one model's root (held weakly: nothing is stored on the
-    model). On each *training* forward (the root in train mode, grad enabled) it hands the output's
-    loss to ``on_loss`` (when ``loss=True``) and keeps the inputs (when ``inputs=True``)."""
-
-    def __init__(self, model: nn.Module, on_loss: Callable[[torch.Tensor], None] | None, inputs: bool) -> None:
-        self._root_id = id(unwrap(model))
-        self.on_loss = on_loss
-        self.keep_inputs = inputs
-        self.inputs: list[Any] = []
-        self._last: weakref.ref[Any] | None = None
-        self._handles: list[Any] = []
-        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way (see watch.hooks)
-            self._listening = True
-            listen_calls(self)
-            weakref.finalize(self, unlisten_calls, None)
-            return
-        self._listening = False
-        ref = weakref.ref(self)
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            tap = ref()
-            if tap is None or torch.compiler.is_compiling():  # inside a compiled graph: seen from its wrapper
-                return
-            # the model itself, or a torch.compile wrapper around it (whose call runs outside dynamo)
-            if id(module) == tap._root_id or id(getattr(module, "_orig_mod", None)) == tap._root_id:
-                tap._seen(module, args, kwargs, output)
-
-        self._handles = [torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)]
-        # torch warns on every call of a compiled module while a global hook exists, because the hook also
-        # fires for the compile wrapper: that is the call this tap reads (and counts once), so the warning
-        # is about us, not the user's code
-        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
-        weakref.finalize(self, remove_hooks, self._handles)
-
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        # the model itself, or a torch.compile wrapper made later (a Trainer compiles after callbacks exist)
-        if id(module) == self._root_id or id(module._modules.get("_orig_mod")) == self._root_id:
-            self._seen(module, args, kwargs, output)
-
-    def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return  # evaluation
-        if self._last is not None and self._last() is output:
-            return  # the same call seen from a compile wrapper and from the model (dynamo fell back): once
-        try:
-            self._last = weakref.ref(output)  # weakly: never keeps a step's logits alive
-        except TypeError:
-            self._last = None
-        if self.on_loss is not None:
-            loss = output_loss(output)
-            if loss is not None:
-                self.on_loss(loss)
-        if self.keep_inputs:
-            # the batch as a spec's dataloader would yield it: the kwargs dict (HF style), else the args
-            self.inputs.append(dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else args))
-
-    def take(self) -> Any:
-        """The step's batch (several micro-batches: a ``Micro``), and forget it."""
-        got, self.inputs = self.inputs, []
-        if not got:
-            return None
-        return got[0] if len(got) == 1 else Micro(got)
-
-    def close(self) -> None:
-        if self._listening:
-            self._listening = False
-            unlisten_calls(self)
-        remove_hooks(self._handles)
+from ampdoctor.watch.tap import ForwardTap, output_loss
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -137,6 +50,10 @@ class Attached:
         kw.setdefault("max_norm", None)  # the framework clips; the monitor measures
         self.monitor = Monitor(model, optimizer, scaler, log=log, capture=capture, amp_dtype=amp_dtype,
                                first_step=first_step, **kw)
+        self.tap: ForwardTap | None = None
+        self._measured = False
+        if self.monitor.off is not None:  # a setup it cannot read: it said so once; the callbacks do nothing
+            return
         if self.monitor.writer is not None:  # the framework's step is known: an old log fails before training starts
             try:
                 self.monitor.writer.check(first_step)
@@ -144,9 +61,10 @@ class Attached:
                 self.monitor.close()
                 raise
         self.monitor.hooks.training_only = True  # an evaluation in the middle of training stays out of the statistics
-        self.tap = ForwardTap(model, self.monitor.note_loss if loss_from_output else None,
-                              inputs=self.monitor.capture is not None)
-        self._measured = False
+        # the loss from each training forward's output (the monitor keeps the batch itself, with its own tap)
+        if loss_from_output:
+            self.tap = ForwardTap(model, self.monitor.note_loss, inputs=False)
+            self.tap.on_error = self.monitor._hook_failed
 
     def note_loss(self, loss: torch.Tensor) -> None:
         self.monitor.note_loss(loss)
@@ -155,11 +73,7 @@ class Attached:
         """After backward, unscale_ and clip; before ``optimizer.step()``."""
         if self._measured:  # the framework called us twice for one step: keep the first
             return
-        b = self.tap.take()
-        if batch is None:
-            batch = b
-        cap = self.monitor.capture
-        self.monitor.after_backward(None, batch=batch if cap is not None and not cap.done else None)
+        self.monitor.after_backward(None, batch=batch)
         self._measured = True
 
     def after_optimizer_step(self, applied: bool | None = None) -> MonitorRecord | None:
@@ -171,8 +85,9 @@ class Attached:
         return self.monitor.after_step(None if applied is None else not applied)
 
     def close(self) -> None:
-        self.tap.close()
+        if self.tap is not None:
+            self.tap.close()
         self.monitor.close()
 
 
-__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss"]
+__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss"]  # (the tap lives in watch.tap)

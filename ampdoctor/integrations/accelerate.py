@@ -53,7 +53,7 @@ class _Watch(Monitor):
         for obj, name in getattr(self, "_restore", []):
             obj.__dict__.pop(name, None)  # the class's own method shows through again
         self._restore = []
-        if hasattr(self, "_attached"):
+        if hasattr(self, "_attached") and self._attached.tap is not None:
             self._attached.tap.close()
         super().close()
 

@@ -47,7 +47,7 @@ from ampdoctor.formats import FP16, Format
 from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import fused
-from ampdoctor.watch.stats import StatsBuffer, _thresholds
+from ampdoctor.watch.stats import StatsBuffer, _thresholds, tensor_stats
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel")
 
@@ -89,7 +89,11 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
             return
         h = ref()
         if h is not None:
-            h._on_forward(module, args, kwargs, output)
+            try:
+                h._on_forward(module, args, kwargs, output)
+            except Exception as e:  # never in the user's forward
+                h._active = False
+                _listener_failed(h, e)
 
     return hook
 
@@ -132,16 +136,32 @@ def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
         return out
     for ref, fast in _LISTENERS:
-        if fast is not None:  # the C++ recorder, called directly (it filters modules and steps itself)
-            if fast(self, args, kwargs, out):
-                h = ref()
-                if h is not None:
-                    h._take_acts()
-            continue
-        h = ref()
-        if h is not None:
-            h._on_forward(self, args, kwargs, out)
+        try:
+            if fast is not None:  # the C++ recorder, called directly (it filters modules and steps itself)
+                if fast(self, args, kwargs, out):
+                    h = ref()
+                    if h is not None:
+                        h._take_acts()
+                continue
+            h = ref()
+            if h is not None:
+                h._on_forward(self, args, kwargs, out)
+        except Exception as e:  # never in the user's forward: the listener goes, its owner is told
+            _listener_failed(ref(), e)
     return out
+
+
+def _listener_failed(h: Any, exc: BaseException) -> None:
+    """A listener raised inside the user's forward: stop it listening and hand the error to its ``on_error``."""
+    if h is None:
+        return
+    try:
+        unlisten_calls(h)
+        cb = getattr(h, "on_error", None)
+        if cb is not None:
+            cb(exc)
+    except Exception:  # pragma: no cover - reporting must not raise either
+        pass
 
 
 def listen_calls(h: Any, fast: Callable[..., bool] | None = None) -> None:
@@ -249,6 +269,9 @@ class Hooks:
         self._params: list[torch.Tensor] = [p for _, p in self._param_names]
         self._param_numel = sum(p.numel() for p in self._params)
         self._active = False
+        self.on_error: Callable[[BaseException], None] | None = None
+        """Called once when recording raised inside the user's forward or backward (the hooks stop recording);
+        the monitor turns itself off with one warning."""
         self.record_if: Callable[[int], bool] | None = None
         """Decides which steps ``begin_step`` records (the monitor's sentinel mode sets it)."""
         self._listening = False
@@ -425,8 +448,12 @@ class Hooks:
 
     def _on_grad(self, serial: int, tid: int, g: torch.Tensor) -> None:
         if self._active and serial == self._serial and g is not None:
-            self._cur.grad_order.append(tid)
-            self._buf.add(("grad", tid), g)
+            try:
+                self._cur.grad_order.append(tid)
+                self._buf.add(("grad", tid), g)
+            except Exception as e:  # never in the user's backward
+                self._active = False
+                _listener_failed(self, e)
 
     def _take_grads(self) -> None:
         """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
@@ -479,8 +506,11 @@ class Hooks:
         """Queue a vector of named scalars (1-D, float64, on the device) in one go: the step recipe's own."""
         self._vector = (names, values)
 
-    def after_backward(self) -> None:
-        """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used)."""
+    def after_backward(self, inv_scale: float | None = None) -> None:
+        """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used).
+
+        ``inv_scale``: the gradients still carry a loss scale (a loop that has not unscaled yet); their
+        rows are those of the gradients times it, as ``unscale_`` would make them (nothing is written)."""
         if not (self._active and self.grads):
             return
         self._take_native()
@@ -493,7 +523,15 @@ class Hooks:
                 keys.append(k)
                 grads.append(g)
                 numel += g.numel()
-        if keys:
+        if keys and inv_scale is not None and inv_scale != 1.0:
+            by_dev: dict[torch.device, tuple[list[Hashable], list[torch.Tensor]]] = {}
+            for k, g in zip(keys, grads, strict=True):
+                ks, gs = by_dev.setdefault(g.device, ([], []))
+                ks.append(k)
+                gs.append(g)
+            for ks, gs in by_dev.values():
+                self._buf.add_rows(ks, tensor_stats(gs, self.fmt, scale=inv_scale))
+        elif keys:
             self._buf.add_many(keys, grads, numel, self._params_split())  # (a gradient lives with its parameter)
 
     def _params_split(self) -> bool:
