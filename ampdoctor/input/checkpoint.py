@@ -53,7 +53,9 @@ BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 TRAINER_STATE = "trainer_state.json"
 
-TRUST_HINT = "load it with trust=True (--trust-checkpoint) only if you trust where it came from, or re-save just the state_dicts"
+TRUST_HINT = ("re-save just the state_dicts (torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict(), "
+              "'scaler': scaler.state_dict()}, path)), or, only if you trust where it came from, load it yourself in the "
+              "spec's load_checkpoint(model, optimizer, scaler, path) with torch.load(path, weights_only=False)")
 
 
 @dataclass
