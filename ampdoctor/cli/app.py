@@ -160,10 +160,12 @@ def triage(
 
 # Commands that live in their own modules (one job each) register here.
 from ampdoctor.cli.layers import layers as _layers  # noqa: E402
+from ampdoctor.cli.lint import lint as _lint  # noqa: E402
 from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
 
 app.command("layers")(_layers)
 app.command("scaler")(_scaler)
+app.command("lint")(_lint)
 
 
 def main() -> None:
