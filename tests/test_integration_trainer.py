@@ -118,7 +118,7 @@ def test_bf16_nonfinite_losses_the_trainer_hides_are_in_the_log(tmp_path: Path, 
     assert np.isnan(log.loc[4:, "loss"]).all()
     theirs = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert np.isfinite(theirs).all()
-    assert "the Trainer's log hides it" in caplog.text
+    assert caplog.text.count("the Trainer's own log hides it") == 1  # said once, not at every NaN step
     m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert (m["step"], m["precision"], m["skipped"]) == (3, "bf16", False)
     assert "snapshot.pt" in m["files"] and m["batch_steps"][-1] == 3
@@ -163,3 +163,79 @@ def test_gradient_accumulation_rows_are_optimizer_steps_and_the_capture_replays(
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
     rep = json.loads(r.stdout)
     assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("not_reproduced", 2), r.output
+
+
+class _Reg(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.body(x)
+        return {"loss": torch.nn.functional.mse_loss(out.float(), labels), "logits": out}
+
+
+class _RegData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        if i == 21:  # one sample holds a NaN: the loss of its step is NaN, and so is every gradient
+            x[2] = float("nan")
+        return {"x": x, "labels": torch.randn(1, generator=g)}
+
+
+def _fp16_run(tmp: Path, cb: AmpDoctorCallback | None) -> tuple[Trainer, dict[str, torch.Tensor]]:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = TrainingArguments(str(tmp / "trainer"), per_device_train_batch_size=8, max_steps=6, use_cpu=True, report_to=[],
+                             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, fp16=True)
+    assert getattr(args.optim, "value", args.optim) == "adamw_torch_fused"  # the Trainer's default optimizer
+    tr = Trainer(model=_Reg(), args=args, train_dataset=_RegData(), callbacks=[cb] if cb is not None else [])
+    tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what accelerate makes on a GPU
+    tr.accelerator.native_amp = True
+    tr.train()
+    return tr, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+def test_fused_adamw_nan_loss_step_is_skipped_and_the_run_is_the_run_without_the_callback(tmp_path: Path) -> None:
+    """The Trainer's default fused AdamW skips only on found_inf == 1: the callback must never add to it."""
+    tr_bare, bare = _fp16_run(tmp_path / "bare", None)
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap")
+    tr, seen = _fp16_run(tmp_path / "seen", cb)
+    assert all(torch.isfinite(v).all() for v in seen.values())  # the NaN step was skipped, not applied
+    for k in bare:
+        assert torch.equal(seen[k], bare[k]), k
+    torch.testing.assert_close(tr.accelerator.scaler.state_dict(), tr_bare.accelerator.scaler.state_dict())
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    skipped = log.index[log["skipped"].astype(bool)].tolist()
+    assert len(skipped) == 1 and log.loc[skipped[0], "skip_reason"] == "nonfinite_loss"
+    assert np.isnan(log.loc[skipped[0], "loss"])
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert m["step"] == skipped[0] and m["skipped"] is True
+    assert tr.optimizer.optimizer.defaults.get("fused") is True  # it ran fused
+
+
+def test_a_trainer_run_prints_its_first_failure_without_logging_setup(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, transformers
+from transformers import Trainer, TrainingArguments
+from ampdoctor.integrations.transformers import AmpDoctorCallback
+import tests.test_integration_trainer as t
+args = TrainingArguments({str(tmp_path / "tr")!r}, per_device_train_batch_size=8, max_steps=4, use_cpu=True, report_to=[],
+                         save_strategy="no", disable_tqdm=True, seed=0, bf16=True, logging_steps=1)
+Trainer(model=t._Reg(), args=args, train_dataset=t._RegData(), callbacks=[AmpDoctorCallback(log=None)]).train()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # bf16 on the CPU, no GradScaler: the Trainer applies the NaN step, and the callback says so, once
+    assert r.stderr.count("ampdoctor: step 0 failed: the loss is nan; the step was applied") == 1, r.stderr[-3000:]
+    assert r.stderr.count("the Trainer's own log hides it") == 1

@@ -146,6 +146,22 @@ def local_state(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def spec_hint() -> str | None:
+    """The running script, when it is itself a spec (defines ``build_model`` and ``build_dataloader``): the
+    file to name in the replay command; else None."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    f = getattr(main, "__file__", None)
+    if f and callable(getattr(main, "build_model", None)) and callable(getattr(main, "build_dataloader", None)):
+        try:
+            rel = os.path.relpath(f)
+        except ValueError:  # another drive (Windows)
+            return str(f)
+        return str(f) if rel.startswith("..") else rel
+    return None
+
+
 def rng_states() -> dict[str, Any]:
     """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe)."""
     out: dict[str, Any] = {"torch": torch.get_rng_state()}
@@ -313,8 +329,9 @@ class Capture:
 
     # the capture ---------------------------------------------------------------------------------
     def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
-              scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> Path | None:
-        """Write the capture folder; a failure warns and returns None (training goes on)."""
+              scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None, announce: bool = True) -> Path | None:
+        """Write the capture folder; a failure warns and returns None (training goes on). ``announce``: say
+        where it went and how to replay it (else the caller does, with ``replay_hint``)."""
         self.done = True
         try:
             self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before,
@@ -326,13 +343,18 @@ class Capture:
             if not self.quiet:
                 warn_user(msg, CaptureWarning)
             return None
+        if announce:
+            say("ampdoctor: step %d failed (%s); %s", step, trig.reason, self.replay_hint(), quiet=self.quiet)
+        return self.written
+
+    def replay_hint(self) -> str:
+        """'captured to DIR; replay it: ampdoctor triage SPEC --from DIR' (the script itself when it is a spec)."""
         where = self.written
         shard = (f" (this rank's shard of a {self.sharded} model: replaying a sharded capture is not supported yet)"
                  if self.sharded else "")
-        say("ampdoctor: step %d failed (%s); captured to %s%s\n  replay it: ampdoctor triage SPEC.py --from %s"
-            "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)",
-            step, trig.reason, where, shard, where, quiet=self.quiet)
-        return where
+        spec = spec_hint()
+        tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
+        return f"captured to {where}{shard}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any]) -> Path:

@@ -861,23 +861,27 @@ class Monitor:
         alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
         trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert,
                                    nonfinite=m.skip)
+        failure = None
         if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
             self.first_failure = (rec.step, trig.reason)
-            self._say_failure(rec, m, trig)
+            failure = self._failure_words(rec, m, trig)
         if self.capture is not None and not self.capture.done and trig is not None:
-            self._maybe_capture(rec, m, trig)
+            self._maybe_capture(rec, m, trig, announce=failure is None)
+        if failure is not None:  # one message: the failure, and where its capture went (if this rank wrote it)
+            cap = self.capture
+            if rec.capture and cap is not None:
+                failure += "\n  " + cap.replay_hint()
+            self._say_failure(failure, m)
         if self.capture is not None and self.capture.done and self.tap is not None:
             self.tap.close()  # nothing more to keep
             self.tap = None
         self._judge_rate(rate, pend.step)
         return rec
 
-    def _say_failure(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> None:
-        """The run's first failing step, on stderr (once, from the rank that saw it first)."""
+    def _failure_words(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> str:
+        """'ampdoctor: step 154 failed: the loss is inf; the step was skipped at scale 65536' (+ the ranks)."""
         view = m.ranks
         first = view.first if view is not None else None
-        if self.rank is not None and self.rank != (first.rank if first is not None else 0):
-            return
         r = rec.skip_reason.removeprefix("applied:")
         module = r.split(":", 1)[1] if r.startswith("nonfinite_grad:") else None
         if trig.reason == "nonfinite_loss":
@@ -894,9 +898,16 @@ class Monitor:
             where = f" in {first.module}" if first.module else ""
             who = (f"; rank {first.rank} went first ({first.kind}{where}), "
                    + ("the other ranks were clean" if view.others_clean else "other ranks saw it too"))
-        say(f"ampdoctor: step {rec.step} failed: {what}; the step was {done}{scale}{who}", quiet=self.quiet)
+        return f"ampdoctor: step {rec.step} failed: {what}; the step was {done}{scale}{who}"
 
-    def _maybe_capture(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> None:
+    def _say_failure(self, words: str, m: Measured) -> None:
+        """The run's first failing step, on stderr: once, from the rank that saw it first (rank 0 when none did)."""
+        first = m.ranks.first if m.ranks is not None else None
+        if self.rank is not None and self.rank != (first.rank if first is not None else 0):
+            return
+        say(words, quiet=self.quiet)
+
+    def _maybe_capture(self, rec: MonitorRecord, m: Measured, trig: Trigger, announce: bool) -> None:
         cap = self.capture
         assert cap is not None
         view = m.ranks
@@ -918,7 +929,7 @@ class Monitor:
             if m.growth_tracker is not None:
                 before["_growth_tracker"] = m.growth_tracker
         out = cap.write(trig, step=rec.step, skipped=rec.skipped, record=rec.row(), stats=self._last_stats,
-                        scaler_before=before, extra=extra)
+                        scaler_before=before, extra=extra, announce=announce)
         if out is not None:
             rec.capture = str(out)
 

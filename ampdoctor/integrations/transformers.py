@@ -35,7 +35,6 @@ loss is empty, and non-finite losses still show as skipped steps (their gradient
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,7 @@ import torch
 from transformers import TrainerCallback
 
 from ampdoctor.integrations._attach import Attached, inner_optimizer
-
-log = logging.getLogger("ampdoctor")
+from ampdoctor.notify import say
 
 
 class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
@@ -64,6 +62,7 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
         self.capture_dir = capture
         self.monitor_kwargs = monitor_kwargs
         self.attached: Attached | None = None
+        self._said_hidden = False
 
     @property
     def monitor(self) -> Any:
@@ -83,6 +82,7 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             amp = torch.float16
         else:  # fp32, or fp16 where accelerate makes no scaler and no autocast (the CPU)
             amp = None
+        self._said_hidden = False
         self.attached = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=amp, first_step=state.global_step,
                                  log=self.log_file, capture=self.capture_dir, loss_from_output=True,
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
@@ -97,9 +97,12 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             return
         # without a GradScaler the Trainer applies every step, finite or not
         rec = a.after_optimizer_step(applied=None if a.monitor.scaler is not None else True)
-        if rec is not None and not (rec.loss == rec.loss and abs(rec.loss) != float("inf")) and args.logging_nan_inf_filter:
-            log.warning("ampdoctor: step %d: the loss is %s; the Trainer's log hides it (logging_nan_inf_filter=True), "
-                        "the step log has it: %s", rec.step, rec.loss, a.monitor.log_path)
+        if (rec is not None and not self._said_hidden and not (rec.loss == rec.loss and abs(rec.loss) != float("inf"))
+                and args.logging_nan_inf_filter):
+            self._said_hidden = True  # once a run: the step log has every one
+            where = f"the step log has it: {a.monitor.log_path}" if a.monitor.log_path is not None else "pass log= to keep a step log"
+            say(f"ampdoctor: step {rec.step}: the loss is {rec.loss}; the Trainer's own log hides it "
+                f"(logging_nan_inf_filter=True); {where}", quiet=a.monitor.quiet)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attached is not None:
