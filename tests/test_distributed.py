@@ -168,3 +168,48 @@ def test_a_monitor_on_rank0_alone_does_not_hang(tmp_path: Path) -> None:
     assert "not every rank built a Monitor within 3 s" in (tmp_path / "warning.txt").read_text()
     log = read_step_log(tmp_path / "steps.csv").frame  # one process's log: no rank suffix, no ranks column
     assert log["step"].tolist() == [0, 1, 2] and "ranks" not in log.columns
+
+
+# do no harm under torchrun: sharded engines, a rank whose monitor fails ---------------------------
+
+WORKER = ROOT / "tests" / "assets" / "sharded_worker.py"
+
+
+def _sharded(mode: str, out: Path) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), mode, str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r, [json.loads((out / f"result.rank{k}.json").read_text()) for k in (0, 1)]
+
+
+@pytest.mark.slow
+def test_fsdp1_capture_on_the_bad_rank_alone_needs_no_collective(tmp_path: Path) -> None:
+    r, res = _sharded("fsdp1", tmp_path)
+    assert all(x["steps"] == 8 and x["finite"] and x["off"] is None for x in res)  # finished, nothing aborted
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("cap")) == ["cap.rank1"]  # the bad rank's
+    m = json.loads((tmp_path / "cap.rank1" / "manifest.json").read_text())
+    assert (m["step"], m["rank"], m["first_rank"], m["sharded"]) == (3, 1, 1, "fsdp1")
+    assert r.stderr.count("ampdoctor: step 3 failed: the loss is nan") == 1  # said once, by rank 1
+    for rank in (0, 1):  # per-shard norms would mislead: the log leaves them out
+        f = read_step_log(tmp_path / f"steps.rank{rank}.csv").frame
+        assert f["grad_l2_pre_clip"].isna().all() and bool(f.set_index("step").loc[3, "skipped"])
+
+
+@pytest.mark.slow
+def test_fsdp2_turns_the_monitor_off_with_one_warning_and_trains_on(tmp_path: Path) -> None:
+    r, res = _sharded("fsdp2", tmp_path)
+    assert all(x["steps"] == 8 and x["finite"] and "FSDP2" in str(x["off"]) for x in res)
+    said = [w for x in res for w in x["warnings"]]  # type: ignore[attr-defined]
+    assert len(said) == 1 and said[0].startswith("MonitorOffWarning: ampdoctor: FSDP2 (fully_shard) is not supported yet")
+    assert res[0]["warnings"] == said  # once, from rank 0
+    assert not (tmp_path / "steps.rank0.csv").exists() and not (tmp_path / "steps.csv").exists()  # nothing misleading
+
+
+@pytest.mark.slow
+def test_a_rank_whose_monitor_fails_takes_every_rank_off_at_that_step_without_a_hang(tmp_path: Path) -> None:
+    r, res = _sharded("fail", tmp_path)
+    assert all(x["steps"] == 8 and x["finite"] for x in res)
+    assert "statistics exploded on rank 1" in str(res[1]["off"]) and "at step 2" in str(res[1]["off"])
+    assert "the monitor of rank 1 failed" in str(res[0]["off"]) and "from step 2" in str(res[0]["off"])
+    for rank in (0, 1):  # the rows before it are kept; none after
+        assert read_step_log(tmp_path / f"steps.rank{rank}.csv").frame["step"].tolist() == [0, 1]

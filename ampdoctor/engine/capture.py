@@ -350,11 +350,12 @@ class Capture:
     def replay_hint(self) -> str:
         """'captured to DIR; replay it: ampdoctor triage SPEC --from DIR' (the script itself when it is a spec)."""
         where = self.written
-        shard = (f" (this rank's shard of a {self.sharded} model: replaying a sharded capture is not supported yet)"
-                 if self.sharded else "")
+        if self.sharded:
+            return (f"captured to {where}: this rank's shard of an {self.sharded} model (every rank holds its own "
+                    "shard; replaying a sharded capture is not supported yet)")
         spec = spec_hint()
         tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
-        return f"captured to {where}{shard}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
+        return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any]) -> Path:

@@ -345,7 +345,7 @@ class Monitor:
             if max_norm is not None:
                 raise UsageError(f"max_norm: under {UNSUPPORTED[self.engine]} clip with the engine's own clip_grad_norm_")
             self._turn_off(f"{UNSUPPORTED[self.engine]} is not supported yet: ampdoctor cannot read its sharded "
-                           "gradients correctly, so it watches nothing of this run", warn=True)
+                           "gradients correctly, so it watches nothing of this run", warn=True, who=0)
             return
         if self.engine == "fsdp1" and max_norm is not None:
             raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
@@ -525,8 +525,15 @@ class Monitor:
             except Exception:
                 pass
         rank = getattr(self, "rank", None)
+        if rank is None and who is not None:  # (before the exchange exists: the process group's rank)
+            try:
+                import torch.distributed as dist
+
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+            except Exception:
+                rank = None
         if warn and (who is None or rank is None or who == rank):
-            where = f" (rank {rank})" if rank is not None else ""
+            where = f" (rank {rank})" if rank is not None and who is None else ""  # (who: said for every rank)
             msg = f"ampdoctor{where}: {why}; the monitor is off and the training goes on without it"
             say(msg, quiet=self.quiet, warned=not self.quiet)
             if not self.quiet:
