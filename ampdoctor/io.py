@@ -94,6 +94,15 @@ def _size(data: str | bytes) -> int:
     return len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
 
 
+def _write_fd(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a new file's descriptor, flush it to the disk, close it (the tests patch this
+    to simulate a full disk where no small file system can be mounted)."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write to a temp file in the same folder, then rename over ``path``: all or nothing. A write that
     fails leaves ``path`` as it was and raises ``OutputError`` (one line naming the path and the bytes)."""
@@ -121,10 +130,7 @@ def write_group(files: Mapping[Path, str | bytes], what: str | None = None) -> l
                 made.append(p.parent)
             fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
             temps.append((tmp, p))
-            with os.fdopen(fd, "wb") as f:
-                f.write(data if isinstance(data, bytes) else data.encode("utf-8"))
-                f.flush()
-                os.fsync(f.fileno())
+            _write_fd(fd, data if isinstance(data, bytes) else data.encode("utf-8"))
             # mkstemp creates 0600; a report is for sharing, so use the usual 0666 & ~umask
             os.chmod(tmp, 0o666 & ~umask)
         for tmp, p in temps:

@@ -213,7 +213,7 @@ MORE_BAD = {
                           ["--steps", "2"], "build_optimizer() returned list, not an optimizer"),
     "steps_ten": (GOOD_MODEL + GOOD_DATA + '\nTRIAGE_OPTIONS = {"steps": "ten"}\n', [],
                   "--steps must be a whole number (got 'ten')"),
-    "steps_1e21": (GOOD_MODEL + GOOD_DATA, ["--steps", str(10**21)], "more steps than any run can take"),
+    "steps_1e21": (GOOD_MODEL + GOOD_DATA, ["--steps", str(10**21)], "is more than a triage takes"),
     "options_typo": (GOOD_MODEL + GOOD_DATA + '\nTRIAGE_OPTIONS = {"step": 5}\n', [],
                      "TRIAGE_OPTIONS has no option 'step'"),
     "steps_1e21_typed": (GOOD_MODEL + GOOD_DATA, ["--steps", "1e21"], "--steps takes a whole number such as 50 (got '1e21')"),

@@ -6,7 +6,10 @@ start, not a traceback (or a wrong verdict) at the end.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ampdoctor.errors import OutputError, UsageError
@@ -54,3 +57,34 @@ def write_json_stdout(text: str) -> None:
         from ampdoctor.io import write_failure
 
         raise OutputError(write_failure(None, e, len(text.encode("utf-8")), what="the JSON report to stdout")) from None
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While the user's code runs under ``--json -``, what it prints goes to stderr, so that stdout carries
+    the JSON alone: ``sys.stdout`` is stderr inside, and where stdout is a real file descriptor (a pipe,
+    a file) descriptor 1 is pointed at stderr too, for C extensions and child processes (DataLoader
+    workers). Everything is put back afterwards."""
+    if not active:
+        yield
+        return
+    saved_fd: int | None = None
+    try:
+        fd = sys.stdout.fileno()
+        sys.stdout.flush()
+        if fd == 1:
+            saved_fd = os.dup(1)
+            os.dup2(sys.stderr.fileno(), 1)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation (a test runner's stdout) is an OSError
+        saved_fd = None
+    real = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        sys.stdout = real
+        if saved_fd is not None:
+            os.dup2(saved_fd, 1)
+            os.close(saved_fd)

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
-from ampdoctor.errors import AmpDoctorError
+from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.io import check_writable, write_atomic
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
 from ampdoctor.watch.steplog import COLUMNS, StepLog, read_step_log
@@ -36,9 +36,7 @@ def scaler(
     backoff_factor: Annotated[Optional[float], typer.Option(help="The run's GradScaler backoff_factor. [default: inferred from the log]")] = None,
 ) -> None:
     """GradScaler forensics from a step log: scale-history pattern, skip ledger, skip rate, recommendations."""
-    if window < 1:
-        fail(f"--window must be at least 1, got {window}")
-        return
+    _check_options(window, alert_rate, growth_interval, backoff_factor)
     if plot is not None:
         check_writable(plot, force)
         _need_matplotlib()
@@ -64,6 +62,25 @@ def scaler(
     if plot is not None:
         write_atomic(plot, _plot_png(log, diag))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
+
+
+MAX_WINDOW = 10**9
+
+
+def _check_options(window: int, alert_rate: float, growth_interval: int | None, backoff_factor: float | None) -> None:
+    """Settings that cannot be (a rate of 2, a growth interval of 0, a back-off of 1.5 or NaN): one line each."""
+    import math
+
+    if not 1 <= window <= MAX_WINDOW:
+        raise UsageError(f"--window must be a number of steps from 1 to {MAX_WINDOW:,} (got {str(window)[:24]}), e.g. --window 1000")
+    if not (math.isfinite(alert_rate) and 0 <= alert_rate <= 1):
+        raise UsageError(f"--alert-rate is a fraction of steps, from 0 to 1 (got {alert_rate:g}); e.g. --alert-rate 0.05 for 5%")
+    if growth_interval is not None and not 1 <= growth_interval <= 2**31 - 1:
+        raise UsageError(f"--growth-interval is GradScaler's number of clean steps before it grows the scale: at least 1 "
+                         f"(got {str(growth_interval)[:24]}); its default is 2000")
+    if backoff_factor is not None and not (math.isfinite(backoff_factor) and 0 < backoff_factor < 1):
+        raise UsageError(f"--backoff-factor is what GradScaler multiplies the scale by after a skip: a number between 0 "
+                         f"and 1 (got {backoff_factor:g}); its default is 0.5")
 
 
 def _rank_of(log: StepLog, i: int) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ampdoctor.errors import SpecError
 from ampdoctor.input.batches import Batches, describe_layout, filter_kwargs, layout, split, to_device
-from ampdoctor.input.spec import Spec, call_user, check_optimizer
+from ampdoctor.input.spec import Spec, call_user, check_optimizer, where
 
 MAX_LAYOUTS = 8
 """Batch layouts (shapes but the first dimension, dtypes) besides the first batch's that get an FP32 forward."""
@@ -47,12 +47,40 @@ def initial_weights(model: nn.Module, path: Path) -> None:
 
 def optimizer(spec: Spec, model: nn.Module, what: str = "build_optimizer()") -> None:
     """Build the spec's optimizer once over the model's parameters and check what comes back."""
+    from ampdoctor.engine.step import make_optimizer, optimizer_argument
+
     if spec.build_optimizer is None:
+        if spec.build_scheduler is not None:
+            scheduler(spec, make_optimizer(None, model))  # over the default optimizer the stages build
         return
-    from ampdoctor.engine.step import optimizer_argument
 
     opt = call_user(spec.build_optimizer, optimizer_argument(spec.build_optimizer, model), what=what, path=spec.path)
     check_optimizer(opt, what, spec.path)
+    own = {id(p) for p in model.parameters()}
+    held = [p for g in opt.param_groups for p in g.get("params", [])]
+    if not any(id(p) in own for p in held):
+        raise SpecError(f"{spec.path.name}: {what} returned an optimizer that holds none of the model's parameters "
+                        f"({len(held)} of its own); build it over what it is given, e.g. "
+                        "`def build_optimizer(params): return torch.optim.AdamW(params, lr=1e-3)`")
+    scheduler(spec, opt)
+
+
+def scheduler(spec: Spec, opt: torch.optim.Optimizer) -> None:
+    """Build the spec's ``build_scheduler(optimizer)`` once over a throwaway optimizer and step it once: it
+    must return a scheduler (something with ``step()``) whose step works, or it is one line now instead of
+    a traceback (or a model_bug verdict) in every stage."""
+    if spec.build_scheduler is None:
+        return
+    import warnings
+
+    what = "build_scheduler(optimizer)"
+    sched = call_user(spec.build_scheduler, opt, what=what, path=spec.path)
+    if not callable(getattr(sched, "step", None)):
+        raise SpecError(f"{spec.path.name}: {what} returned {type(sched).__name__}, not an LR scheduler; return one "
+                        "over the optimizer it is given, e.g. `return torch.optim.lr_scheduler.StepLR(optimizer, 10)`")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'lr_scheduler.step() before optimizer.step()': this one is a trial
+        call_user(sched.step, what="the scheduler's step()", path=spec.path)
 
 
 def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.device) -> None:
@@ -94,6 +122,9 @@ def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, 
         with torch.set_grad_enabled(grad):
             out = model(*args, **filter_kwargs(model, kwargs))
             return get_loss(out, target, spec.loss_fn)  # type: ignore[no-any-return]
+    except SystemExit as e:
+        raise SpecError(f"{where(e, spec.path)}: the model or loss_fn called sys.exit({'' if e.code is None else repr(e.code)}) "
+                        "on a batch; ampdoctor runs them itself, so raise an exception (or return) instead of exiting") from None
     except Exception as e:
         which = "the first batch" if index == 0 else f"batch {index}"
         raise SpecError(

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import MANIFEST, MICRO_KEY
+from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
 from ampdoctor.errors import CaptureError
-from ampdoctor.input.batches import Micro
+from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import read_manifest, validate_batches, validate_state
 from ampdoctor.watch.hooks import unwrap
 
@@ -84,8 +84,7 @@ def read_capture(path: str | Path) -> Captured:
     files = set(manifest["files"])
     batches = _load(p, "batches.pt")
     validate_batches(batches, p / "batches.pt")
-    batches = [Micro(b[MICRO_KEY]) if isinstance(b, dict) and set(b) == {MICRO_KEY} and isinstance(b[MICRO_KEY], list)
-               else b for b in batches]
+    batches = [_batch(b, p / "batches.pt", i) for i, b in enumerate(batches)]
     steps = [int(s) for s in manifest["batch_steps"]]
     step = int(manifest["step"])
     if len(steps) != len(batches):
@@ -107,6 +106,22 @@ def read_capture(path: str | Path) -> Captured:
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
                         batches, from_snapshot=True)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
+
+
+def _batch(b: Any, where: Path, i: int) -> Any:
+    """A stored batch back into what the stages run: an accumulated step's micro-batches (``Micro``), a
+    call of the model taken without ``batch=`` (``ModelInputs``), else the batch as the loader yielded it."""
+    if isinstance(b, dict) and set(b) == {MICRO_KEY}:
+        if not isinstance(b[MICRO_KEY], list) or not b[MICRO_KEY]:
+            raise CaptureError(f"{where}: batch {i} ({MICRO_KEY}) holds no list of micro-batches; the capture is damaged")
+        return Micro([_batch(m, where, i) for m in b[MICRO_KEY]])
+    if isinstance(b, dict) and set(b) == {MODEL_INPUTS_KEY}:
+        call = b[MODEL_INPUTS_KEY]
+        if not (isinstance(call, dict) and isinstance(call.get("args"), (list, tuple)) and isinstance(call.get("kwargs"), dict)):
+            raise CaptureError(f"{where}: batch {i} ({MODEL_INPUTS_KEY}) is not {{'args': [...], 'kwargs': {{...}}}}; "
+                               "the capture is damaged")
+        return ModelInputs(tuple(call["args"]), dict(call["kwargs"]))
+    return b
 
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.step import TrainStep, make_optimizer, stage_precision
-from ampdoctor.errors import OutputError
+from ampdoctor.errors import OutputError, SpecError
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, micro_batches, to_device
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.input.spec import Spec
+from ampdoctor.input.spec import Spec, call_user, where
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.watch.blame import GraphRecorder
 from ampdoctor.watch.hooks import Hooks, ModuleTracker
@@ -96,7 +96,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     # the spec's optimizer over what this stage trains: the FP32 master (fp32, amp, bf16, fp16 with master
     # weights) or the FP16 model itself (pure FP16); build_optimizer may take the model or named parameters
     opt = make_optimizer(ctx.spec.build_optimizer, model if master is not None or not low else run_model)
-    sched = ctx.spec.build_scheduler(opt) if ctx.spec.build_scheduler is not None else None
+    sched = (call_user(ctx.spec.build_scheduler, opt, what="build_scheduler(optimizer)", path=ctx.spec.path)
+             if ctx.spec.build_scheduler is not None else None)
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
     result.master_weights = prec.master
@@ -195,6 +196,9 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 break
     except OutputError:  # the step log could not be written (a full disk): ampdoctor's own output, not data
         raise
+    except SystemExit as e:  # the user's model, loss or scheduler exited: refuse in one line (not data, not exit 3)
+        raise SpecError(f"{where(e, ctx.spec.path)}: your code called sys.exit({'' if e.code is None else repr(e.code)}) "
+                        f"at step {step} of stage {name}; ampdoctor runs it itself, so raise an exception instead of exiting") from None
     except Exception as e:  # user code failing is data, not a crash
         module = tracker.current
         bw = graph.blame(e) if module is None and graph is not None else None  # raised in backward: whose node raised

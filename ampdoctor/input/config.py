@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, fields
 
 from ampdoctor.errors import UsageError
 
 STAGES = ("fp32", "fp16", "amp", "bf16")
+MAX_STEPS = 10**7
+"""The most optimizer steps a triage takes (--steps x --accumulate micro-batches): tens to thousands tell
+the story; more would run for days (or, for 12 digits, never end) rather than fail."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds ``torch.manual_seed`` takes."""
 TARGETS = ("amp", "fp16", "bf16")
 
 
@@ -57,9 +61,18 @@ class TriageConfig:
             raise UsageError("--growth-interval must be at least 1")
         if self.max_norm is not None and self.max_norm <= 0:
             raise UsageError("--max-norm must be positive, e.g. --max-norm 1.0")
-        if self.steps > sys.maxsize:
-            raise UsageError(f"--steps {self.steps} is more steps than any run can take; a triage needs tens to "
-                             "thousands, e.g. --steps 200")
+        if self.steps > MAX_STEPS:
+            raise UsageError(f"--steps {_short(self.steps)} is more than a triage takes (at most {MAX_STEPS:,}); it needs "
+                             "tens to thousands of steps, e.g. --steps 200")
+        if self.steps * self.accumulate > MAX_STEPS:
+            raise UsageError(f"--steps {self.steps} x --accumulate {_short(self.accumulate)} is more micro-batches than a "
+                             f"triage takes (at most {MAX_STEPS:,}); lower --accumulate or --steps")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise UsageError(f"--seed {_short(self.seed)} is outside what torch.manual_seed takes ({SEED_MIN} to {SEED_MAX}); "
+                             "give a smaller seed, e.g. --seed 0")
+        if self.growth_interval > 2**31 - 1:
+            raise UsageError(f"--growth-interval {_short(self.growth_interval)} is more than GradScaler keeps (at most "
+                             f"{2**31 - 1}); e.g. --growth-interval 2000")
 
     def stage_list(self) -> tuple[str, ...]:
         """Stages in run order; fp32 always runs first because every verdict compares with it."""
@@ -95,6 +108,12 @@ def _check_types(cfg: TriageConfig) -> None:
             what = {int: "a whole number", float: "a finite number", str: "a string"}[kind]
             raise UsageError(f"{_option(f.name)} must be {what} (got {v!r}); in TRIAGE_OPTIONS write "
                              f"\"{f.name}\": {_EXAMPLE[f.name]}")
+
+
+def _short(n: int) -> str:
+    """A whole number as typed, cut when it is very long (a 40-digit --steps is not printed whole)."""
+    t = str(n)
+    return t if len(t) <= 24 else f"{t[:12]}...({len(t)} digits)"
 
 
 def _option(name: str) -> str:

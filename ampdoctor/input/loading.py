@@ -36,3 +36,7 @@ def load_batches(spec: Spec, steps: int, progress: ProgressFn | None = None) -> 
         raise SpecError(f"{where(e.original, spec.path)}: {e}; fix the dataloader (or skip bad records in it)") from None
     except BatchError as e:
         raise SpecError(f"{spec.path.name}: {e}") from None
+    except SystemExit as e:
+        raise SpecError(f"{where(e, spec.path)}: the dataloader called sys.exit({'' if e.code is None else repr(e.code)}) "
+                        "while yielding a batch; ampdoctor iterates it itself, so end the iteration (return) or raise "
+                        "instead of exiting") from None

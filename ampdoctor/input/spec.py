@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampdoctor.errors import SpecError
+from ampdoctor.errors import AmpDoctorError, SpecError
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,8 @@ def call_user(fn: Callable[..., Any], *args: Any, what: str, path: Path) -> Any:
     """Call a spec function, turning its exceptions (and sys.exit) into SpecError with file:line."""
     try:
         return fn(*args)
+    except AmpDoctorError:  # ampdoctor's own one line, from a wrapper around the user's function
+        raise
     except Exception as e:
         raise SpecError(f"{_where(e, path)}: {what} raised {type(e).__name__}: {e}") from None
     except SystemExit as e:

@@ -31,11 +31,8 @@ import csv
 import dataclasses
 import errno
 import io
-import logging
 import math
 import os
-import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +40,7 @@ from typing import IO, Any, Literal
 
 from ampdoctor.errors import AmpDoctorError, OutputError
 from ampdoctor.io import write_failure
-
-log = logging.getLogger("ampdoctor")
+from ampdoctor.notify import say, warn_user
 
 COLUMNS: tuple[str, ...] = (
     "step",
@@ -121,18 +117,11 @@ OnError = Literal["warn", "raise"]
 RETRY_MAX_GAP = 256
 """After a failed write, the next attempts are made 1, 2, 4, ... rows later, at most this many apart: a full
 disk costs one failing system call every so often, and the log resumes when space comes back."""
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` made by the calling function point at the first frame
-    outside ampdoctor (the user's training loop, or the framework driving the Monitor)."""
-    f = sys._getframe(1)
-    level = 1
-    while f.f_back is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
-        f = f.f_back
-        level += 1
-    return level
+def _open_raw(path: Path, mode: str) -> IO[bytes]:
+    """The log file, unbuffered: each row is one system call (the tests patch this to fill the disk)."""
+    return open(path, mode, buffering=0)  # noqa: SIM115
 
 
 class StepLogWriter:
@@ -229,14 +218,14 @@ class StepLogWriter:
         data = self._existing(first_step)
         if data is None:
             self._created = not p.exists()
-            f = open(p, "wb", buffering=0)
+            f = _open_raw(p, "wb")
             self._pending = header_line(self.columns).encode("utf-8")
             self._good = 0
             return f
         if not data.endswith(b"\n"):
             with open(p, "r+b") as fb:  # a half-written line is not a finished step
                 fb.truncate(data.rfind(b"\n") + 1)
-        f = open(p, "ab", buffering=0)
+        f = _open_raw(p, "ab")
         self._good = f.seek(0, os.SEEK_END)
         return f
 
@@ -270,8 +259,8 @@ class StepLogWriter:
         self._pending = b""
         if self.lost_steps and self._gap > 1:
             first, last = self.lost_steps[-1]
-            log.warning("ampdoctor: the step log %s is written again from step %s (steps %s..%s were lost)",
-                        self.path, step, first, last)
+            say("ampdoctor: the step log %s is written again from step %s (steps %s..%s were lost)",
+                self.path, step, first, last)
         self._gap = 1
         self.rows_written += 1
 
@@ -307,8 +296,8 @@ class StepLogWriter:
         why = write_failure(self.path, e, size, what="-").removeprefix("cannot write -: ").split("; ", 1)[0]
         msg = (f"ampdoctor: rows of the step log {self.path} are being lost from step {s} on ({why}); training goes on, "
                "and writing is tried again now and then: free some space, or pass another log path")
-        log.warning(msg)
-        warnings.warn(msg, StepLogWarning, stacklevel=user_stacklevel())
+        say(msg, warned=True)  # the ampdoctor logger (its default stderr handler leaves it to the warning)
+        warn_user(msg, StepLogWarning)  # pointing at the user's line
 
     def _close_quietly(self) -> None:
         f, self._f = self._f, None
@@ -323,8 +312,8 @@ class StepLogWriter:
             self._summarised = True
             spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in self.lost_steps[:5])
             more = f" and {len(self.lost_steps) - 5} more runs" if len(self.lost_steps) > 5 else ""
-            log.warning("ampdoctor: the step log %s misses %d row(s) it could not write: steps %s%s",
-                        self.path, self.rows_lost, spans, more)
+            say("ampdoctor: the step log %s misses %d row(s) it could not write: steps %s%s",
+                self.path, self.rows_lost, spans, more)
 
     def __enter__(self) -> StepLogWriter:
         return self
@@ -370,6 +359,18 @@ class StepLog:
         return col.astype("float64").tolist()  # type: ignore[no-any-return]
 
 
+FIELD_LIMIT = csv.field_size_limit()
+"""The longest field Python's csv reads (131072 characters); a step log's are a few dozen."""
+
+
+def _csv_problem(text: str, e: csv.Error | None) -> str:
+    """Which line of ``text`` the csv module cannot read, and why."""
+    for n, line in enumerate(text.split("\n"), 1):
+        if len(line) > FIELD_LIMIT:
+            return f"line {n} is {len(line):,} characters long (more than {FIELD_LIMIT:,} in a field)"
+    return f"the CSV cannot be read ({e})" if e is not None else "the CSV cannot be read"
+
+
 _TRUE = {"1", "true", "True", "TRUE", "1.0"}
 _FALSE = {"0", "false", "False", "FALSE", "0.0"}
 
@@ -395,6 +396,9 @@ def read_step_log(path: str | Path) -> StepLog:
     if not text.strip():
         raise StepLogError(f"{p} is empty; a step log starts with the header {','.join(COLUMNS)}")
     lines = text.split("\n")
+    if max(len(x) for x in lines[:1] + lines[-1:]) > FIELD_LIMIT:
+        raise StepLogError(f"{p}: {_csv_problem(text, None)}; this is not a step log (one row a step, the header "
+                           f"{','.join(COLUMNS)})")
     if not text.endswith("\n") and len(lines) > 2:
         header_n = len(next(csv.reader([lines[0]])))
         last_n = len(next(csv.reader([lines[-1]]), []))
@@ -403,10 +407,17 @@ def read_step_log(path: str | Path) -> StepLog:
             text = "\n".join(lines[:-1]) + "\n"
     from ampdoctor.watch.steplog_fast import read_clean
 
-    clean = read_clean(text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)  # a clean log in one vectorised read
+    try:
+        clean = read_clean(text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)  # a clean log in one vectorised read
+    except csv.Error:
+        clean = None  # the validating reader names the line
     if clean is not None:
         return _finish(clean, p, notes)
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as e:
+        raise StepLogError(f"{p}: {_csv_problem(text, e)}; this is not a step log (one row a step, the header "
+                           f"{','.join(COLUMNS)})") from None
     width = len(rows[0]) if rows else 0
     for i, r in enumerate(rows[1:]):
         if r and len(r) != width:
@@ -435,6 +446,13 @@ def read_step_log(path: str | Path) -> StepLog:
     if bad.any():
         i = int(bad.to_numpy().nonzero()[0][0])
         raise StepLogError(f"{p}: column step, {where(i)}: {df['step'].iloc[i]!r} is not an integer step number")
+    # a 40-digit step would wrap around int64 (to -9223372036854775808): refuse it, and negative steps
+    big = (steps.astype("float64") >= 2.0**63) | (steps < 0)
+    if big.any():
+        i = int(big.to_numpy().nonzero()[0][0])
+        shown = str(df["step"].iloc[i]).strip()
+        shown = shown if len(shown) <= 24 else f"{shown[:12]}...({len(shown)} digits)"
+        raise StepLogError(f"{p}: column step, {where(i)}: {shown} is not a step number (0 to {2**63 - 1})")
     out["step"] = steps.astype("int64")
     for c in NUMERIC:
         raw = df[c].str.strip()

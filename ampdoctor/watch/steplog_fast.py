@@ -58,6 +58,10 @@ def read_clean(text: str, required: Collection[str], numeric: Collection[str], m
         return None
     if len(df) == 0 or df["step"].dtype.kind not in "iu":
         return None
+    if df["step"].dtype.kind == "u" and int(df["step"].max()) > np.iinfo(np.int64).max:
+        return None  # would wrap around int64: the validating reader refuses it, naming the row
+    if (df["step"] < 0).any():
+        return None
     df["step"] = df["step"].astype("int64")
     flags = df["skipped"]
     is_true = flags.isin(list(true))
