@@ -91,50 +91,51 @@ def triage(
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
-    from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, write_json_stdout
+    from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr, write_json_stdout
 
     human = err if is_stdout(json_path) else out  # `--json -`: the JSON alone on stdout
     try:
-        check_triage_outputs(json_path, report_path, log, dump_dir, force)
-        given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
-                 "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                 "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
-        names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
-        with importable(spec):
-            sp = load_spec(spec, names, require_data=from_capture is None)  # loaded once: triage reuses it
-        opts = _spec_options(sp)
-        opts.update({k: v for k, v in given.items() if v is not None})
-        opts["device"] = device
-        cfg = TriageConfig(**opts)
-        from ampdoctor.engine.triage import triage as run_triage
+        with stdout_to_stderr(is_stdout(json_path)):  # what the spec prints must not corrupt `--json -`
+            check_triage_outputs(json_path, report_path, log, dump_dir, force)
+            given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
+                     "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
+                     "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+            names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
+            with importable(spec):
+                sp = load_spec(spec, names, require_data=from_capture is None)  # loaded once: triage reuses it
+            opts = _spec_options(sp)
+            opts.update({k: v for k, v in given.items() if v is not None})
+            opts["device"] = device
+            cfg = TriageConfig(**opts)
+            from ampdoctor.engine.triage import triage as run_triage
 
-        argv = ["ampdoctor", *sys.argv[1:]]
-        if quiet or not err.is_terminal:
-            from ampdoctor.cli.progress import LineProgress
+            argv = ["ampdoctor", *sys.argv[1:]]
+            if quiet or not err.is_terminal:
+                from ampdoctor.cli.progress import LineProgress
 
-            lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
-            report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
-                                         checkpoint=checkpoint, skip_batches=skip_batches)
-        else:
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err, transient=True) as prog:
-                task = prog.add_task("starting", total=cfg.steps)
+                lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
+                report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
+                                             checkpoint=checkpoint, skip_batches=skip_batches)
+            else:
+                with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              console=err, transient=True) as prog:
+                    task = prog.add_task("starting", total=cfg.steps)
 
-                def progress(stage: str, step: int) -> None:
-                    prog.update(task, description=f"stage {stage}", completed=step + 1)
+                    def progress(stage: str, step: int) -> None:
+                        prog.update(task, description=f"stage {stage}", completed=step + 1)
 
-                report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
-                                         checkpoint=checkpoint, skip_batches=skip_batches)
-        written: list[Path] = []
-        if report_path is not None:
-            from ampdoctor.cli.reports import write_report
+                    report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
+                                             checkpoint=checkpoint, skip_batches=skip_batches)
+            written: list[Path] = []
+            if report_path is not None:
+                from ampdoctor.cli.reports import write_report
 
-            written.append(write_report(report_path, report)[-1])
-        if dump_dir is not None:
-            from ampdoctor.cli.dump import dump
+                written.append(write_report(report_path, report)[-1])
+            if dump_dir is not None:
+                from ampdoctor.cli.dump import dump
 
-            dump(dump_dir, report, run)
-            written.append(dump_dir)
+                dump(dump_dir, report, run)
+                written.append(dump_dir)
     except KeyboardInterrupt:
         kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
         fail(f"interrupted; no report was written{kept}", 130)

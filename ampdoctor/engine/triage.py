@@ -34,6 +34,9 @@ from ampdoctor.report.model import Report, StageSummary
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.steplog import StepLogWriter
 
+MAX_SKIP = 10**9
+"""The most batches ``--skip-batches`` skips (each is taken from the dataloader and dropped)."""
+
 
 def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Module:
     """The spec's model, FP32, on the device (seeded)."""
@@ -43,6 +46,11 @@ def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Modul
         raise SpecError(f"{spec.path.name}: build_model() returned {type(model).__name__}; return a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise SpecError(f"{spec.path.name}: the model has no trainable parameters")
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        raise SpecError(f"{spec.path.name}: build_model() returned a model on the meta device ({meta[0]} has no data"
+                        + (f", and {len(meta) - 1} more" if len(meta) > 1 else "") + "); materialise it before returning "
+                        "it: model.to_empty(device='cpu') and then load or initialise its weights")
     return model.to(device).float()
 
 
@@ -194,8 +202,12 @@ def triage(
     spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None)
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
-    if skip_batches < 0:
-        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches})")
+    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
+    if skip_batches > MAX_SKIP:
+        raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
+                         f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
+                         "within its epoch")
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
@@ -246,7 +258,22 @@ def _skipping(spec: Spec, n: int) -> Spec:
     build = spec.build_dataloader
 
     def build_after() -> Any:
-        return itertools.islice(iter(build()), n, None)
+        loader = build()
+        try:
+            size = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            size = None
+        if size is not None and size <= n:
+            raise UsageError(f"--skip-batches {n}: build_dataloader() yields {size} batch(es), so none is left after "
+                             f"skipping {n}; give --skip-batches below {size} (the run's position within its epoch)")
+        it = iter(loader)
+        for i in range(n):
+            try:
+                next(it)
+            except StopIteration:
+                raise UsageError(f"--skip-batches {n}: build_dataloader() ended after {i} batch(es), so none is left; "
+                                 f"give --skip-batches below {i} (the run's position within its epoch)") from None
+        return it
 
     return replace(spec, build_dataloader=build_after)
 
@@ -256,6 +283,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     """The spec's model with a training checkpoint's weights, its optimizer and scaler state, and the
     dataloader's batches after ``skip_batches``; a layout ampdoctor cannot read is one line."""
     model = build_model(spec, cfg, device)
+    preflight.optimizer(spec, model)  # build_optimizer and build_scheduler: one line if they are broken
     opt = make_optimizer(spec.build_optimizer, model)
     scaler = torch.amp.GradScaler(device.type)
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
