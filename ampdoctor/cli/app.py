@@ -89,6 +89,7 @@ def triage(
     from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning .ckpt, or the spec's load_checkpoint(model, optimizer, scaler, path).")] = None,
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
+    script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr, write_json_stdout
@@ -115,7 +116,7 @@ def triage(
 
                 lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
                 report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches)
+                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script)
             else:
                 with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                               console=err, transient=True) as prog:
@@ -125,7 +126,7 @@ def triage(
                         prog.update(task, description=f"stage {stage}", completed=step + 1)
 
                     report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches)
+                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script)
             written: list[Path] = []
             if report_path is not None:
                 from ampdoctor.cli.reports import write_report

@@ -27,9 +27,10 @@ from ampdoctor.input.loading import load_batches
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
+from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult
 from ampdoctor.report import words
-from ampdoctor.report.build import enrich, shift_steps
+from ampdoctor.report.build import code_findings, enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.steplog import StepLogWriter
@@ -184,6 +185,7 @@ def triage(
     from_capture: str | Path | None = None,
     checkpoint: str | Path | None = None,
     skip_batches: int = 0,
+    script: str | Path | None = None,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
@@ -196,6 +198,8 @@ def triage(
     ``checkpoint``: start every stage from a training checkpoint (a dict with model / optimizer / scaler
     entries, a transformers Trainer folder, a Lightning .ckpt, or the spec's ``load_checkpoint``), on
     the dataloader's batches after ``skip_batches``; steps are numbered from the checkpoint's step.
+    ``script``: the training script; ``ampdoctor lint`` checks it and the spec, and the report lists
+    what it finds (``report.lint``), the findings that can cause the verdict first.
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
@@ -208,6 +212,7 @@ def triage(
         raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
                          f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
                          "within its epoch")
+    found = lint_sources(spec.path, script)  # before the stages: a bad --script is one line now, not after them
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
@@ -245,12 +250,34 @@ def triage(
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
                             sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays])
     report = build_report(run, argv)
+    report.lint = code_findings(found, report.verdict.cause)
+    if script is not None:
+        report.config["script"] = str(script)
     if checkpoint is not None:
         report.config["checkpoint"] = str(checkpoint)
     if skip_batches:
         report.config["skip_batches"] = skip_batches
     run.reset()
     return report, run
+
+
+def lint_sources(spec_path: Path, script: str | Path | None) -> list[LintFinding]:
+    """``ampdoctor lint`` on the spec and the training script, as under AMP (triage's amp stage adds a
+    GradScaler), with the selection of the nearest pyproject.toml; a script that is missing or does not
+    parse is bad input."""
+    from ampdoctor.lint import lint_paths
+    from ampdoctor.lint.config import nearest_pyproject, selection
+
+    paths = [Path(spec_path)] + ([Path(script)] if script is not None else [])
+    if script is not None and not Path(script).is_file():
+        raise UsageError(f"--script {script}: no such file; give the training script that runs this model")
+    found: list[LintFinding] = []
+    for p in dict.fromkeys(paths):
+        res = lint_paths([p], selection(nearest_pyproject(p)), amp=True)
+        if res.errors and p != paths[0]:
+            raise UsageError(f"--script {res.errors[0]}")
+        found += res.findings
+    return found
 
 
 def _skipping(spec: Spec, n: int) -> Spec:

@@ -81,6 +81,19 @@ def _verdict(report: Report) -> str:
             f'<code class="muted">{e(v.cause)}</code></div><p>{e(v.summary)}</p><div class="facts">{fx}</div></section>')
 
 
+def _code(report: Report) -> str:
+    """What ``ampdoctor lint`` found in the spec and --script, under the verdict."""
+    if not report.lint:
+        return ""
+    items = []
+    for c in report.lint:
+        why = f' <span style="color:#cf222e">(can cause <code>{e(report.verdict.cause)}</code>)</span>' if c.explains else ""
+        items.append(f"<li><code>{e(c.path)}:{c.line}:{c.col}</code> <b>{e(c.code)}</b> {e(c.message)}{why}"
+                     f"<br><span class=\"muted\">fix: {e(c.fix)}</span></li>")
+    return "<h2>In the code</h2><p class=\"muted\">ampdoctor lint on the spec" + (
+        " and the training script" if report.config.get("script") else "") + ":</p><ul>" + "".join(items) + "</ul>"
+
+
 def _plots(images: Mapping[str, bytes] | None, missing: str | None) -> str:
     from ampdoctor.render.plots import TITLES
 
@@ -206,7 +219,7 @@ def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing
     if report.fixes:
         fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{e(f)}</li>" for f in report.fixes) + "</ol>"
     body = "".join([
-        f"<h1>ampdoctor report <span class=\"muted\">{e(report.tool)}</span></h1>", _verdict(report), fixes,
+        f"<h1>ampdoctor report <span class=\"muted\">{e(report.tool)}</span></h1>", _verdict(report), _code(report), fixes,
         _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
         _reproduce(report), _environment(report),
         f'<p class="muted"><small>report schema {report.schema_version}</small></p>',

@@ -66,6 +66,8 @@ def reproduce_command(report: Report) -> str | None:
             parts += [flag, shlex.quote(str(cfg[key]))]
     if cfg.get("skip_batches"):
         parts += ["--skip-batches", str(cfg["skip_batches"])]
+    if cfg.get("script"):
+        parts += ["--script", shlex.quote(str(cfg["script"]))]
     return " ".join(parts)
 
 
@@ -130,6 +132,18 @@ def _verdict(report: Report) -> list[str]:
     lines += table(["", ""], [["First module", code(v.first_module)], [step_label, num(v.first_step)],
                               ["Stage", v.stage or "-"], ["Device", v.device],
                               ["Spec", code(report.config.get("spec"))]])
+    return lines
+
+
+def _code(report: Report) -> list[str]:
+    """'## In the code': what ``ampdoctor lint`` found in the spec and --script, under the verdict."""
+    if not report.lint:
+        return []
+    lines = ["", "## In the code", "", "`ampdoctor lint` on the spec" + (" and the training script" if report.config.get("script") else "")
+             + " (read, not run):", ""]
+    for c in report.lint:
+        why = f" (can cause `{report.verdict.cause}`)" if c.explains else ""
+        lines += [f"- `{c.path}:{c.line}:{c.col}` **{c.code}** {cell(c.message)}{why}", f"  - fix: {cell(c.fix)}"]
     return lines
 
 
@@ -277,7 +291,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> li
 
 def render(report: Report, images: Mapping[str, str] | None = None, *, missing_plots: str | None = None) -> str:
     """The Markdown text. ``images`` maps plot names to (relative) links; ``missing_plots`` says why there are none."""
-    lines = [*_verdict(report), *_fixes(report), *_stages(report), *_layers(report), *_scaler(report),
+    lines = [*_verdict(report), *_code(report), *_fixes(report), *_stages(report), *_layers(report), *_scaler(report),
              *_plots(images, missing_plots), *_findings(report), *_reproduce(report), *_environment(report),
              "", f"<sub>{report.tool} · report schema {report.schema_version}</sub>", ""]
     return "\n".join(lines)

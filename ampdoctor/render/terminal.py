@@ -39,6 +39,22 @@ def _numbered(items: list[str]) -> Table:
     return g
 
 
+def _code(report: Report, console: Console) -> None:
+    """What ``ampdoctor lint`` found in the spec and --script, right under the verdict it may explain."""
+    if not report.lint:
+        return
+    console.print(Text("In the code (ampdoctor lint)", style="bold"))
+    for c in report.lint:
+        head = Text()
+        head.append(f"{c.path}:{c.line}:{c.col}", style="bold")
+        head.append(f" {c.code}", style="bold red" if c.explains else "bold yellow")
+        head.append(f" {c.message}")
+        if c.explains:
+            head.append(f" (can cause {report.verdict.cause})", style="red")
+        console.print(Padding(head, (0, 0, 0, 2)))
+        console.print(Padding(Text(f"fix: {c.fix}", style="dim"), (0, 0, 0, 4)))
+
+
 def render(report: Report, console: Console) -> None:
     v = report.verdict
     ok = v.cause == "healthy"
@@ -55,6 +71,7 @@ def render(report: Report, console: Console) -> None:
     facts.append(f"device: {escape(v.device)}")
     lines.append(Text.from_markup("   ".join(facts)))
     console.print(Panel(Group(*lines), title=f"ampdoctor verdict: {v.cause}", border_style=color))
+    _code(report, console)
 
     t = _table("Stages")
     for col in ("stage", "steps", "first inf/nan", "skips", "scale", "loss", "fp32 loss", "note"):

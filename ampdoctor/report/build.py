@@ -16,8 +16,9 @@ import numpy as np
 
 from ampdoctor.formats import FP16
 from ampdoctor.judge import locate
+from ampdoctor.lint import BY_CODE, LintFinding
 from ampdoctor.records import NCOLS, Col, StageResult, StepStats
-from ampdoctor.report.model import LayerStep, Report
+from ampdoctor.report.model import CodeFinding, LayerStep, Report
 
 Key = tuple[str, str]
 """(module or parameter name, kind)"""
@@ -162,3 +163,10 @@ def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
     for ls in report.layer_steps:
         ls.step += offset
     return report
+
+
+def code_findings(found: Iterable[LintFinding], cause: str) -> list[CodeFinding]:
+    """The lint's findings for the report: those whose rule can cause the verdict first, then by place."""
+    out = [CodeFinding(f.path, f.line, f.col, f.code, f.message, BY_CODE[f.code].fix, cause in BY_CODE[f.code].explains)
+           for f in found]
+    return sorted(out, key=lambda c: (not c.explains, c.path, c.line, c.col, c.code))

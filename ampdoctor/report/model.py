@@ -73,6 +73,21 @@ class LayerStep:
 
 
 @dataclass
+class CodeFinding:
+    """A mistake ``ampdoctor lint`` found in the spec (or the ``--script``) that triage ran."""
+
+    path: str
+    line: int
+    col: int
+    code: str
+    """The lint rule (AMP001...)."""
+    message: str
+    fix: str
+    explains: bool = False
+    """The rule's mistake can cause the verdict of this report."""
+
+
+@dataclass
 class Report:
     verdict: Verdict
     stages: list[StageSummary]
@@ -85,6 +100,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     layer_steps: list[LayerStep] = field(default_factory=list)
     """Per step and module of the target stage (optional; filled by ``report_build.layer_steps``)."""
+    lint: list[CodeFinding] = field(default_factory=list)
+    """What ``ampdoctor lint`` found in the spec and ``--script`` (left out of the JSON when empty)."""
     schema_version: int = SCHEMA_VERSION
     tool: str = "ampdoctor triage"
 
@@ -93,7 +110,10 @@ class Report:
         return 0 if self.verdict.cause == "healthy" else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return _clean(asdict(self))
+        d = _clean(asdict(self))
+        if not d["lint"]:
+            del d["lint"]  # a report without code findings reads as it did before they existed
+        return d  # type: ignore[no-any-return]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
@@ -146,6 +166,7 @@ _NESTED.update({
     "Report.layers": LayerRow,
     "Report.layer_steps": LayerStep,
     "Report.scaler": ScalerStory,
+    "Report.lint": CodeFinding,
     "ScalerStory.skips": ScaleEvent,
 })
 
