@@ -64,8 +64,10 @@ def test_tensor_stats_uses_it_on_the_cpu_and_not_with_a_scale(monkeypatch: pytes
     monkeypatch.setattr("ampdoctor.watch.stats.fused_stats", spy)
     x = [torch.randn(10), torch.randn(3)]
     _same(tensor_stats(x, FP16), eager_stats(x, FP16))
-    tensor_stats(x, FP16, scale=1024.0)  # a loss scale multiplies first: the eager path
+    tensor_stats(x, FP16, scale=1000.0)  # a scale that is no power of two multiplies first: the eager path
     assert calls == [2]
+    _same(tensor_stats(x, FP16, scale=2.0**-10), eager_stats(x, FP16, scale=2.0**-10))  # a power of two: the kernel
+    assert calls == [2, 2]
     monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
     assert real(x, *_thresholds(FP16)) is None  # turned off: tensor_stats takes the eager path
     _same(tensor_stats(x, FP16), eager_stats(x, FP16))
@@ -117,3 +119,22 @@ def test_norms_match_foreach_norm_on_gradients() -> None:
     want = torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
     assert got is not None and torch.allclose(got, want, rtol=1e-5, atol=0)
     assert fused.fused_norms([torch.zeros(2, dtype=torch.float64)]) is None  # another dtype: _foreach_norm
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fused_with_a_power_of_two_scale_equals_eager(data: st.DataObject) -> None:
+    """Gradients still carrying GradScaler's scale (a loop's ``after_backward`` before ``unscale_``): the
+    kernel moves its thresholds instead of multiplying, and must give the rows ``x * 2^-k`` would."""
+    fmt = data.draw(st.sampled_from(FORMATS))
+    k = data.draw(st.integers(-24, 24))
+    scale = 2.0 ** k
+    sizes = data.draw(st.lists(st.integers(0, 48), min_size=1, max_size=5))
+    ts = []
+    for n in sizes:
+        bits = data.draw(st.lists(bit_patterns(fmt), min_size=n, max_size=n))
+        t = torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32).copy())
+        # (products below FP32's smallest subnormal round to 0 in the multiplication: the one documented difference)
+        t = torch.where((t.abs() < 2.0 ** -100) & (t != 0), torch.zeros_like(t), t)
+        ts.append(t)
+    _same(tensor_stats(ts, fmt, scale), eager_stats(ts, fmt, scale))

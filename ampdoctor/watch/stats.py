@@ -9,6 +9,7 @@ returns one device tensor, which the caller copies to the host once a step.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from ampdoctor.formats import FP16, Format
-from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS
+from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS, Col
 from ampdoctor.watch import fused
 from ampdoctor.watch.fused import fused_stats
 
@@ -72,11 +73,49 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
     """
     if not tensors:
         return torch.zeros((0, NCOLS), dtype=torch.float64)
-    if scale == 1.0 and tensors[0].device.type == "cpu":
-        rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
+    if tensors[0].device.type == "cpu":
+        if scale == 1.0:
+            rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
+        elif _pow2(scale) and (moved := _thresholds_scaled(fmt, scale)) is not None:
+            # |x * s| >= t  <=>  |x| >= t / s, exactly for s = 2^k: the same one pass, thresholds moved
+            rows = fused_stats(tensors, *moved)
+            if rows is not None:
+                rows[:, Col.ABSMAX] *= scale
+                rows[:, Col.MIN_NONZERO] *= scale
+        else:
+            rows = None
         if rows is not None:
             return rows
     return eager_stats(tensors, fmt, scale)
+
+
+def _pow2(x: float) -> bool:
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+@lru_cache(maxsize=64)
+def _thresholds_scaled(fmt: Format, scale: float) -> tuple[int, int, int] | None:
+    """``_thresholds`` for values multiplied by ``scale`` (a power of two) before the cast test, or None where
+    a moved threshold is not a normal float32 (the eager path multiplies then). Exact but for products below
+    FP32's smallest subnormal (a value the multiplication would round to 0 counts as an underflow, not a zero)."""
+    out = []
+    for t in _thresholds(fmt):
+        v = _bits_f32(t) / scale
+        if v > _F32_MAX:
+            out.append(_INF_BITS)  # no finite value reaches it: nothing overflows (as x * s cannot)
+        elif v < _F32_MIN_NORMAL:
+            return None
+        else:
+            out.append(_f32_bits(v))
+    return (out[0], out[1], out[2])
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)
+
+
+def _bits_f32(bits: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<i", bits))[0])
 
 
 def eager_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float = 1.0) -> torch.Tensor:
