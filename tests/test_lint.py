@@ -159,3 +159,14 @@ def test_the_projects_own_code_raises_nothing() -> None:
 def test_with_amp_the_samples_show_their_one_mistake() -> None:
     res = lint_paths([ROOT / "sample_models"], Selection(), amp=True)
     assert [(Path(f.path).name, f.line, f.col, f.code) for f in res.findings] == [("amp_misuse.py", 17, 35, "AMP004")]
+
+
+def test_docs_show_every_rule_with_its_snippets_and_the_cli_reference_has_lint() -> None:
+    doc = (ROOT / "docs" / "lint.md").read_text()
+    for r in RULES:
+        assert f"### {r.code} {r.name}" in doc and f"| [{r.code}](#{r.code.lower()}-{r.name}) |" in doc
+        at = doc.index(f"### {r.code} {r.name}")
+        section = doc[at: doc.find("\n### ", at + 1)]
+        assert f"```python\n{r.bad}```" in section and f"```python\n{r.good}```" in section, r.code
+        assert r.fix in section and f"line {r.bad_at[0]}, column {r.bad_at[1]}" in section
+    assert "## `ampdoctor lint`" in (ROOT / "docs" / "cli.md").read_text()

@@ -23,7 +23,7 @@ FORMATS = ("text", "concise", "github", "json")
 @boundary
 def lint(
     paths: Annotated[Optional[list[Path]], typer.Argument(
-        metavar="[PATH]...", help="Python files or folders to check (folders are walked for *.py). [default: .]")] = None,
+        metavar="PATH", help="Python files or folders to check (folders are walked for *.py). [default: .]")] = None,
     output_format: Annotated[str, typer.Option(
         "--format", help="text (a finding per line, its fix below) | concise (the lines alone) | github (workflow "
                          "annotations) | json.")] = "text",
@@ -36,8 +36,7 @@ def lint(
 ) -> None:
     """Find AMP mistakes in training scripts without running them: path:line:col: AMPxxx message.
 
-    Exit code 0: nothing found; 1: findings; 2: bad input. `# noqa: AMP001` silences a line; the nearest
-    pyproject.toml's [tool.ampdoctor.lint] gives select, ignore and exclude (docs/lint.md).
+    Exit code 0: nothing found; 1: findings; 2: bad input. A `# noqa: AMP001` comment silences a line; the table tool.ampdoctor.lint of the nearest pyproject.toml gives select, ignore and exclude (docs/lint.md).
     """
     if output_format not in FORMATS:
         fail(f"--format takes {', '.join(FORMATS)} (got {output_format!r})")
