@@ -76,8 +76,9 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
     if tensors[0].device.type == "cpu":
         if scale == 1.0:
             rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
-        elif _pow2(scale) and (moved := _thresholds_scaled(fmt, scale)) is not None:
-            # |x * s| >= t  <=>  |x| >= t / s, exactly for s = 2^k: the same one pass, thresholds moved
+        elif _pow2(scale) and scale < 1.0 and (moved := _thresholds_scaled(fmt, scale)) is not None:
+            # |x * s| >= t  <=>  |x| >= t / s, exactly for s = 2^-k: the same one pass, thresholds moved (s > 1
+            # could overflow float32 in the product, which the moved thresholds would not see: eager)
             rows = fused_stats(tensors, *moved)
             if rows is not None:
                 rows[:, Col.ABSMAX] *= scale
@@ -95,7 +96,7 @@ def _pow2(x: float) -> bool:
 
 @lru_cache(maxsize=64)
 def _thresholds_scaled(fmt: Format, scale: float) -> tuple[int, int, int] | None:
-    """``_thresholds`` for values multiplied by ``scale`` (a power of two) before the cast test, or None where
+    """``_thresholds`` for values multiplied by ``scale`` (a power of two below 1) before the cast test, or None where
     a moved threshold is not a normal float32 (the eager path multiplies then). Exact but for products below
     FP32's smallest subnormal (a value the multiplication would round to 0 counts as an underflow, not a zero)."""
     out = []
