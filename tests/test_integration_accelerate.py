@@ -42,18 +42,18 @@ class Net(nn.Module):
         return self.head(torch.relu(self.embed(x)))
 
 
-def _run(tmp: Path, accumulate: int, bad: int) -> tuple[object, list[float]]:
+def _run(tmp: Path, accumulate: int, bad: int, fused: bool = False, watched: bool = True) -> tuple[object, list[float]]:
     acc = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=accumulate)
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what accelerate makes on a GPU
     acc.native_amp = True
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     g = torch.Generator().manual_seed(0)
     xs, ys = torch.randn(8 * 8, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
     xs[8 * bad, 0] = float("inf")
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8)
     model, opt, data = acc.prepare(model, opt, data)
-    mon = watch(acc, model, opt, log=tmp / "steps.csv", capture=tmp / "cap")
+    mon = watch(acc, model, opt, log=tmp / "steps.csv", capture=tmp / "cap") if watched else None
     losses = []
     for x, y in data:  # the user's loop, unchanged
         with acc.accumulate(model):
@@ -64,8 +64,11 @@ def _run(tmp: Path, accumulate: int, bad: int) -> tuple[object, list[float]]:
                 acc.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-    mon.close()
+    if mon is not None:
+        mon.close()
     assert "step" not in vars(opt) and "backward" not in vars(acc)  # unwrapped
+    if not watched:
+        return model, losses
     return mon, losses
 
 
@@ -85,3 +88,15 @@ def test_watch_with_gradient_accumulation(tmp_path: Path) -> None:
     assert log.loc[2, "skip_reason"] == "nonfinite_loss"
     # the logged loss of a step is the mean of its micro-batches' losses, as accelerate backpropagates it
     assert np.isclose(log.loc[0, "loss"], (losses[0] + losses[1]) / 2, rtol=1e-6)
+
+
+def test_fused_adamw_run_is_bit_identical_with_and_without_watch(tmp_path: Path) -> None:
+    from accelerate.state import AcceleratorState
+
+    bare, _ = _run(tmp_path / "bare", accumulate=1, bad=5, fused=True, watched=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    mon, _ = _run(tmp_path / "seen", accumulate=1, bad=5, fused=True)
+    seen = mon.model  # type: ignore[attr-defined]
+    for a, b in zip(bare.parameters(), seen.parameters(), strict=True):  # type: ignore[attr-defined]
+        assert torch.isfinite(b).all() and torch.equal(a, b)
+    assert read_step_log(tmp_path / "seen" / "steps.csv").frame["skipped"].sum() == 1
