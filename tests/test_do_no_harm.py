@@ -226,3 +226,28 @@ def test_a_capture_with_nothing_to_keep_says_so_at_the_first_step(tmp_path: Path
         with torch.no_grad():
             out = model(torch.ones(2, 4))  # no training call of the model: nothing to keep
         mon.step((out.detach().requires_grad_() * 1).sum())
+
+
+def test_the_forward_only_replay_says_so_and_a_sharded_capture_is_one_line(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    ns: dict[str, object] = {}
+    exec(SPEC, ns)
+    model = ns["build_model"]()  # type: ignore[operator]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Monitor(model, opt, capture=tmp_path / "cap", quiet=True) as mon:
+        for step in range(3):
+            x = torch.randn(8, 6)
+            if step == 2:
+                x[0, 0] = float("inf")
+            mon.step(nn.functional.mse_loss(model(x), torch.zeros(8, 1)))
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 2)
+    assert any("the replay ran the forward alone" in n for n in rep["notes"])
+    mf = tmp_path / "cap" / "manifest.json"
+    m = json.loads(mf.read_text())
+    mf.write_text(json.dumps({**m, "sharded": "fsdp1", "rank": 1, "world_size": 2}))
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap")])
+    assert r.exit_code == 2 and "replaying a sharded capture is not supported yet" in r.output
+    assert "Traceback" not in r.output

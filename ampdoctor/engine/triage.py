@@ -18,7 +18,7 @@ from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
-from ampdoctor.input.batches import Batches, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
 from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
@@ -345,6 +345,10 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     """The spec's model with the captured weights, the captured batches; check the optimizer state fits.
     A spec without ``build_optimizer`` gets the captured optimizer's class and parameter groups."""
     cap = read_capture(capture)
+    if cap.manifest.get("sharded"):
+        raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
+                           f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
+                           "(the manifest, stats.json and the step logs still say which rank, step and module)")
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
@@ -468,6 +472,10 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}){who}: "
                                f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
                                f"failed again {rp.reproduced} of {rp.replays} times{ranks}")
+        if any(isinstance(b, ModelInputs) for it in batches.items for b in micro_batches(it)):
+            report.notes.insert(1, "the capture kept the model's own inputs (no batch= was passed), not the targets of "
+                                   "its loss: the replay ran the forward alone, which tells data from forward range; a failure "
+                                   "in backward is not re-reached this way: pass batch= (mon.step(loss, batch=...))")
     if run.start:
         report.notes.insert(0, run.start)
         report.config["start_step"] = step0
