@@ -477,3 +477,25 @@ def test_noqa_silences_its_line_only_for_its_codes() -> None:
                             ("  # noqa: E501", False), ("  # noqa: AMP002", False)):
         src = rule.bad.replace(line, line + comment)
         assert (lint_source(src) == []) is silent, comment
+
+
+def test_masks_chosen_by_dtype_or_made_as_new_tensors_are_fine() -> None:
+    src = """\
+    import numpy as np
+    import torch
+
+
+    def f(x, p_mask, mask, start):
+        if p_mask.dtype == torch.float16:
+            x = x * (1 - p_mask) - 65500 * p_mask
+        else:
+            x = x * (1 - p_mask) - 1e30 * p_mask
+        bias = torch.where(mask > 0, 0.0, -1e10)
+        start = np.where(mask, -10000.0, start)
+        big = -1e9 if x.dtype == torch.float32 else -1e4
+        return x, bias, start, x.masked_fill(mask, big)
+
+
+    y = f(model(x.half()), p, m, s)
+    """
+    assert found(src) == []

@@ -356,7 +356,9 @@ def _mask_uses(ctx: Ctx) -> Iterator[tuple[ast.AST, float, str]]:
             x = number(v)
             if x is not None:
                 yield v, x, "masked_fill"  # type: ignore[misc]
-        elif name == "where" and len(c.args) == 3:
+        elif name == "where" and len(c.args) == 3 and not ctx.f.canon(call_name(c)).startswith(("numpy.", "np.")):
+            if all(number(a) is not None for a in c.args[1:]):
+                continue  # where(cond, 0.0, -1e10): a new FP32 tensor (the default dtype), not the scores
             for a in c.args[1:]:
                 x = number(a)
                 if x is not None:
@@ -375,6 +377,22 @@ def _mask_uses(ctx: Ctx) -> Iterator[tuple[ast.AST, float, str]]:
             for val, node in _mult_constants(n.value):
                 if val < 0:
                     yield node, val, "added"  # mask = (1 - m) * -10000.0, added to the scores later
+
+
+def _dtype_guarded(ctx: Ctx, node: ast.AST) -> bool:
+    """The constant sits in a branch chosen by dtype (``if x.dtype == torch.float16: ... else: -1e30``):
+    the code handles FP16 itself."""
+    n: ast.AST | None = node
+    while n is not None:
+        p = ctx.f.parent.get(n)
+        if isinstance(p, (ast.If, ast.IfExp)) and n is not p.test:
+            test = names_in(p.test)
+            if any(x.endswith((".dtype", "float16", "half", "bfloat16", "float32")) or x == "dtype" for x in test):
+                return True
+        if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Module)):
+            return False
+        n = p
+    return False
 
 
 def _mult_constants(node: ast.AST) -> Iterator[tuple[float, ast.AST]]:
@@ -397,7 +415,8 @@ def mask_overflows(ctx: Ctx) -> Iterator[Hit]:
         return
     seen: set[int] = set()
     for node, v, how in _mask_uses(ctx):
-        if abs(v) > FP16_MAX and v != float("-inf") and v != float("inf") and id(node) not in seen and (v < 0 or how == "masked_fill"):
+        if abs(v) > FP16_MAX and v != float("-inf") and v != float("inf") and id(node) not in seen and (v < 0 or how == "masked_fill") \
+                and not _dtype_guarded(ctx, node):
             seen.add(id(node))
             yield node, f"mask value {_fmt(v)} is outside FP16's range (max 65504)"
 
@@ -407,7 +426,7 @@ def mask_too_weak(ctx: Ctx) -> Iterator[Hit]:
         return
     seen: set[int] = set()
     for node, v, _how in _mask_uses(ctx):
-        if -65000.0 < v <= -1e4 and id(node) not in seen:
+        if -65000.0 < v <= -1e4 and id(node) not in seen and not _dtype_guarded(ctx, node):
             seen.add(id(node))
             yield node, f"mask value {_fmt(v)} may not mask scores below it"
 
