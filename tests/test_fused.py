@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ampdoctor.formats import BF16, FP8_E4M3, FP8_E5M2, FP16
 from ampdoctor.watch import fused
-from ampdoctor.watch.stats import _thresholds, eager_stats, tensor_stats
+from ampdoctor.watch.stats import _thresholds, eager_stats, scaled_stats, tensor_stats
 
 from .test_stats_props import bit_patterns
 
@@ -64,9 +64,9 @@ def test_tensor_stats_uses_it_on_the_cpu_and_not_with_a_scale(monkeypatch: pytes
     monkeypatch.setattr("ampdoctor.watch.stats.fused_stats", spy)
     x = [torch.randn(10), torch.randn(3)]
     _same(tensor_stats(x, FP16), eager_stats(x, FP16))
-    tensor_stats(x, FP16, scale=1000.0)  # a scale that is no power of two multiplies first: the eager path
+    tensor_stats(x, FP16, scale=1024.0)  # a loss scale multiplies first: the eager path
     assert calls == [2]
-    _same(tensor_stats(x, FP16, scale=2.0**-10), eager_stats(x, FP16, scale=2.0**-10))  # a power of two: the kernel
+    _same(scaled_stats(x, FP16, 2.0**-10), eager_stats(x, FP16, scale=2.0**-10))  # gradients still scaled: the kernel
     assert calls == [2, 2]
     monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
     assert real(x, *_thresholds(FP16)) is None  # turned off: tensor_stats takes the eager path
@@ -134,7 +134,7 @@ def test_fused_with_a_power_of_two_scale_equals_eager(data: st.DataObject) -> No
     for n in sizes:
         bits = data.draw(st.lists(bit_patterns(fmt), min_size=n, max_size=n))
         t = torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32).copy())
-        # (products below FP32's smallest subnormal round to 0 in the multiplication: the one documented difference)
-        t = torch.where((t.abs() < 2.0 ** -100) & (t != 0), torch.zeros_like(t), t)
+        # (products below FP32's normal range round in the multiplication: the one documented difference)
+        t = torch.where((t.abs() * scale < 2.0 ** -126) & (t != 0), torch.zeros_like(t), t)
         ts.append(t)
-    _same(tensor_stats(ts, fmt, scale), eager_stats(ts, fmt, scale))
+    _same(scaled_stats(ts, fmt, scale), eager_stats(ts, fmt, scale))

@@ -47,7 +47,7 @@ from ampdoctor.formats import FP16, Format
 from ampdoctor.records import NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import fused
-from ampdoctor.watch.stats import StatsBuffer, _thresholds, tensor_stats
+from ampdoctor.watch.stats import StatsBuffer, _thresholds, scaled_stats
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel")
 
@@ -530,7 +530,7 @@ class Hooks:
                 ks.append(k)
                 gs.append(g)
             for ks, gs in by_dev.values():
-                self._buf.add_rows(ks, tensor_stats(gs, self.fmt, scale=inv_scale))
+                self._buf.add_rows(ks, scaled_stats(gs, self.fmt, inv_scale))
         elif keys:
             self._buf.add_many(keys, grads, numel, self._params_split())  # (a gradient lives with its parameter)
 

@@ -73,21 +73,28 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
     """
     if not tensors:
         return torch.zeros((0, NCOLS), dtype=torch.float64)
-    if tensors[0].device.type == "cpu":
-        if scale == 1.0:
-            rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
-        elif _pow2(scale) and scale < 1.0 and (moved := _thresholds_scaled(fmt, scale)) is not None:
-            # |x * s| >= t  <=>  |x| >= t / s, exactly for s = 2^-k: the same one pass, thresholds moved (s > 1
-            # could overflow float32 in the product, which the moved thresholds would not see: eager)
-            rows = fused_stats(tensors, *moved)
-            if rows is not None:
-                rows[:, Col.ABSMAX] *= scale
-                rows[:, Col.MIN_NONZERO] *= scale
-        else:
-            rows = None
+    if scale == 1.0 and tensors[0].device.type == "cpu":
+        rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
         if rows is not None:
             return rows
     return eager_stats(tensors, fmt, scale)
+
+
+def scaled_stats(tensors: list[torch.Tensor], fmt: Format, scale: float) -> torch.Tensor:
+    """``tensor_stats(tensors, fmt, scale)`` for gradients that still carry a loss scale (``scale`` = 1 / the
+    loss scale), in the kernel's one pass where it can: for ``scale = 2^-k`` it moves the thresholds instead
+    of multiplying (|x * s| >= t  <=>  |x| >= t / s). The rows are the exact rows of ``x * s`` for every
+    product in FP32's normal range; a product below it (|x * s| < 2^-126, far under any format's smallest
+    subnormal: an underflow either way) keeps its unrounded value, so it may count as an underflow where
+    the multiplication would have rounded it to a zero, and the smallest non-zero column is its exact value."""
+    if tensors and tensors[0].device.type == "cpu" and _pow2(scale) and scale < 1.0:
+        moved = _thresholds_scaled(fmt, scale)  # (above 1 a product can overflow FP32: the eager path multiplies)
+        rows = fused_stats(tensors, *moved) if moved is not None else None
+        if rows is not None:
+            rows[:, Col.ABSMAX] *= scale
+            rows[:, Col.MIN_NONZERO] *= scale
+            return rows
+    return tensor_stats(tensors, fmt, scale)
 
 
 def _pow2(x: float) -> bool:
