@@ -499,3 +499,19 @@ def test_masks_chosen_by_dtype_or_made_as_new_tensors_are_fine() -> None:
     y = f(model(x.half()), p, m, s)
     """
     assert found(src) == []
+
+
+def test_log_of_a_sigmoid_through_a_name_and_of_one_minus_it() -> None:
+    src = """\
+    import torch
+
+
+    def hand_bce(logits, target):
+        p = torch.sigmoid(logits)
+        return -(target * torch.log(p) + (1 - target) * torch.log(1 - p)).mean()
+
+
+    with torch.autocast("cuda"):
+        loss = hand_bce(model(x), y)
+    """
+    assert found(src) == [("AMP010", 6, 23), ("AMP010", 6, 53)]

@@ -396,11 +396,8 @@ def _dtype_guarded(ctx: Ctx, node: ast.AST) -> bool:
 
 
 def _mult_constants(node: ast.AST) -> Iterator[tuple[float, ast.AST]]:
-    """A constant, or a constant factor of a product: ``-1e9``, ``mask * -1e9``, ``(1 - m) * -1e4``."""
-    x = number(node)
-    if x is not None:
-        yield x, node
-        return
+    """A constant factor of a product: ``mask * -1e9``, ``(1 - m) * -1e4``. A bare constant added
+    (``state -= 1e38``, an initial running max) is no mask and is left alone."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         for side in (node.left, node.right):
             y = number(side)
@@ -576,9 +573,20 @@ def log_of_softmax(ctx: Ctx) -> Iterator[Hit]:
             if eps is not None and eps >= FP16_TINY:
                 continue
             inner = x.left if number(x.right) is not None else x.right
-        kind = _softmax_like(inner)
+        if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Sub) and number(inner.left) == 1.0:
+            inner = inner.right  # log(1 - sigmoid(x)): the same underflow on the other side
+        kind = _softmax_like(_value_of(ctx, inner, c))  # p = torch.sigmoid(logits); torch.log(p)
         if kind is not None:
             yield c, f"log of {kind}: -inf where a probability underflows"
+
+
+def _value_of(ctx: Ctx, node: ast.AST, at: ast.AST) -> ast.AST:
+    """A name's one value in the scope (``p`` of ``p = torch.sigmoid(x)``), else the node itself."""
+    if isinstance(node, ast.Name):
+        vals = ctx.f.assigned(node.id, ctx.f.scope_of(at))
+        if len(vals) == 1:
+            return vals[0]
+    return node
 
 
 def _log_arg(c: ast.Call) -> ast.AST | None:
@@ -610,7 +618,7 @@ def tiny_eps(ctx: Ctx) -> Iterator[Hit]:
         eps = number(target.right) if number(target.right) is not None else number(target.left)
         if eps is None or not (0 < eps < FP16_TINY) or _in_fp32(ctx, target, n):
             continue
-        if what == "log" and _softmax_like(target.left if number(target.right) is not None else target.right):
+        if what == "log" and _softmax_like(_value_of(ctx, target.left if number(target.right) is not None else target.right, n)):
             continue  # AMP010 says it
         r = ctx.f.region(n)
         if r is None or not r.fp16:

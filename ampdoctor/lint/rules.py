@@ -329,21 +329,21 @@ with torch.autocast("cuda", dtype=torch.float16):
 import torch
 
 
-def loss_fn(model, x, t):
+def poisson_nll(model, x, t):
     with torch.autocast("cuda", dtype=torch.float16):
-        p = model(x).sigmoid()
-        return -(t * torch.log(p + 1e-8)).mean()
+        rate = torch.relu(model(x))
+        return (rate - t * torch.log(rate + 1e-8)).mean()
 """,
         """\
 import torch
 
 
-def loss_fn(model, x, t):
+def poisson_nll(model, x, t):
     with torch.autocast("cuda", dtype=torch.float16):
-        p = model(x).sigmoid()
-    return -(t * torch.log(p.float() + 1e-8)).mean()
+        rate = torch.relu(model(x))
+    return (rate.float() - t * torch.log(rate.float() + 1e-8)).mean()
 """,
-        (7, 32), ("fp16_forward_overflow",),
+        (7, 38), ("fp16_forward_overflow",),
     ),
     Rule(
         "AMP012", "variance-in-fp16", "Variance or standard deviation in FP16 autocast",
