@@ -251,3 +251,18 @@ def test_the_forward_only_replay_says_so_and_a_sharded_capture_is_one_line(tmp_p
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap")])
     assert r.exit_code == 2 and "replaying a sharded capture is not supported yet" in r.output
     assert "Traceback" not in r.output
+
+
+def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ampdoctor.engine.monitor as monitor_mod
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("no hooks for this model")
+
+    monkeypatch.setattr(monitor_mod, "Hooks", broken)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(MonitorOffWarning, match="setting up the monitor failed at step 0"):
+        mon = Monitor(model, opt)
+    mon.step(model(torch.ones(2, 4)).sum())  # trains on, plainly
+    assert mon.off is not None and mon.step_num == 1

@@ -350,6 +350,52 @@ class Monitor:
         if self.engine == "fsdp1" and max_norm is not None:
             raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
                              "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
+        try:
+            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, quiet=quiet)
+        except AmpDoctorError:  # misuse, a log that must not be overwritten: the user's to fix, at once
+            self.close()
+            raise
+        except Exception as e:  # something of ampdoctor's: off, with one warning; the training is not stopped
+            self.close()
+            self._fail("setting up the monitor", e)  # (an exchange already agreed on is joined once, flagged off)
+
+    def _setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None,
+        *,
+        log: str | Path | None = None,
+        log_mode: Mode = "append",
+        max_norm: float | None = None,
+        window: int = 1000,
+        alert_rate: float = 0.05,
+        alert_min_steps: int = 100,
+        max_skip_rate: float | None = None,
+        patience: int = 100,
+        every: int = 1,
+        activations: bool = True,
+        weights: bool = False,
+        amp_dtype: torch.dtype | None = None,
+        inject_inf_at: int | Iterable[int] | None = None,
+        inject_param: str | None = None,
+        inject_spike_at: int | Iterable[int] | None = None,
+        spike_factor: float = 1e8,
+        keep_stats: bool = True,
+        fsync: bool = False,
+        capture: str | Path | None = None,
+        snapshot_every: int = 100,
+        capture_max_bytes: int = DEFAULT_MAX_BYTES,
+        mode: Literal["full", "sentinel"] = "full",
+        full_every: int = 1000,
+        full_after: int = 8,
+        first_step: int = 0,
+        distributed: bool | None = None,
+        process_group: Any = None,
+        capture_ranks: Literal["first", "all"] = "first",
+        quiet: bool = False,
+    ) -> None:
+        """Everything the constructor builds once the setup is known to be one the monitor can watch."""
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
         if max_norm is not None and not max_norm > 0:
