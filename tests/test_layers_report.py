@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from ampdoctor.cli import reports as cli_report
 from ampdoctor.cli.app import app
 from ampdoctor.engine.layers import COLUMNS
+from ampdoctor.errors import OutputError
 from ampdoctor.render import layers_html, layers_markdown
 from ampdoctor.report.layers_doc import build, to_json
 
@@ -234,7 +235,7 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="cannot write .*r\\.(html|json): disk full"):
         cli_report.write_layers_report(path, doc())
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.html"]
 

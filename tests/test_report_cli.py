@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
 from ampdoctor.engine.triage import triage
+from ampdoctor.errors import OutputError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.report.build import enrich
 
@@ -93,7 +94,7 @@ def test_force_overwrites_and_writes_are_atomic(tmp_path: Path, monkeypatch: pyt
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="cannot write .*r\\.(html|json): disk full"):
         cli_report.write_report(path, make_report())
     assert path.read_text() == "old", "a failed write leaves the old file"
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"], "no temp file is left behind"
