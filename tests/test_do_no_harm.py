@@ -266,3 +266,32 @@ def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch:
         mon = Monitor(model, opt)
     mon.step(model(torch.ones(2, 4)).sum())  # trains on, plainly
     assert mon.off is not None and mon.step_num == 1
+
+
+def test_two_processes_capturing_into_one_folder_both_keep_theirs(tmp_path: Path) -> None:
+    code = f"""
+        import sys, time, torch
+        from torch import nn
+        from ampdoctor import Monitor
+        go = float(sys.argv[1])
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        mon = Monitor(m, opt, capture={str(tmp_path / "cap")!r}, quiet=True)
+        mon.step(m(torch.ones(8, 4)).pow(2).mean())
+        while time.time() < go:
+            pass
+        x = torch.ones(8, 4); x[0, 0] = float("nan")
+        rec = mon.step(m(x).pow(2).mean(), batch=x)
+        print(rec.capture)
+    """
+    import time
+
+    go = time.time() + 8
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    written = sorted(o.strip() for o, _ in outs)
+    assert len(set(written)) == 2 and all(written), outs  # two captures, two folders, neither lost
+    for w in written:
+        assert json.loads((Path(w) / "manifest.json").read_text())["step"] == 1

@@ -30,6 +30,7 @@ that collapsed ``COLLAPSE_BINADES`` binades below its peak. A capture failure is
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -37,6 +38,7 @@ import math
 import os
 import random
 import shutil
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,7 @@ from torch import nn
 
 from ampdoctor._version import __version__
 from ampdoctor.input.batches import Micro, ModelInputs
+from ampdoctor.input.capture_schema import CAPTURE_VERSION, validate_batches, validate_manifest, validate_state
 from ampdoctor.judge.scaler import COLLAPSE_BINADES
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
@@ -55,7 +58,6 @@ from ampdoctor.watch.hooks import unwrap
 
 log = logging.getLogger("ampdoctor")
 
-CAPTURE_VERSION = 1
 MICRO_KEY = "ampdoctor_micro_batches"
 """A captured step that accumulated gradients: ``{MICRO_KEY: [micro-batch, ...]}``."""
 MANIFEST = "manifest.json"
@@ -424,11 +426,20 @@ class Capture:
             "files": sorted([*files, MANIFEST, *(["stats.json"] if stats is not None else [])]),
             "left_out": left_out,
         }
-        final = free_path(self.path)
-        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        # what is written is what a reader accepts (input.capture_schema): a capture that would not replay is a
+        # warning now, not a surprise for the person it is mailed to
+        text = json.dumps(manifest, indent=2) + "\n"
+        validate_manifest(json.loads(text), self.path / MANIFEST)
+        for name in ("state.pt", "snapshot.pt"):
+            if name in files:
+                validate_state(files[name], self.path / name)
+        if files["batches.pt"]:
+            validate_batches(files["batches.pt"], self.path / "batches.pt")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         try:
             for name, obj in files.items():
                 buf = io.BytesIO()
@@ -436,12 +447,26 @@ class Capture:
                 (tmp / name).write_bytes(buf.getvalue())
             if stats is not None:
                 (tmp / "stats.json").write_text(json.dumps(stats_json(stats)))
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            os.replace(tmp, final)
+            (tmp / MANIFEST).write_text(text)
+            return _claim(tmp, self.path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return final
+
+
+def _claim(tmp: Path, path: Path, tries: int = 1000) -> Path:
+    """Rename the finished folder ``tmp`` to ``path``, or ``path-1``, ``path-2``...: the first free name.
+    The rename is the claim (a directory is never renamed onto a non-empty one), so two processes capturing
+    into one folder at once get two numbered folders and neither capture is lost."""
+    for _ in range(tries):
+        final = free_path(path)
+        try:
+            os.rename(tmp, final)
+            return final
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not final.exists():
+                raise
+    raise OSError(errno.EEXIST, f"no free capture folder name next to {path}")
 
 
 def _num(x: Any) -> float | str | None:
