@@ -202,6 +202,44 @@ _IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 """Optimizer options that choose an implementation, not the arithmetic: left out of the layout."""
 
 
+def _plain(v: Any, depth: int = 0) -> Any:
+    """A JSON value for ``v`` (nested dicts/lists of plain values), or None when it has none."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if depth < 6 and isinstance(v, (list, tuple)):
+        return [_plain(x, depth + 1) for x in v]
+    if depth < 6 and isinstance(v, Mapping):
+        return {str(k): _plain(x, depth + 1) for k, x in v.items()}
+    return None
+
+
+def model_identity(model: nn.Module) -> dict[str, Any]:
+    """What the run knows of how to rebuild its model without a spec: the class's import path, and for a
+    transformers ``PreTrainedModel`` its config (``to_dict()``, with ``attn_implementation``), for a
+    LightningModule its ``hparams``. Plain JSON; reading it imports nothing."""
+    inner = unwrap(model)
+    cls = type(inner)
+    out: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+    cfg = getattr(inner, "config", None)
+    if cfg is not None and callable(getattr(cfg, "to_dict", None)):
+        try:
+            out["transformers_config"] = _plain(cfg.to_dict())
+            out["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
+        except Exception:  # a config that cannot say itself: the class alone
+            pass
+    hp = getattr(inner, "hparams", None)
+    if hp is not None and isinstance(hp, Mapping):
+        try:
+            out["lightning_hparams"] = _plain(dict(hp))
+        except Exception:
+            pass
+    return out
+
+
 def optimizer_layout(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> dict[str, Any] | None:
     """The optimizer's class and parameter groups (parameter names, hyperparameters), so a replay can
     rebuild it when the spec has no ``build_optimizer`` (a framework made it: the Trainer's decay and
@@ -420,6 +458,7 @@ class Capture:
             "sharded": self.sharded,
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
+            "model_identity": model_identity(self.model),
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,
