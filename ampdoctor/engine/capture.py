@@ -21,11 +21,11 @@ calibration it writes one folder and training carries on:
 Every ``.pt`` file loads with ``torch.load(weights_only=True)``. The folder is written under a
 temporary name and renamed; an existing capture is never overwritten (``name-1``, ``name-2``...).
 
-A **failing step** is: a non-finite loss; a skip at a loss scale that had already carried an applied
-step (a skip at a scale still being probed, at the start or right after a growth, is GradScaler's
-calibration); without a GradScaler, any non-finite gradient; the rolling skip-rate alert; a scale
-that collapsed ``COLLAPSE_BINADES`` binades below its peak. A capture failure is a warning
-(``CaptureWarning``), never an exception in the training loop.
+A **failing step** is one GradScaler's own working does not explain (``FailingStep``): a non-finite
+loss; a skip at an established scale that is neither calibration, a growth probe nor an isolated
+overflow; without a GradScaler, any non-finite gradient; the skip-rate alert (normal skips not
+counted); a scale that collapsed ``COLLAPSE_BINADES`` binades below the highest scale that carried a
+step. A capture failure is a warning (``CaptureWarning``), never an exception in the training loop.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch import nn
 from ampdoctor._version import __version__
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import CAPTURE_VERSION, validate_batches, validate_manifest, validate_state
-from ampdoctor.judge.scaler import COLLAPSE_BINADES
+from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch.hooks import unwrap
@@ -285,32 +285,73 @@ class Trigger:
     detail: str = ""
 
 
+NORMAL_SKIPS = ("calibration", "growth_probe", "isolated")
+"""GradScaler working as designed (``FailingStep.phase``): none of them is a failure."""
+
+
 @dataclass
 class FailingStep:
-    """Which step is the run's failing one (see the module docstring); keeps the scale history it needs."""
+    """Which step is the run's failing one, from GradScaler's state machine (docs/diagnosis.md).
 
-    _applied_scales: set[float] = field(default_factory=set)
-    _peak_scale: float = 0.0
+    GradScaler starts at ``init_scale`` and halves on every overflow until the gradients fit
+    (**calibration**); after ``growth_interval`` clean steps it doubles, and an overflow right after is
+    its **growth probe** backing off; a single overflow at a scale that has carried steps, with none
+    other within ``growth_interval`` steps, is **isolated**: the scaler skips it and goes on. None of
+    these is a failure. A failure is a non-finite loss; a skip at an established scale (one at or below a
+    scale that carried an applied step) that is neither a growth probe nor isolated; a non-finite step
+    applied (no GradScaler); the skip-rate alert (which counts only the skips that are not normal); a scale
+    that fell ``COLLAPSE_BINADES`` below the highest scale that carried an applied step.
+    ``every_skip=True``: every skip of non-finite gradients is a failure (``Monitor(capture_on="skip")``).
+    """
 
-    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False) -> Trigger | None:
-        """Whether this step is a failing one; updates the scale history."""
-        if scale is not None and math.isfinite(scale) and scale > 0:
-            self._peak_scale = max(self._peak_scale, scale)
+    growth_interval: int = DEFAULT_GROWTH_INTERVAL
+    every_skip: bool = False
+    phase: str = ""
+    """What the last judged step was: '' | 'calibration' | 'growth_probe' | 'isolated' | 'failure'."""
+    _peak_applied: float = 0.0
+    _prev_scale: float | None = None
+    _last_isolated: int | None = None
+
+    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
+              step: int = 0, injected: bool = False) -> Trigger | None:
+        """Whether this step is a failing one; updates the scale history (``phase`` says what it was).
+        ``injected``: the fault is known not to come from the loss scale (injected, or another rank's batch,
+        forward or loss): a skip of it is a failure whatever the scaler's phase."""
+        grew = scale is not None and self._prev_scale is not None and scale > self._prev_scale
+        if scale is not None and math.isfinite(scale):
+            self._prev_scale = scale
+        self.phase = ""
         trig: Trigger | None = None
         if skipped and reason == "nonfinite_loss":
-            trig = Trigger("nonfinite_loss")
-        elif skipped and (scale is None or scale in self._applied_scales):
-            trig = Trigger("nonfinite_grad", reason)
-        elif nonfinite and not skipped:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
+            trig = Trigger("nonfinite_loss")  # the forward: no scale explains it
+        elif skipped:
+            self.phase = self._skip_phase(scale, grew, step) if not (injected or self.every_skip) else ""
+            if not self.phase:
+                trig = Trigger("nonfinite_grad", reason)
+        elif nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
             trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
         elif alert:
             trig = Trigger("skip_rate_alert")
-        elif (scale is not None and self._peak_scale > 0 and scale > 0
-              and math.log2(self._peak_scale / scale) >= COLLAPSE_BINADES):
-            trig = Trigger("scale_collapsed", f"{self._peak_scale:g} -> {scale:g}")
-        if not skipped and scale is not None:
-            self._applied_scales.add(scale)
+        elif (scale is not None and self._peak_applied > 0 and scale > 0
+              and math.log2(self._peak_applied / scale) >= COLLAPSE_BINADES):
+            trig = Trigger("scale_collapsed", f"{self._peak_applied:g} -> {scale:g}")
+        if not skipped and scale is not None and math.isfinite(scale):
+            self._peak_applied = max(self._peak_applied, scale)
+        if trig is not None:
+            self.phase = "failure"
         return trig
+
+    def _skip_phase(self, scale: float | None, grew: bool, step: int) -> str:
+        if scale is None:  # no GradScaler: the loop skipped a non-finite step itself
+            return ""
+        if scale > self._peak_applied:
+            return "calibration"  # above every scale that carried a step: still probing from init_scale
+        if grew:
+            return "growth_probe"  # the first step at a doubled scale overflowed: the scale backs off again
+        if self._last_isolated is None or step - self._last_isolated >= self.growth_interval:
+            self._last_isolated = step
+            return "isolated"
+        return ""  # a second overflow at an established scale within growth_interval: not GradScaler's noise
 
 
 @dataclass
@@ -361,11 +402,12 @@ class Capture:
             "scaler": dict(self.scaler.state_dict()) if self.scaler is not None else None,
         }
 
-    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False) -> Trigger | None:
-        """Whether this step is the failing one (see the module docstring); updates the scale history."""
+    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
+              step: int = 0) -> Trigger | None:
+        """Whether this step is the failing one (see ``FailingStep``); updates the scale history."""
         if self.done:
             return None
-        return self._rule.judge(skipped=skipped, reason=reason, scale=scale, alert=alert, nonfinite=nonfinite)
+        return self._rule.judge(skipped=skipped, reason=reason, scale=scale, alert=alert, nonfinite=nonfinite, step=step)
 
     # the capture ---------------------------------------------------------------------------------
     def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
@@ -459,6 +501,7 @@ class Capture:
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "model_identity": model_identity(self.model),
+            "rng_after_step": step,  # rng.pt is taken now, after the failing step's draws
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,

@@ -56,7 +56,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, CaptureWarning, FailingStep, Trigger, sharded_engine
+from ampdoctor.engine.capture import (
+    DEFAULT_MAX_BYTES,
+    NORMAL_SKIPS,
+    Capture,
+    CaptureWarning,
+    FailingStep,
+    Trigger,
+    sharded_engine,
+)
 from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
@@ -267,6 +275,11 @@ class Monitor:
         process_group: the group of the exchange (default: the world).
         capture_ranks: ``"first"``: only the rank that went first writes a capture (rank 0 when no
             rank saw it locally); ``"all"``: every rank writes its own.
+        capture_on: ``"failure"``: the capture, the first-failure message and the skip-rate alert leave
+            out GradScaler's normal skips (calibration, growth probes, an isolated overflow; see
+            ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
+        quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
+            the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
     """
 
     def __init__(
@@ -303,6 +316,7 @@ class Monitor:
         distributed: bool | None = None,
         process_group: Any = None,
         capture_ranks: Literal["first", "all"] = "first",
+        capture_on: Literal["failure", "skip"] = "failure",
         quiet: bool = False,
     ) -> None:
         _check_types(model, optimizer, scaler)
@@ -333,6 +347,8 @@ class Monitor:
         self.total_skips = 0
         self._recent: deque[bool] = deque(maxlen=max(int(window), 1))
         self._recent_skips = 0
+        self._recent_counted: deque[bool] = deque(maxlen=max(int(window), 1))
+        self._counted_skips = 0
         self._over = 0
         self._alerted = False
         self.scale_changes: list[tuple[int, float]] = []
@@ -351,7 +367,7 @@ class Monitor:
             raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
                              "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
         try:
-            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, quiet=quiet)
+            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, capture_on=capture_on, quiet=quiet)
         except AmpDoctorError:  # misuse, a log that must not be overwritten: the user's to fix, at once
             self.close()
             raise
@@ -393,6 +409,7 @@ class Monitor:
         distributed: bool | None = None,
         process_group: Any = None,
         capture_ranks: Literal["first", "all"] = "first",
+        capture_on: Literal["failure", "skip"] = "failure",
         quiet: bool = False,
     ) -> None:
         """Everything the constructor builds once the setup is known to be one the monitor can watch."""
@@ -460,7 +477,12 @@ class Monitor:
             self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                    str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
                                    quiet=quiet, sharded=self.engine)
-        self._failing = FailingStep()
+        if capture_on not in ("failure", "skip"):
+            raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
+        self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
+                                    every_skip=capture_on == "skip")
+        self._recent_counted = deque(maxlen=window)
+        """Per step of the window: a skip that counts for the alert (not GradScaler's calibration or probe)."""
         self.tap = ForwardTap(model, None, inputs=True) if capture is not None else None
         """With a capture: the model's own inputs of each step's training forwards (the batch, without ``batch=``)."""
         self._batch_checked = False
@@ -911,9 +933,18 @@ class Monitor:
         self.step_num += 1
         if not self._closed:
             self.hooks.begin_step(self.step_num)
-        alert = (rate > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps and not self._alerted)
-        trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=alert,
-                                   nonfinite=m.skip)
+        # a fault no loss scale explains: injected, or a rank's own batch, forward or loss (seen through the exchange)
+        known = bool(pend.injected) or (first is not None and first.kind in ("input", "forward", "loss"))
+        trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False,
+                                   nonfinite=m.skip, step=rec.step, injected=known)
+        counted = sk and self._failing.phase not in NORMAL_SKIPS
+        if len(self._recent_counted) == self.window and self._recent_counted[0]:
+            self._counted_skips -= 1
+        self._recent_counted.append(counted)
+        self._counted_skips += int(counted)
+        alerting = self.alert_rate_now > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps
+        if trig is None and alerting and not self._alerted:
+            trig = Trigger("skip_rate_alert")
         failure = None
         if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
             self.first_failure = (rec.step, trig.reason)
@@ -928,8 +959,16 @@ class Monitor:
         if self.capture is not None and self.capture.done and self.tap is not None:
             self.tap.close()  # nothing more to keep
             self.tap = None
-        self._judge_rate(rate, pend.step)
+        self._judge_rate(self.alert_rate_now, pend.step)
         return rec
+
+    @property
+    def alert_rate_now(self) -> float:
+        """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
+        steps skipped for a reason GradScaler's own working does not explain (its calibration, growth probes
+        and isolated overflows are not counted; see ``engine.capture.FailingStep``)."""
+        n = len(self._recent_counted)
+        return self._counted_skips / n if n else 0.0
 
     def _failure_words(self, rec: MonitorRecord, m: Measured, trig: Trigger) -> str:
         """'ampdoctor: step 154 failed: the loss is inf; the step was skipped at scale 65536' (+ the ranks)."""
@@ -997,8 +1036,10 @@ class Monitor:
                     more = len(reasons) - 3
                     log_hint = (f"read the step log with `ampdoctor scaler {self.log_path}`" if self.log_path is not None
                                 else "Monitor(log=...) keeps a step log for `ampdoctor scaler`")
+                    normal = "" if self.scaler is None else "; GradScaler's calibration and probes not counted"
                     msg = (f"ampdoctor: step {step}: {rate:.1%} of the last {n} steps were skipped (alert_rate "
-                           f"{self.alert_rate:.0%}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; {log_hint}")
+                           f"{self.alert_rate:.0%}{normal}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; "
+                           f"{log_hint}")
                     say(msg, quiet=self.quiet, warned=not self.quiet)
                     if not self.quiet:
                         warn_user(msg, SkipRateWarning)
@@ -1056,6 +1097,10 @@ class Monitor:
             "alerted": self._alerted,
             "scale_changes": [list(c) for c in self.scale_changes],
             "skips": [list(s) for s in self.skips],
+            "counted": list(self._recent_counted),
+            "failing": ({"peak_applied": self._failing._peak_applied, "prev_scale": self._failing._prev_scale,
+                         "last_isolated": self._failing._last_isolated} if hasattr(self, "_failing") else None),
+            "first_failure": list(self.first_failure) if self.first_failure is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1069,11 +1114,22 @@ class Monitor:
         self.total_skips = int(state["total_skips"])
         self._recent = deque((bool(x) for x in state["recent"]), maxlen=self.window)
         self._recent_skips = sum(self._recent)
+        # (a state saved before these fields: every recent skip counts, the scale history starts afresh)
+        self._recent_counted = deque((bool(x) for x in state.get("counted", state["recent"])), maxlen=self.window)
+        self._counted_skips = sum(self._recent_counted)
+        f = state.get("failing")
+        if isinstance(f, dict) and hasattr(self, "_failing"):
+            self._failing._peak_applied = float(f.get("peak_applied") or 0.0)
+            self._failing._prev_scale = None if f.get("prev_scale") is None else float(f["prev_scale"])
+            self._failing._last_isolated = None if f.get("last_isolated") is None else int(f["last_isolated"])
+        ff = state.get("first_failure")
+        self.first_failure = (int(ff[0]), str(ff[1])) if ff else None
         self._over = int(state["over"])
         self._alerted = bool(state["alerted"])
         self.scale_changes = [(int(s), float(v)) for s, v in state["scale_changes"]]
         self.skips = [(int(s), str(r)) for s, r in state["skips"]]
-        self.hooks.begin_step(self.step_num)
+        if self._off is None:
+            self.hooks.begin_step(self.step_num)
 
 
 __all__ = ["EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]

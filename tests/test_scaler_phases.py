@@ -1,0 +1,98 @@
+"""GradScaler's normal working is not a failure (issue 28): calibration from ``init_scale``, the growth
+probe after ``growth_interval`` clean steps, an isolated overflow. Derived from GradScaler's state machine
+(docs/diagnosis.md), checked on hand-made scale histories and on a real run with GradScaler's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampdoctor import Monitor
+from ampdoctor.engine.capture import FailingStep
+
+
+def _feed(rule: FailingStep, history: list[tuple[float, bool]]) -> list[tuple[int, str, str]]:
+    """(scale used, skipped) per step -> (step, trigger reason or '', phase) for each step judged."""
+    out = []
+    for step, (scale, skipped) in enumerate(history):
+        trig = rule.judge(skipped=skipped, reason="nonfinite_grad:m" if skipped else "", scale=scale, alert=False,
+                          nonfinite=skipped, step=step)
+        out.append((step, trig.reason if trig else "", rule.phase))
+    return out
+
+
+def test_calibration_from_init_scale_is_not_a_failure_nor_a_collapse() -> None:
+    # 2^16 halving ten times until the gradients fit at 2^6, then clean: 10 binades fallen, never applied above
+    hist = [(2.0 ** (16 - i), True) for i in range(10)] + [(2.0 ** 6, False)] * 20
+    got = _feed(FailingStep(growth_interval=2000), hist)
+    assert all(t == "" for _, t, _ in got)
+    assert [p for _, _, p in got[:10]] == ["calibration"] * 10
+
+
+def test_the_growth_probe_backing_off_is_not_a_failure_even_at_a_scale_seen_before() -> None:
+    # 2^12 carried steps, then an isolated overflow there; back at 2^11 for growth_interval=4 clean steps, the scale
+    # doubles to 2^12 and overflows again, twice (nanoGPT's pattern): GradScaler probing, each time
+    probe = [(2.0**11, False)] * 4 + [(2.0**12, True)]
+    hist = [(2.0**12, False)] * 3 + [(2.0**12, True)] + probe + probe
+    got = _feed(FailingStep(growth_interval=4), hist)
+    assert [t for _, t, _ in got] == [""] * len(hist)
+    assert [p for _, _, p in got if p] == ["isolated", "growth_probe", "growth_probe"]
+    # above every scale that ever carried a step it is calibration, whatever came before
+    assert _feed(FailingStep(growth_interval=4), [(2.0**10, False)] * 4 + [(2.0**11, True)])[-1][2] == "calibration"
+
+
+def test_an_isolated_overflow_is_normal_and_a_second_within_the_interval_is_the_failure() -> None:
+    hist = [(1024.0, False)] * 10 + [(1024.0, True)] + [(512.0, False)] * 5 + [(512.0, True)]
+    got = _feed(FailingStep(growth_interval=100), hist)
+    assert got[10][1:] == ("", "isolated")
+    assert got[16][1:] == ("nonfinite_grad", "failure")  # within 100 steps of the first: not GradScaler's noise
+    again = _feed(FailingStep(growth_interval=3), hist)
+    assert again[16][1:] == ("", "isolated")  # 6 steps later, past the growth interval: isolated again
+
+
+def test_every_skip_a_non_finite_loss_and_a_collapse_from_the_applied_peak_are_failures() -> None:
+    assert _feed(FailingStep(every_skip=True), [(1024.0, False), (1024.0, True)])[1][1] == "nonfinite_grad"
+    rule = FailingStep()
+    assert rule.judge(skipped=True, reason="nonfinite_loss", scale=2.0**16, alert=False, step=0).reason == "nonfinite_loss"
+    hist = [(2.0**12, False)] + [(2.0 ** (12 - i), i % 2 == 1) for i in range(1, 18)]
+    got = _feed(FailingStep(growth_interval=10**6), hist)
+    assert "scale_collapsed" in [t for _, t, _ in got]
+    first = next(s for s, t, _ in got if t)
+    assert first > 0 and got[first][1] in ("nonfinite_grad", "scale_collapsed")
+
+
+class _Loud(nn.Module):
+    """Gradients far above FP16 at GradScaler's default 2^16 (calibration backs off ~12 binades), then a
+    batch holding a NaN at step 150: the one real failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 32)
+        self.b = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_with_gradscaler_defaults_the_capture_is_kept_for_the_real_failure(tmp_path: Path) -> None:
+    model = _Loud()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    sc = torch.amp.GradScaler("cpu")  # every default: init_scale 2^16, growth_interval 2000
+    g = torch.Generator().manual_seed(0)
+    with Monitor(model, opt, sc, capture=tmp_path / "cap", alert_min_steps=20, quiet=True) as mon:
+        recs = []
+        for step in range(160):
+            x = torch.randn(16, 8, generator=g)
+            if step == 150:
+                x[2, 1] = float("nan")
+            with mon.autocast():
+                loss = 3e4 * model(x).float().pow(2).mean()  # a loss summed, not averaged: scaled gradients overflow
+            recs.append(mon.step(loss, batch=(x,)))
+    calib = [r.step for r in recs if r.skipped]
+    assert calib[0] == 0 and len(calib) >= 4 and calib[-1] == 150  # GradScaler calibrated, then the NaN batch
+    assert mon.first_failure == (150, "nonfinite_loss")
+    assert [r.step for r in recs if r.capture] == [150]
+    assert mon.alert_rate_now < 0.05  # calibration skips are not the alert's
