@@ -69,7 +69,7 @@ from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.input.batches import named_tensors
+from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
@@ -338,6 +338,8 @@ class Monitor:
         self._pending: _Pending | None = None
         self._closed = False
         self._accumulated = False
+        self._micro: list[Any] = []
+        """Micro-batches given to ``backward``/``note_loss`` this step (for the capture)."""
         self.ranks: RankExchange | None = None
         self.rank: int | None = None
         self.capture: Capture | None = None
@@ -700,11 +702,15 @@ class Monitor:
         return f"inf:{name}"
 
     # the step ----------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, batch: Any = None) -> None:
         """Gradient accumulation: the (scaled) backward of one micro-batch's loss, already divided by
         the number of micro-batches as loops do. After the last one call ``step()`` with no loss: the
-        step's logged loss is the sum over its micro-batches (the full loss, not the last one's share)."""
+        step's logged loss is the sum over its micro-batches (the full loss, not the last one's share).
+
+        ``batch``: this micro-batch (in the form your spec's dataloader yields), kept for the capture;
+        the step's micro-batches are kept together and replay as one accumulated step."""
         _check_loss(loss, "backward")
+        self._keep_micro(batch)
         if self._off is None:
             try:
                 self.recipe.note_loss(loss)
@@ -733,6 +739,7 @@ class Monitor:
         elif not self._accumulated:
             raise UsageError("step() without a loss: call monitor.backward(loss) for each micro-batch first")
         self._accumulated = False
+        batch = self._step_batch(batch)
         if self._off is not None:
             return self._plain_step(loss)
         if loss is not None:
@@ -749,11 +756,13 @@ class Monitor:
         self.recipe.zero_grad()
         return self._guarded_after_step(None)
 
-    def note_loss(self, loss: torch.Tensor) -> None:
+    def note_loss(self, loss: torch.Tensor, batch: Any = None) -> None:
         """A micro-batch's loss, for loops (and framework callbacks) that run backward themselves and
         call ``after_backward()`` with no loss: the step's logged loss is the sum of the noted ones,
-        and a non-finite one is logged (``nonfinite_loss``). No host sync."""
+        and a non-finite one is logged (``nonfinite_loss``). No host sync. ``batch``: that micro-batch,
+        kept for the capture (see ``backward``)."""
         _check_loss(loss, "note_loss")
+        self._keep_micro(batch)
         if self._off is not None:
             return
         try:
@@ -773,6 +782,7 @@ class Monitor:
         """
         if loss is not None:
             _check_loss(loss, "after_backward")
+        batch = self._step_batch(batch)
         if self._owe_exchange:
             self._pay_exchange()
         if self._off is not None:
@@ -785,6 +795,21 @@ class Monitor:
                 self._pay_exchange()
                 return
         self._after_backward(loss, batch, observe=True)
+
+    def _keep_micro(self, batch: Any) -> None:
+        if batch is not None and self.capture is not None and not self.capture.done:
+            self._micro.append(batch)
+
+    def _step_batch(self, batch: Any) -> Any:
+        """The step's batch for the capture: the one given, or the micro-batches given to ``backward`` /
+        ``note_loss`` (kept together: ``MicroBatches``)."""
+        micro, self._micro = self._micro, []
+        if micro and batch is not None:
+            raise UsageError("the step's micro-batches were given to backward()/note_loss(); give the step no batch= "
+                             "(or pass ampdoctor.MicroBatches([...]) to it and none to backward)")
+        if micro:
+            return Micro(micro) if len(micro) > 1 else micro[0]
+        return batch
 
     def _after_backward(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
         """The measurement at the step's one host copy; None when it failed (the monitor is then off, and

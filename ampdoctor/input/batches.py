@@ -378,7 +378,11 @@ def describe_layout(batch: Any) -> str:
 
 class Micro(list):  # type: ignore[type-arg]
     """The micro-batches of one accumulated step (``--accumulate N``): the step runs forward and
-    backward on each, its loss divided by N, and updates once."""
+    backward on each, its loss divided by N, and updates once. Public as ``ampdoctor.MicroBatches``:
+    ``mon.step(batch=MicroBatches([b1, b2]))`` keeps an accumulated step's batches for its capture."""
+
+
+MicroBatches = Micro
 
 
 def micro_batches(b: Any) -> list[Any]:

@@ -1,0 +1,81 @@
+"""An accumulated step's capture replays (issue 28): the micro-batches given to ``mon.backward(loss, batch=)``
+(or ``ampdoctor.MicroBatches`` given to the step) are kept together and replayed as one accumulated step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from ampdoctor import MicroBatches, Monitor
+from ampdoctor.cli.app import app
+from ampdoctor.errors import UsageError
+
+SPEC = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12, 2))
+
+def build_dataloader():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 3, 12, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.float(), y)
+'''
+
+
+def _run(tmp: Path, how: str) -> Path:
+    ns: dict[str, object] = {}
+    exec(SPEC, ns)
+    model = ns["build_model"]()  # type: ignore[operator]
+    loss_fn = ns["loss_fn"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g = torch.Generator().manual_seed(3)
+    with Monitor(model, opt, sc, capture=tmp / how, quiet=True) as mon:
+        for step in range(40):
+            micro = []
+            for i in range(2):
+                x, y = torch.randn(4, 3, 12, generator=g), torch.randint(0, 2, (4,), generator=g)
+                if step == 30 and i == 1:
+                    x[2, 1, 5] = float("nan")  # the second micro-batch of step 30
+                micro.append((x, y))
+                with mon.autocast():
+                    loss = loss_fn(model(x), y) / 2  # type: ignore[operator]
+                mon.backward(loss, batch=(x, y) if how == "backward" else None)
+            rec = mon.step(batch=MicroBatches(micro) if how == "step" else None)
+            if rec.capture:
+                return Path(rec.capture)
+    raise AssertionError("no capture")
+
+
+@pytest.mark.parametrize("how", ["backward", "step"])
+def test_an_accumulated_step_is_captured_with_its_micro_batches_and_replays(tmp_path: Path, how: str) -> None:
+    cap = _run(tmp_path, how)
+    m = json.loads((cap / "manifest.json").read_text())
+    assert (m["step"], m["reason"]) == (30, "nonfinite_loss")
+    kept = torch.load(cap / "batches.pt", weights_only=True)[-1]["ampdoctor_micro_batches"]
+    assert len(kept) == 2 and torch.isnan(kept[1][0]).any() and not torch.isnan(kept[0][0]).any()
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(cap), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 30), r.output[-2000:]
+
+
+def test_micro_batches_given_twice_is_a_usage_error(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, opt, capture=tmp_path / "cap", quiet=True) as mon:
+        x = torch.ones(2, 3)
+        mon.backward(model(x).sum(), batch=(x,))
+        with pytest.raises(UsageError, match="micro-batches were given to backward"):
+            mon.step(batch=(x,))
