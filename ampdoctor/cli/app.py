@@ -65,7 +65,7 @@ def _whole(text: str | None, flag: str) -> int | None:
 @app.command()
 @boundary
 def triage(
-    spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
+    spec: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md); optional with --from or --checkpoint when the run recorded its model (the spec then overrides what it defines).")] = None,
     steps: Annotated[Optional[str], typer.Option(help="Steps per stage (a whole number). [default: 50]", metavar="INTEGER")] = None,
     target: Annotated[Optional[str], typer.Option(help="What you train with: amp | fp16 | bf16. [default: amp]")] = None,
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run (fp32 always runs): fp32,fp16,amp,bf16.")] = None,
@@ -89,6 +89,7 @@ def triage(
     from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning .ckpt, or the spec's load_checkpoint(model, optimizer, scaler, path).")] = None,
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
+    attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
@@ -102,9 +103,15 @@ def triage(
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                      "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
-            with importable(spec):
-                sp = load_spec(spec, names, require_data=from_capture is None)  # loaded once: triage reuses it
-            opts = _spec_options(sp)
+            replaying = from_capture is not None or checkpoint is not None
+            if spec is None and not replaying:
+                raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without "
+                                 "one with --from CAPTURE or --checkpoint DIR")
+            sp: Spec | None = None
+            if spec is not None:
+                with importable(spec):  # loaded once: triage reuses it
+                    sp = load_spec(spec, names, require_data=from_capture is None, require_model=not replaying)
+            opts = _spec_options(sp) if sp is not None else {}
             opts.update({k: v for k, v in given.items() if v is not None})
             opts["device"] = device
             cfg = TriageConfig(**opts)
@@ -116,7 +123,8 @@ def triage(
 
                 lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
                 report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script)
+                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script,
+                                         attn_implementation=attn_implementation)
             else:
                 with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                               console=err, transient=True) as prog:
@@ -126,7 +134,8 @@ def triage(
                         prog.update(task, description=f"stage {stage}", completed=step + 1)
 
                     report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script)
+                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script,
+                                         attn_implementation=attn_implementation)
             written: list[Path] = []
             if report_path is not None:
                 from ampdoctor.cli.reports import write_report

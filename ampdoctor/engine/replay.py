@@ -32,6 +32,8 @@ class StartState:
     scaler: dict[str, Any] | None
     step0: int
     """The run's own step number of the first replayed batch."""
+    rng: dict[str, Any] | None = None
+    """RNG states to restore before every stage (the capture's ``rng.pt``, a checkpoint's RNG file)."""
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Captured:
     batches: list[Any]
     from_snapshot: bool
     """True when the replay starts from the periodic snapshot (several batches), not the failing step's state."""
+    rng: dict[str, Any] | None = None
+    """``rng.pt``: the RNG states (torch, CUDA, numpy, python) when the capture holds them."""
 
     @property
     def step(self) -> int:
@@ -90,11 +94,13 @@ def read_capture(path: str | Path) -> Captured:
     if len(steps) != len(batches):
         raise CaptureError(f"{p}: batches.pt holds {len(batches)} batch(es) but {MANIFEST} field batch_steps names "
                            f"{len(steps)}; the capture is inconsistent (capture again)")
+    rng = _load(p, "rng.pt") if "rng.pt" in files and (p / "rng.pt").is_file() else None
+    rng = rng if isinstance(rng, dict) else None
     if "state.pt" in files:
         st = _load(p, "state.pt")
         validate_state(st, p / "state.pt")
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), step),
-                        [batches[-1]], from_snapshot=False)
+                        [batches[-1]], from_snapshot=False, rng=rng)
     if "snapshot.pt" in files:
         snap = manifest.get("snapshot_step")
         snap_step = int(snap) if snap is not None else steps[0]
@@ -104,7 +110,7 @@ def read_capture(path: str | Path) -> Captured:
         st = _load(p, "snapshot.pt")
         validate_state(st, p / "snapshot.pt")
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
-                        batches, from_snapshot=True)
+                        batches, from_snapshot=True, rng=rng)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
 
 

@@ -58,6 +58,14 @@ class Run:
     """Where the stages started when not from the initial weights: a note for the report."""
     step0: int = 0
     """The run's own number of the first step the stages ran (a replay's or a checkpoint's)."""
+    said: list[str] = field(default_factory=list)
+    """Where the model, the optimizer and the data came from when the run said it (report notes)."""
+    start_kind: str = "init"
+    """Where the stages started: ``init`` (the spec's initial weights), ``capture`` or ``checkpoint``."""
+    start_label: str = ""
+    """The checkpoint's name ("checkpoint checkpoint-130") when ``start_kind`` is ``checkpoint``."""
+    rng_restored: list[str] = field(default_factory=list)
+    """The RNG states set before every stage (``torch``, ``cuda``, ``numpy``, ``python``); empty: seeded."""
 
     def reset(self) -> None:
         """Put the model back at its initial weights."""

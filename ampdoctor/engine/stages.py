@@ -22,6 +22,7 @@ from ampdoctor.errors import OutputError, SpecError
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, micro_batches, to_device
 from ampdoctor.input.config import TriageConfig
+from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.watch.blame import GraphRecorder
@@ -78,6 +79,10 @@ class StageContext:
     """Replay: the captured optimizer state every stage starts from (else a fresh optimizer)."""
     scaler_state: dict[str, Any] | None = None
     """Replay: the captured GradScaler state the amp stage starts from (else ``config``'s settings)."""
+    rng: dict[str, Any] | None = None
+    """Replay: the run's RNG states, set before every stage instead of ``config.seed`` (``input.rng.restore``)."""
+    rng_restored: list[str] | None = None
+    """Filled with the RNG states that were set (``input.rng.restore``)."""
 
 
 def run_stage(name: str, ctx: StageContext) -> StageResult:
@@ -87,6 +92,9 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     model.load_state_dict(ctx.init_state)
     model.train()
     torch.manual_seed(cfg.seed)
+    restored = restore_rng(ctx.rng)  # the run's own draws (dropout, a timestep drawn in the step), over the seed
+    if ctx.rng_restored is not None:
+        ctx.rng_restored[:] = restored
     result = StageResult(name)
     prec = stage_precision(name, cfg.target)
     low = prec.weights != torch.float32

@@ -18,13 +18,14 @@ from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
+from ampdoctor.input import rebuild
 from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
 from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
-from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, spec_importable
+from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.lint import LintFinding
@@ -175,7 +176,7 @@ def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
 
 @spec_importable
 def triage(
-    spec_path: str | Path | Spec,
+    spec_path: str | Path | Spec | None,
     config: TriageConfig | None = None,
     *,
     names: SpecNames | None = None,
@@ -186,6 +187,7 @@ def triage(
     checkpoint: str | Path | None = None,
     skip_batches: int = 0,
     script: str | Path | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
@@ -198,42 +200,59 @@ def triage(
     ``checkpoint``: start every stage from a training checkpoint (a dict with model / optimizer / scaler
     entries, a transformers Trainer folder, a Lightning .ckpt, or the spec's ``load_checkpoint``), on
     the dataloader's batches after ``skip_batches``; steps are numbered from the checkpoint's step.
+    ``attn_implementation``: the attention a transformers model rebuilt from a checkpoint's config.json runs
+    (config.json does not record the run's).
     ``script``: the training script; ``ampdoctor lint`` checks it and the spec, and the report lists
     what it finds (``report.lint``), the findings that can cause the verdict first.
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
-    spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None)
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
+    replaying = from_capture is not None or checkpoint is not None
+    if spec_path is None:
+        if not replaying:
+            raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without one "
+                             "with --from CAPTURE or --checkpoint DIR")
+        spec = no_spec(from_capture if from_capture is not None else checkpoint, names)  # type: ignore[arg-type]
+    else:
+        spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None,
+                                                                       require_model=not replaying)
     if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
         raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
     if skip_batches > MAX_SKIP:
         raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
                          f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
                          "within its epoch")
-    found = lint_sources(spec.path, script)  # before the stages: a bad --script is one line now, not after them
+    found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
+    said: list[str] = []
     if from_capture is not None:
-        spec, model, batches, cap = prepare_replay(spec, cfg, device, from_capture)
+        spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
         start = cap.start
     elif checkpoint is not None:
-        model, batches, start, start_note = prepare_checkpoint(spec, cfg, device, checkpoint, skip_batches, progress)
+        spec, model, batches, start, start_note, said = prepare_checkpoint(spec, cfg, device, checkpoint, skip_batches, progress,
+                                                                            attn_implementation)
     else:
         if skip_batches:
-            spec = _skipping(spec, skip_batches)
+            spec, said = _skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=str(spec.path if isinstance(spec_path, Spec) else spec_path), user_hooks=user_hooks(model),
-              start=start_note, step0=start.step0 if start is not None else skip_batches)
+    spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)", user_hooks=user_hooks(model),
+              start=start_note, step0=start.step0 if start is not None else skip_batches, said=said,
+              start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
+              start_label=(f"checkpoint {Path(checkpoint).name}" if checkpoint is not None else ""))
+    rng = start.rng if start is not None else None
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
-                            optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None)
+                            optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
+                            rng=rng, rng_restored=run.rng_restored)
 
     for name in cfg.stage_list():
         log = (StepLogWriter(log_path, mode="overwrite", on_error="raise")  # a full disk: one line, exit 2
@@ -261,64 +280,129 @@ def triage(
     return report, run
 
 
-def lint_sources(spec_path: Path, script: str | Path | None) -> list[LintFinding]:
+def lint_sources(spec_path: Path | None, script: str | Path | None) -> list[LintFinding]:
     """``ampdoctor lint`` on the spec and the training script, as under AMP (triage's amp stage adds a
     GradScaler), with the selection of the nearest pyproject.toml; a script that is missing or does not
     parse is bad input."""
     from ampdoctor.lint import lint_paths
     from ampdoctor.lint.config import nearest_pyproject, selection
 
-    paths = [Path(spec_path)] + ([Path(script)] if script is not None else [])
+    paths = ([Path(spec_path)] if spec_path is not None else []) + ([Path(script)] if script is not None else [])
     if script is not None and not Path(script).is_file():
         raise UsageError(f"--script {script}: no such file; give the training script that runs this model")
     found: list[LintFinding] = []
     for p in dict.fromkeys(paths):
         res = lint_paths([p], selection(nearest_pyproject(p)), amp=True)
-        if res.errors and p != paths[0]:
+        if res.errors and (spec_path is None or p != paths[0]):
             raise UsageError(f"--script {res.errors[0]}")
         found += res.findings
     return found
 
 
-def _skipping(spec: Spec, n: int) -> Spec:
-    """The spec with a dataloader that starts after its first ``n`` batches (where a resumed run was)."""
+def _skipping(spec: Spec, n: int) -> tuple[Spec, list[str]]:
+    """The spec with a dataloader that starts after its first ``n`` batches (where a resumed run was): past
+    the end of an epoch it goes on with the next, as the run did, calling the sampler's ``set_epoch(e)``
+    (DistributedSampler, and any sampler that has it) before each; a seeded ``RandomSampler`` draws each
+    epoch's order from its generator as the run's did. The list gets a sentence (once the dataloader is
+    built) saying how the epochs were re-made and what could not be."""
     build = spec.build_dataloader
+    said: list[str] = []
 
     def build_after() -> Any:
         loader = build()
-        try:
-            size = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            size = None
-        if size is not None and size <= n:
-            raise UsageError(f"--skip-batches {n}: build_dataloader() yields {size} batch(es), so none is left after "
-                             f"skipping {n}; give --skip-batches below {size} (the run's position within its epoch)")
-        it = iter(loader)
-        for i in range(n):
+        epoch, it, i, taken = 0, _epoch_iter(loader, 0), 0, 0
+        while taken < n:
             try:
                 next(it)
             except StopIteration:
-                raise UsageError(f"--skip-batches {n}: build_dataloader() ended after {i} batch(es), so none is left; "
-                                 f"give --skip-batches below {i} (the run's position within its epoch)") from None
-        return it
+                if i == 0:
+                    raise UsageError(f"--skip-batches {n}: build_dataloader() yields no batch"
+                                     + (f" in epoch {epoch} (after {taken} in the epochs before); give --skip-batches below "
+                                        f"{taken}" if taken else "")) from None
+                epoch, i = epoch + 1, 0
+                it = _epoch_iter(loader, epoch)
+                continue
+            taken += 1
+            i += 1
+        said[:] = [_epoch_words(loader, epoch, i)] if epoch else []
+        return _Epochs(loader, it, epoch)
 
-    return replace(spec, build_dataloader=build_after)
+    return replace(spec, build_dataloader=build_after), said
+
+
+def _epoch_iter(loader: Any, epoch: int) -> Any:
+    """``iter(loader)`` for ``epoch``: ``set_epoch(epoch)`` first on whatever has it (the loader, its sampler,
+    its batch sampler and that one's sampler), as the run's epoch loop does."""
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        fn = getattr(obj, "set_epoch", None)
+        if callable(fn):
+            fn(epoch)
+    return iter(loader)
+
+
+def _epoch_words(loader: Any, epoch: int, at: int) -> str:
+    """How the skip reached epoch ``epoch`` (batch ``at`` of it), and whether its order is the run's."""
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    head = f"the skip went through {epoch} whole epoch(s) of the dataloader and on to batch {at} of epoch {epoch}"
+    if any(callable(getattr(x, "set_epoch", None)) for x in [loader, *samplers]):
+        return head + " (set_epoch called for each, as the run's loop does)"
+    rnd = next((x for x in samplers if isinstance(x, torch.utils.data.RandomSampler)), None)
+    if rnd is not None and rnd.generator is None:
+        return (head + "; its RandomSampler has no generator, so each epoch's order was drawn from the global RNG "
+                "here, not as the run drew it: the batches after the first epoch may not be the run's (give the "
+                "DataLoader a seeded generator, or use --from a capture)")
+    return head + " (each epoch iterated in order, as the run's loop does)"
+
+
+class _Epochs:
+    """The rest of the skipped-into epoch, then the next epochs (``set_epoch`` before each)."""
+
+    def __init__(self, loader: Any, it: Any, epoch: int) -> None:
+        self.loader, self.it, self.epoch = loader, it, epoch
+
+    def __iter__(self) -> _Epochs:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.epoch += 1
+            self.it = _epoch_iter(self.loader, self.epoch)
+            return next(self.it)
 
 
 def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path: str | Path, skip_batches: int,
-                       progress: ProgressFn | None) -> tuple[nn.Module, Batches, StartState, str]:
-    """The spec's model with a training checkpoint's weights, its optimizer and scaler state, and the
-    dataloader's batches after ``skip_batches``; a layout ampdoctor cannot read is one line."""
+                       progress: ProgressFn | None, attn_implementation: str | None = None,
+                       ) -> tuple[Spec, nn.Module, Batches, StartState, str, list[str]]:
+    """The model with a training checkpoint's weights, its optimizer and scaler state, and the dataloader's
+    batches after ``skip_batches``; a layout ampdoctor cannot read is one line. A spec without
+    ``build_model`` gets the model the checkpoint describes (a Trainer folder's config.json), and one without
+    ``build_optimizer`` the optimizer groups its optimizer state was saved with."""
+    said: list[str] = []
+    if not spec.own_model:
+        rb = rebuild.from_checkpoint(path, rebuild.lightning_hparams(path), attn_implementation)
+        spec = replace(spec, build_model=rb.build)
+        said.append(rb.source)
     model = build_model(spec, cfg, device)
-    preflight.optimizer(spec, model)  # build_optimizer and build_scheduler: one line if they are broken
+    if spec.build_optimizer is None and spec.load_checkpoint is None:
+        saved = read_checkpoint(path, model=model).optimizer
+        if saved is not None:
+            build_opt, how = rebuild.optimizer_from_state(model, saved, str(path))
+            spec = replace(spec, build_optimizer=build_opt)
+            said.append(how)
+    else:
+        preflight.optimizer(spec, model)  # build_optimizer and build_scheduler: one line if they are broken
     opt = make_optimizer(spec.build_optimizer, model)
     scaler = torch.amp.GradScaler(device.type)
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
-    said = load_checkpoint_into(state, model, opt, scaler)
+    lacks = load_checkpoint_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
     step0 = state.step if state.step is not None else skip_batches
+    loader_note: list[str] = []
     if skip_batches:
-        spec = _skipping(spec, skip_batches)
+        spec, loader_note = _skipping(spec, skip_batches)
     batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
     preflight.batches_run(spec, model, batches, device)
     batches = grouped(batches, cfg.steps, cfg.accumulate)
@@ -326,8 +410,8 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
     note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
             + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
-            + "".join(f"; {n}" for n in [*state.notes, *said]))
-    return model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0), note
+            + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
+    return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
 
 
 def _failed(res: StageResult) -> bool:
@@ -341,19 +425,32 @@ def _last(res: StageResult) -> dict[str, float | None]:
 
 
 def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
-                   capture: str | Path) -> tuple[Spec, nn.Module, Batches, Captured]:
-    """The spec's model with the captured weights, the captured batches; check the optimizer state fits.
-    A spec without ``build_optimizer`` gets the captured optimizer's class and parameter groups."""
+                   capture: str | Path) -> tuple[Spec, nn.Module, Batches, Captured, list[str]]:
+    """The model with the captured weights, the captured batches; check the optimizer state fits. A spec
+    without ``build_model`` (or none) gets the model the capture's ``model_identity`` describes, and one
+    without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
+    the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
     if cap.manifest.get("sharded"):
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
                            "(the manifest, stats.json and the step logs still say which rank, step and module)")
+    said: list[str] = []
+    if not spec.own_model:
+        rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
+        if rb.lightning and spec.loss_fn is None:
+            raise SpecError(f"{cap.path}: the model is a LightningModule, whose loss is its training_step, which a replay "
+                            "does not call; give a spec with loss_fn(output, target) (build_model() may be left out)")
+        spec = replace(spec, build_model=rb.build)
+        said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
         if rebuilt_from_layout is not None:
             spec = replace(spec, build_optimizer=rebuilt_from_layout)
+            lay = cap.manifest["optimizer_layout"]
+            said.append(f"the optimizer is {lay.get('class')} over the run's {len(lay.get('groups') or [])} parameter "
+                        "group(s), by parameter name, as the capture recorded them")
     model = build_model(spec, cfg, device)
     load_into(model, cap.model, cap.path)
     if rebuilt_from_layout is None:
@@ -384,7 +481,29 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     except Exception as e:
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
-    return spec, model, batches, cap
+    cap.start.rng = cap.rng
+    return spec, model, batches, cap, said
+
+
+def _rng_words(run: Run, rp: Replay | None) -> str:
+    """Whether the run's RNG states were restored before every stage, and what that means for a step that
+    draws randomness (dropout, a timestep drawn in the step)."""
+    got = ", ".join(run.rng_restored)
+    if rp is not None:
+        if not run.rng_restored:
+            return (f"RNG not restored: the capture holds no rng.pt, so every stage is seeded with --seed {run.config.seed}; "
+                    "a step that draws randomness draws other numbers than the run's")
+        after = rp.manifest.get("rng_after_step")
+        if isinstance(after, int) and after >= rp.step0:
+            return (f"RNG restored before every stage and replay ({got}) from rng.pt, which was taken after step "
+                    f"{after:,}'s own draws: a step that draws randomness (dropout, a timestep or noise drawn in the step) "
+                    "replays the same draws every time, the ones that followed the run's, not the run's own")
+        return f"RNG restored before every stage and replay ({got}) from rng.pt: the replayed steps draw what the run drew"
+    if not run.rng_restored:
+        return (f"RNG not restored: the checkpoint holds no RNG state, so every stage is seeded with --seed {run.config.seed}; "
+                "a step that draws randomness draws other numbers than the run's")
+    return (f"RNG restored before every stage ({got}) from the checkpoint's RNG state, saved with it after step "
+            f"{run.step0:,}: a step that draws randomness draws what the run drew next")
 
 
 def _optimizer_state_fits(opt: torch.optim.Optimizer, want: list[set[str]], where: Path) -> None:
@@ -456,6 +575,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
                                      f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
                                      "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
                                                              else "steps.csv`"))
+    if rp is None and run.start_kind == "checkpoint" and report.scaler is not None:
+        amp = results.get("amp")
+        first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
+        if first is not None and first != report.scaler.init_scale:  # the checkpoint's scale, not --init-scale
+            report.scaler.init_scale = first
+            report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)
@@ -479,6 +604,11 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     if run.start:
         report.notes.insert(0, run.start)
         report.config["start_step"] = step0
+    if rp is not None or run.start:
+        report.notes.insert(1 if (rp is not None or run.start) else 0, _rng_words(run, rp))
+        report.config["rng_restored"] = list(run.rng_restored)
+    for i, n in enumerate(run.said):
+        report.notes.insert(i, n)
     if step0:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)

@@ -44,6 +44,25 @@ class Spec:
     """``TRIAGE_OPTIONS = {...}`` of the file: defaults for the command's options (the command line wins)."""
     load_checkpoint: Callable[..., Any] | None = None
     """Optional ``load_checkpoint(model, optimizer, scaler, path)`` for checkpoint layouts ampdoctor does not read."""
+    own_model: bool = True
+    """False when the spec defines no ``build_model`` (or there is no spec): a replay rebuilds the run's model
+    from what the capture or checkpoint recorded (``input.rebuild``)."""
+
+
+def no_spec(source: str | Path, names: SpecNames | None = None) -> Spec:
+    """The spec of a replay without a spec file: the model from the capture or checkpoint ``source``, no
+    dataloader, the model's own loss, the optimizer from the run's layout."""
+    names = names or SpecNames()
+    p = Path(source)
+
+    def model() -> torch.nn.Module:
+        raise SpecError(f"{p}: no spec and nothing recorded to rebuild the model from; write a spec with {names.model}()")
+
+    def data() -> Iterable[Any]:
+        raise SpecError(f"{p}: the batches are not in the checkpoint; give a spec that defines {names.data}() "
+                        f"({names.model}() may be left out: the model comes from the checkpoint)")
+
+    return Spec(p, model, data, None, None, names, own_model=False)
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -57,10 +76,12 @@ def _where(exc: BaseException, path: Path) -> str:
 where = _where
 
 
-def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data: bool = True) -> Spec:
+def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data: bool = True,
+              require_model: bool = True) -> Spec:
     """Import the spec file and return its functions; raise SpecError saying what to fix.
 
     ``require_data=False`` (a replay brings its own batches): build_dataloader may be missing.
+    ``require_model=False`` (a replay that rebuilds the run's model): build_model may be missing.
     """
     names = names or SpecNames()
     p = Path(path)
@@ -99,7 +120,12 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
             raise SpecError(f"{p.name}: {name} is a {type(fn).__name__}, not a function")
         return fn
 
-    model = get(names.model, True)
+    model = get(names.model, require_model)
+    own_model = model is not None
+    if model is None:
+        def model() -> torch.nn.Module:
+            raise SpecError(f"{p.name} has no function {names.model}(); define it (only a replay that rebuilds the run's "
+                            "model can do without)")
     data = get(names.data, require_data)
     if data is None:
         def data() -> Iterable[Any]:
@@ -107,7 +133,7 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
     assert model is not None
     return Spec(p, model, data, get(names.loss, False), get(names.optimizer, False), names,
                 build_scheduler=get("build_scheduler", False), load_checkpoint=get("load_checkpoint", False),
-                options=_options(module, p))
+                options=_options(module, p), own_model=own_model)
 
 
 def _opt(name: str, names: SpecNames) -> str:

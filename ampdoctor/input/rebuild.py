@@ -1,0 +1,237 @@
+"""Rebuild the run's model without a spec, from what the run itself recorded.
+
+A capture's manifest holds ``model_identity`` (``engine.capture.model_identity``: the class's import path,
+a transformers config with its ``attn_implementation``, a LightningModule's ``hparams``); a transformers
+Trainer checkpoint folder holds ``config.json`` (its ``architectures`` name the class). From those:
+
+- a transformers ``PreTrainedModel``: its ``config_class`` from the recorded config, the class built from it
+  (the attention implementation the run used);
+- a LightningModule: its class by import path, called with the recorded ``hparams``;
+- any ``nn.Module`` whose class imports and whose constructor needs no argument.
+
+Each returns the model and one sentence saying where it came from (a report note). What cannot be rebuilt
+is one line (``SpecError``) saying what to write instead. No framework is imported here: a class is
+imported by the path the run recorded (transformers only when a Trainer folder names its class).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.errors import SpecError
+
+WRITE_SPEC = "write a spec whose build_model() returns the model (docs/spec-format.md)"
+
+
+@dataclass
+class Rebuilt:
+    """How to build the run's model, and where it came from."""
+
+    build: Callable[[], nn.Module]
+    source: str
+    """'the capture's model_identity: transformers BertForSequenceClassification from its config (sdpa attention)'."""
+    lightning: bool = False
+    """A LightningModule: its loss is its ``training_step``, which a replay does not call (the spec's ``loss_fn``)."""
+
+
+def import_path(path: str, where: str) -> type:
+    """The class at ``module.QualName`` (the longest importable module prefix, then attributes)."""
+    parts = path.split(".")
+    if parts[0] == "__main__":
+        raise SpecError(f"{where}: the model class {path} was defined in the training script itself, so it cannot be "
+                        f"imported; move it into a module, or {WRITE_SPEC}")
+    err: Exception | None = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            err = err or e
+            continue
+        except Exception as e:
+            raise SpecError(f"{where}: importing {'.'.join(parts[:i])} for the model class {path} raised "
+                            f"{type(e).__name__}: {str(e)[:160]}; {WRITE_SPEC}") from None
+        try:
+            for a in parts[i:]:
+                obj = getattr(obj, a)
+        except AttributeError:
+            break
+        if isinstance(obj, type):
+            return obj
+        break
+    why = f" ({type(err).__name__}: {str(err)[:120]})" if err is not None else ""
+    raise SpecError(f"{where}: the model class {path} cannot be imported{why}; run from where the training script "
+                    f"imports it (its folder on PYTHONPATH), or {WRITE_SPEC}")
+
+
+def _required_args(cls: type) -> list[str]:
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in sig.parameters.items()
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _is_lightning(cls: type) -> bool:
+    return any(c.__name__ == "LightningModule" for c in cls.__mro__)
+
+
+def _transformers(cls: type, config: Mapping[str, Any], attn: str | None, where: str) -> Callable[[], nn.Module]:
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not callable(getattr(config_class, "from_dict", None)):
+        raise SpecError(f"{where}: {cls.__name__} has no config_class to rebuild its config from; {WRITE_SPEC}")
+
+    def build() -> nn.Module:
+        cfg = config_class.from_dict(dict(config))
+        if attn:
+            cfg._attn_implementation = attn  # the run's own (sdpa, eager...)
+        return cls(cfg)  # type: ignore[no-any-return]
+
+    return build
+
+
+def from_identity(identity: Mapping[str, Any] | None, where: str) -> Rebuilt:
+    """The model a capture's ``model_identity`` describes (see the module docstring)."""
+    if not identity or not isinstance(identity.get("class"), str):
+        raise SpecError(f"{where}: the capture does not say which model it holds (no model_identity: captured before "
+                        f"ampdoctor recorded it); {WRITE_SPEC}")
+    path = str(identity["class"])
+    cls = import_path(path, where)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise SpecError(f"{where}: {path} is not a torch.nn.Module; {WRITE_SPEC}")
+    name = cls.__qualname__
+    cfg = identity.get("transformers_config")
+    if isinstance(cfg, Mapping):
+        attn = identity.get("attn_implementation")
+        attn_s = attn if isinstance(attn, str) else None
+        return Rebuilt(_transformers(cls, cfg, attn_s, where),
+                       f"the model is {name}, rebuilt from the transformers config the capture recorded"
+                       + (f" ({attn_s} attention)" if attn_s else ""))
+    hp = identity.get("lightning_hparams")
+    if _is_lightning(cls) and isinstance(hp, Mapping):
+        kw = dict(hp)
+        return Rebuilt(lambda: cls(**kw), f"the model is the LightningModule {name}({', '.join(sorted(kw))}), "
+                       "rebuilt from the hparams the capture recorded", lightning=True)
+    need = _required_args(cls)
+    if need:
+        raise SpecError(f"{where}: the model class {path} needs constructor arguments the capture did not record "
+                        f"({', '.join(need[:4])}); {WRITE_SPEC}")
+    return Rebuilt(lambda: cls(), f"the model is {name}(), imported from {path} as the capture recorded",
+                   lightning=_is_lightning(cls))
+
+
+def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = None, attn: str | None = None) -> Rebuilt:
+    """The model of a checkpoint that says how to build it: a transformers Trainer folder's ``config.json``
+    (``architectures`` names the class, ``model_type`` its config). config.json does not record the attention
+    implementation the run used: ``attn`` (``--attn-implementation``) says it, else transformers' default.
+    A Lightning ``.ckpt`` holds the hparams but not the class: that is one line."""
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else None
+    if cfg_file is not None and cfg_file.is_file():
+        try:
+            config = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise SpecError(f"{cfg_file}: cannot be read as JSON ({e}); {WRITE_SPEC}") from None
+        archs = config.get("architectures") if isinstance(config, dict) else None
+        if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+            raise SpecError(f"{cfg_file}: names no architectures, so the model class is not known; {WRITE_SPEC}")
+        cls = import_path(f"transformers.{archs[0]}", str(cfg_file))
+        saved = config.get("_attn_implementation") or config.get("attn_implementation")
+        use = attn or (saved if isinstance(saved, str) else None)
+        how = (f"{use} attention" + (" (--attn-implementation)" if attn else "") if use else
+               "transformers' default attention: config.json does not record the run's; give --attn-implementation "
+               "eager if the run used eager")
+        return Rebuilt(_transformers(cls, config, use, str(cfg_file)), f"the model is {archs[0]}, rebuilt from "
+                       f"{p.name}/config.json with {how}")
+    if obj_hparams is not None:
+        raise SpecError(f"{p}: a Lightning checkpoint holds the hyper_parameters ({', '.join(sorted(obj_hparams)[:4])}) "
+                        f"but not the LightningModule's class; {WRITE_SPEC}, e.g. `return MyModule.load_from_checkpoint(path)`")
+    raise SpecError(f"{p}: the checkpoint does not say how to build its model (no config.json); {WRITE_SPEC}")
+
+
+def lightning_hparams(path: str | Path) -> Mapping[str, Any] | None:
+    """A Lightning ``.ckpt``'s ``hyper_parameters``, or None (anything else, or unreadable)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    hp = obj.get("hyper_parameters") if isinstance(obj, Mapping) else None
+    return hp if isinstance(hp, Mapping) else None
+
+
+_NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+"""transformers' ``Trainer.get_decay_parameter_names``: these names (lower-cased) get no weight decay."""
+
+
+def trainer_decay_names(model: nn.Module) -> set[str]:
+    """The parameters the transformers Trainer puts in its weight-decay group: outside every ``nn.LayerNorm``
+    and not named like a bias or a norm (``Trainer.get_decay_parameter_names``, re-done without importing it)."""
+    import re
+
+    pats = [re.compile(x) for x in _NO_DECAY]
+    in_norm = {f"{m}.{n}" if m else n for m, mod in model.named_modules() if isinstance(mod, nn.LayerNorm)
+               for n, _ in mod.named_parameters()}
+    return {n for n, _ in model.named_parameters()
+            if n not in in_norm and not any(x.search(n.lower()) for x in pats)}
+
+
+def _optimizer_class(groups: list[Mapping[str, Any]]) -> tuple[type[torch.optim.Optimizer], str]:
+    keys = set(groups[0]) if groups else set()
+    if "decoupled_weight_decay" in keys:
+        return (torch.optim.AdamW if groups[0].get("decoupled_weight_decay") else torch.optim.Adam), ""
+    if {"momentum", "nesterov", "dampening"} <= keys:
+        return torch.optim.SGD, ""
+    if "betas" in keys:
+        return torch.optim.AdamW, " (its class is not in the state: AdamW, the Trainer's default)"
+    raise SpecError("the optimizer state does not say which optimizer made it")
+
+
+def optimizer_from_state(model: nn.Module, state: Mapping[str, Any], where: str) -> tuple[Callable[[Any], torch.optim.Optimizer], str]:
+    """``build_optimizer(model)`` whose parameter groups are the saved ones: the state's group sizes matched
+    by one group of every parameter, or by the Trainer's decay / no-decay split (by parameter name), each
+    saved state tensor the shape of its parameter. One line when neither fits."""
+    groups = list(state.get("param_groups") or [])
+    sizes = [len(g.get("params", [])) for g in groups]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = trainer_decay_names(model)
+    candidates = {
+        "one group of every parameter": [[n for n, _ in named]],
+        "the transformers Trainer's weight-decay and no-decay groups (by parameter name)":
+            [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]],
+    }
+    shapes = {n: tuple(p.shape) for n, p in named}
+    saved = state.get("state") or {}
+    cls, cls_note = _optimizer_class(groups)
+    for how, cand in candidates.items():
+        if [len(c) for c in cand] != sizes:
+            continue
+        ids = [i for g in groups for i in g.get("params", [])]
+        order = [n for c in cand for n in c]
+        fits = all(not isinstance(t, torch.Tensor) or t.numel() <= 1 or tuple(t.shape) == shapes[order[k]]
+                   for k, i in enumerate(ids) for t in (saved.get(i) or {}).values())
+        if not fits:
+            continue
+        chosen = cand
+
+        def build_optimizer(m: nn.Module, chosen: list[list[str]] = chosen) -> torch.optim.Optimizer:
+            by_name = dict(m.named_parameters())
+            return cls([{"params": [by_name[n] for n in c], **{k: v for k, v in g.items() if k == "weight_decay"}}  # type: ignore[call-arg]
+                        for c, g in zip(chosen, groups, strict=True)])
+
+        return build_optimizer, f"the optimizer is {cls.__name__}{cls_note} over {how}, as the checkpoint saved it ({sizes})"
+    raise SpecError(f"{where}: the optimizer state has {len(sizes)} parameter group(s) of {sizes} parameters, which neither "
+                    f"one group of every parameter ({len(named)}) nor the Trainer's decay / no-decay split "
+                    f"({[len(c) for c in candidates[list(candidates)[1]]]}) fits; give the spec a build_optimizer(model) "
+                    "that makes the run's groups")
