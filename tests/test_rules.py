@@ -194,9 +194,21 @@ def _grad_overflow() -> Scenario:
 
 
 def _grad_overflow_probe_clean() -> Scenario:
+    # AMP skips while raw FP16 (no scaling) is clean, and a gradient hook on the model handles the scaled gradients:
+    # that hook is the evidence amp_misuse names
     amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF)
     amp.records[4].params_finite = False
-    return rules.grad_overflow, ctx(three(amp=amp)), ("amp_misuse", None, 4, "amp"), {"why": "probe_clean"}
+    c = ctx(three(amp=amp))
+    c.hooks = ["head.weight: grad hook clamp_grad"]
+    return rules.grad_overflow, c, ("amp_misuse", None, 4, "amp"), {"why": "probe_clean"}
+
+
+def _grad_overflow_probe_clean_no_evidence() -> Scenario:
+    # the same skip with nothing that touches the scaled gradients: GradScaler overflowing times its scale and
+    # backing off is its normal working (issue 28), not AMP misuse
+    amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF)
+    amp.records[4].params_finite = False
+    return rules.grad_overflow, ctx(three(amp=amp)), ("healthy", "head", 4, "amp"), {"variant": "scaler_normal"}
 
 
 def _nonfinite_weights() -> Scenario:
@@ -260,7 +272,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__[1:]: f for f in (
         _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _no_target, _custom_function,
         _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
-        _grad_overflow, _grad_overflow_probe_clean, _nonfinite_weights, _masked_overflow, _stall, _stall_underflow,
+        _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _stall, _stall_underflow,
         _stall_amp, _optimizer_underflow, _frozen, _healthy)
 }
 

@@ -96,3 +96,61 @@ def test_with_gradscaler_defaults_the_capture_is_kept_for_the_real_failure(tmp_p
     assert mon.first_failure == (150, "nonfinite_loss")
     assert [r.step for r in recs if r.capture] == [150]
     assert mon.alert_rate_now < 0.05  # calibration skips are not the alert's
+
+
+GROWTH_SPEC = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+def build_dataloader():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(8)]
+
+def loss_fn(out, y):
+    return 3e4 * nn.functional.mse_loss(out.float(), y)  # gradients near 1.7e4: a scale of 4 overflows FP16
+
+def build_optimizer(params):
+    return torch.optim.SGD(params, lr=1e-9)
+'''
+
+
+def test_a_forced_capture_of_the_growth_probe_is_triaged_healthy(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from ampdoctor.cli.app import app
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(GROWTH_SPEC)
+    ns: dict[str, object] = {}
+    exec(GROWTH_SPEC, ns)
+    model = ns["build_model"]()  # type: ignore[operator]
+    opt = ns["build_optimizer"](model.parameters())  # type: ignore[operator]
+    data = ns["build_dataloader"]()  # type: ignore[operator]
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0, growth_interval=10)  # fits at 2; the growth to 4 overflows
+    for on in ("failure", "skip"):
+        with Monitor(model, opt, sc, capture=tmp_path / on, capture_on=on, quiet=True) as mon:  # type: ignore[arg-type]
+            recs = []
+            for step in range(12):
+                x, y = data[step % 8]  # type: ignore[index]
+                with mon.autocast():
+                    loss = ns["loss_fn"](model(x), y)  # type: ignore[operator]
+                recs.append(mon.step(loss, batch=(x, y)))
+        sc = torch.amp.GradScaler("cpu", init_scale=2.0, growth_interval=10)
+        model = ns["build_model"]()  # type: ignore[operator]
+        opt = ns["build_optimizer"](model.parameters())  # type: ignore[operator]
+        assert [r.step for r in recs if r.skipped] == [10]
+        if on == "failure":
+            assert mon.first_failure is None and not (tmp_path / on).exists()  # GradScaler's probe: nothing captured
+    m = json.loads((tmp_path / "skip" / "manifest.json").read_text())
+    assert m["step"] == 10 and m["scaler_phase"] in ("calibration", "growth_probe")
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "skip"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, r.output[-2000:]
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"], rep["verdict"]["first_module"]) == ("healthy", 10, "2")
+    assert "GradScaler working as designed" in rep["verdict"]["summary"]

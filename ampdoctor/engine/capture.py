@@ -325,9 +325,10 @@ class FailingStep:
         if skipped and reason == "nonfinite_loss":
             trig = Trigger("nonfinite_loss")  # the forward: no scale explains it
         elif skipped:
-            self.phase = self._skip_phase(scale, grew, step) if not (injected or self.every_skip) else ""
-            if not self.phase:
+            label = "" if injected else self._skip_phase(scale, grew, step)
+            if not label or self.every_skip:
                 trig = Trigger("nonfinite_grad", reason)
+            self.phase = label
         elif nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
             trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
         elif alert:
@@ -337,8 +338,8 @@ class FailingStep:
             trig = Trigger("scale_collapsed", f"{self._peak_applied:g} -> {scale:g}")
         if not skipped and scale is not None and math.isfinite(scale):
             self._peak_applied = max(self._peak_applied, scale)
-        if trig is not None:
-            self.phase = "failure"
+        if trig is not None and not self.phase:
+            self.phase = "failure"  # (every_skip keeps the label of a normal skip it captures anyway)
         return trig
 
     def _skip_phase(self, scale: float | None, grew: bool, step: int) -> str:

@@ -1028,10 +1028,10 @@ class Monitor:
         cap = self.capture
         assert cap is not None
         view = m.ranks
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"scaler_phase": self._failing.phase}
         if view is not None:
             first = view.first
-            extra = {"ranks": view.column(), "first_rank": first.rank if first is not None else None,
+            extra = {**extra, "ranks": view.column(), "first_rank": first.rank if first is not None else None,
                      "first_module": first.module if first is not None else None,
                      "others_clean": view.others_clean if first is not None else None}
             chosen = first.rank if first is not None else 0

@@ -528,7 +528,9 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     """Diagnose the run's stage results and build the Report (the FP32 re-check replays from ``run``)."""
     cfg, results, batches, device = run.config, run.results, run.batches, run.device
     recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
-    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks)
+    phase = run.replay.manifest.get("scaler_phase") if run.replay is not None else None  # (what GradScaler was doing)
+    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
+                    scaler_phase=phase if isinstance(phase, str) else None)
     rp = run.replay
     step0 = rp.step0 if rp is not None else run.step0
     if rp is not None:

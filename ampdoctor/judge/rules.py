@@ -236,9 +236,12 @@ class Ctx:
     once (the FP32 re-check of the first bad step runs at most once, on first use)."""
 
     def __init__(self, results: dict[str, StageResult], batches: Batches, cfg: TriageConfig, recheck: RecheckFn,
-                 device: str = "cpu", hooks: list[str] | None = None) -> None:
+                 device: str = "cpu", hooks: list[str] | None = None, scaler_phase: str | None = None) -> None:
         self.results, self.batches, self.cfg, self.recheck = results, batches, cfg, recheck
         self.device, self.hooks = device, list(hooks or [])
+        self.scaler_phase = scaler_phase or ""
+        """A replayed capture: what GradScaler was doing at the captured skip in the run (calibration |
+        growth_probe | isolated: its normal working; see engine.capture.FailingStep)."""
         self.fp32 = results["fp32"]
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)
@@ -505,9 +508,14 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         return None
     if not ((st is not None and locate.backward_fault(st)) or c.collapsed or c.skip_alert):
         return None
-    if c.tgt_name == "amp" and c.probe is not None and not _probe_grad_problem(c.probe):
-        return _amp_misuse(c, bad, c.rc_ev, {"why": "probe_clean"})
     module = locate.locate_backward(st) if st is not None else None
+    if c.tgt_name == "amp" and c.probe is not None and not _probe_grad_problem(c.probe):
+        # the gradients fit FP16 unscaled and overflow only times the scale: GradScaler's own business,
+        # unless something handles the scaled gradients (the evidence amp_misuse names)
+        if c.hooks:
+            return _amp_misuse(c, bad, c.rc_ev, {"why": "probe_clean"})
+        if c.scaler_phase in ("calibration", "growth_probe", "isolated") or not (c.collapsed or c.skip_alert):
+            return _scaler_normal(c, bad, st, module)
     if module is None and c.probe is not None:
         pb = _first_bad_step(c.probe, amp=False)
         ps = _stats_at(c.probe, pb) if pb is not None else None
@@ -626,11 +634,12 @@ def diagnose(
     recheck: RecheckFn,
     device: str = "cpu",
     model_hooks: list[str] | None = None,
+    scaler_phase: str | None = None,
 ) -> Diagnosis:
     """Apply the rules in order (FP32 → target stage, with probes and the FP32 re-check → healthy),
     then add what every verdict carries: the layer table led by the verdict's module, the bf16
     stage's word on switching, and the data scan's findings."""
-    c = Ctx(results, batches, cfg, recheck, device, model_hooks)
+    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase)
     out = judge(c)
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}
@@ -684,6 +693,33 @@ def bf16_check(bf16: StageResult, fp32: StageResult) -> Fix:
     if bad is not None:
         return Fix("bf16_tried", {"variant": "nonfinite", "step": bad})
     return Fix("bf16_tried", {"variant": "clean", "steps": len(bf16.records), "ratio": stall_ratio(bf16, fp32)})
+
+
+def _scaler_normal(c: Ctx, step: int | None, st: StepStats | None, module: str | None) -> Outcome:
+    """``healthy``: the step overflowed FP16 only times GradScaler's scale and the scaler backed off, as it
+    is built to; what it did, the module that overflowed at that scale, and the headroom left unscaled."""
+    rec = c.tgt.records[min(step or 0, len(c.tgt.records) - 1)] if c.tgt is not None and c.tgt.records else None
+    scale = float(rec.scaler_scale) if rec is not None and rec.scaler_scale else None
+    absmax = None
+    if module is not None and c.probe is not None:
+        ps = _stats_at(c.probe, min(step or 0, len(c.probe.records) - 1))
+        if ps is not None:
+            absmax = _module_grad_absmax(ps, module)
+    headroom = FP16.headroom_binades(absmax) if absmax else None
+    facts = {"variant": "scaler_normal", "stage": "amp", "step": step, "module": module, "scale": scale,
+             "phase": c.scaler_phase or "isolated", "absmax": absmax, "headroom": headroom}
+    return Outcome("healthy", module, step, "amp", facts,
+                   [Finding("scaler_normal", "info", stage="amp", module=module, step=step,
+                            evidence={"scale": scale, "phase": facts["phase"], "grad_absmax_unscaled": absmax,
+                                      "headroom_binades": headroom})], [])
+
+
+def _module_grad_absmax(st: StepStats, module: str) -> float | None:
+    """The largest |gradient| of the module's parameters in a step's statistics (None if none recorded)."""
+    vals = [float(row[Col.ABSMAX]) for name, row in st.pgrad.items()
+            if name == module or name.startswith(module + ".") or (module == locate.MODEL and "." not in name)]
+    vals = [v for v in vals if math.isfinite(v)]
+    return max(vals) if vals else None
 
 
 def _amp_misuse(c: Ctx, step: int | None, ev: dict[str, Any], why: dict[str, Any]) -> Outcome:

@@ -237,6 +237,25 @@ def _healthy(f: Facts) -> str:
     return s
 
 
+_PHASES = {
+    "calibration": "probing a scale above any that had carried a step",
+    "growth_probe": "probing a doubled scale after its growth interval",
+    "isolated": "meeting one overflow at an established scale",
+}
+
+
+def _scaler_normal(f: Facts) -> str:
+    where = f" in {f['module']}" if f.get("module") else ""
+    s = (f"GradScaler working as designed: at step {f['step']} the gradients{where} overflowed FP16 only times the "
+         f"loss scale" + (f" {_g3(f['scale'])}" if f.get("scale") else "") + f" (GradScaler was "
+         f"{_PHASES.get(str(f.get('phase')), 'backing off')}), it skipped the step and backed off, and raw FP16 "
+         "without scaling stays finite.")
+    if f.get("absmax") and f.get("headroom") is not None:
+        s += (f" Unscaled, their largest value is {_g3(f['absmax'])}: {_g3(f['headroom'])} binade(s) of FP16 headroom, "
+              "room for a scale up to about 2^" + f"{max(int(f['headroom']), 0)}.")
+    return s
+
+
 def _not_reproduced(f: Facts) -> str:
     got = ", ".join(f"loss {_g4(lv)}" if lv is not None else "no step" for lv in f["losses"])
     return (f"The run failed at step {f['step']} ({f['reason']}), but replaying that step in {f['precision']} from "
@@ -280,6 +299,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
     "frozen": _frozen,
     "stall": lambda f: f"The {f['stage']} stage makes {pct0(f['ratio'])} of FP32's loss progress without any non-finite value.",
     "healthy": _healthy,
+    "scaler_normal": _scaler_normal,
     "not_reproduced": _not_reproduced,
 }
 """Verdict variant (``Outcome.facts["variant"]``) → the verdict's summary."""
@@ -310,6 +330,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "underflow": lambda f: f"gradients of {f['parameters']} parameter(s) flush to zero in FP16",
     "frozen": lambda f: f"{f['frozen']} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move",
     "stall": lambda f: "training stalls against FP32",
+    "scaler_normal": lambda f: f"GradScaler skipped step {f['step']} and backed off, as designed",
     "not_reproduced": lambda f: (
         f"the {f['precision']} replay of step {f['step']} from the captured state finished cleanly {f['replays']} of "
         f"{f['replays']} times"),
@@ -376,6 +397,10 @@ def _probe_follows(f: Finding) -> str:
 FindingWords = Callable[[Finding, ScalerStory | None], tuple[str, str]]
 
 FINDINGS: dict[str, FindingWords] = {
+    "scaler_normal": lambda f, s: (
+        f"GradScaler skipped step {f.step} at scale {gen(f.evidence['scale']) if f.evidence.get('scale') else '?'} "
+        f"({str(f.evidence.get('phase', '')).replace('_', ' ')}) and backed off: its normal working",
+        "Nothing to change. Monitor(capture_on='failure'), the default, does not capture these skips."),
     "calibration_skips": lambda f, s: (
         f"{f.evidence['_count']} GradScaler skip(s) while the scale calibrated from {gen(f.evidence['_init_scale'])}",
         s.explanation if s is not None else ""),
