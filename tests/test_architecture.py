@@ -7,7 +7,7 @@ import sys
 
 import ampdoctor
 
-DOCUMENTED = {"triage", "layer_stats", "Monitor", "Report", "TriageConfig", "read_step_log", "diagnose_scale", "__version__"}
+DOCUMENTED = {"triage", "layer_stats", "Monitor", "MicroBatches", "Report", "TriageConfig", "read_step_log", "diagnose_scale", "__version__"}
 
 
 def test_public_api_is_what_the_docs_import() -> None:
