@@ -39,6 +39,24 @@ def test_readme_sample_output_is_current(monkeypatch: pytest.MonkeyPatch) -> Non
     assert text == readme_sample(), "README.md's sample output is stale: run python tests/test_readme_sample.py to regenerate it"
 
 
+def test_readme_image_shows_the_current_run() -> None:
+    """docs/img/report-html.png carries the run it shows (docs/gen_report_image.py writes it)."""
+    import importlib.util
+
+    from PIL import Image
+
+    from ampdoctor.engine.triage import triage
+    from ampdoctor.input.config import TriageConfig
+
+    spec = importlib.util.spec_from_file_location("gen_report_image", ROOT / "docs" / "gen_report_image.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    report, _ = triage(ROOT / gen.SAMPLE, TriageConfig())
+    shown = Image.open(gen.IMAGE).text.get("ampdoctor-run")  # type: ignore[attr-defined]
+    assert shown == gen.run_lines(report.to_dict()), "the README image is stale: run python docs/gen_report_image.py"
+
+
 def test_cpu_install_hint_comes_before_the_command() -> None:
     text = (ROOT / "README.md").read_text()
     setup = text[text.index("## Set up"):text.index("## Walkthrough")]
