@@ -54,6 +54,18 @@ def test_report_md_and_dump_dir_end_to_end(samples: Path, tmp_path: Path) -> Non
     compile((dump / "repro.py").read_text(), "repro.py", "exec")
 
 
+def test_report_given_twice_writes_both(samples: Path, tmp_path: Path) -> None:
+    md, page = tmp_path / "bug.md", tmp_path / "bug.html"
+    res = runner.invoke(app, ["triage", str(samples / "healthy.py"), "--steps", "2", "--device", "cpu",
+                              "--report", str(md), "--report", str(page)])
+    assert res.exit_code == 0, res.output
+    assert md.read_text().startswith("#") and "<html" in page.read_text()
+    assert f"report written to {md}" in res.output.replace("\n", "") and f"report written to {page}" in res.output.replace("\n", "")
+    res = runner.invoke(app, ["triage", str(samples / "healthy.py"), "--report", str(tmp_path / "a.md"),
+                              "--report", str(tmp_path / "a.md")])
+    assert res.exit_code == 2 and "--report and --report both name" in res.output, res.output
+
+
 def test_existing_outputs_are_refused_before_anything_runs(tmp_path: Path) -> None:
     spec = tmp_path / "never_runs.py"
     marker = tmp_path / "ran"

@@ -81,7 +81,7 @@ def triage(
     loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
     optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path ('-': to stdout, the rest of the output to stderr).")] = None,
-    report_path: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html.")] = None,
+    report_path: Annotated[Optional[list[Path]], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html; repeat it for several.")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
@@ -137,10 +137,11 @@ def triage(
                                              checkpoint=checkpoint, skip_batches=skip_batches, script=script,
                                          attn_implementation=attn_implementation)
             written: list[Path] = []
-            if report_path is not None:
+            if report_path:
                 from ampdoctor.cli.reports import write_report
 
-                written.append(write_report(report_path, report)[-1])
+                for rp in report_path:
+                    written.append(write_report(rp, report)[-1])
             if dump_dir is not None:
                 from ampdoctor.cli.dump import dump
 

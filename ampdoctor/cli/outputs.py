@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ampdoctor.errors import OutputError, UsageError
@@ -23,11 +23,12 @@ def is_stdout(path: Path | None) -> bool:
     return path is not None and str(path) == STDOUT
 
 
-def check_triage_outputs(json_path: Path | None, report_path: Path | None, log: Path | None, dump_dir: Path | None,
-                         force: bool) -> None:
+def check_triage_outputs(json_path: Path | None, report_path: Path | Sequence[Path] | None, log: Path | None,
+                         dump_dir: Path | None, force: bool) -> None:
     """Refuse (UsageError / OutputExistsError) any output that exists without --force, lies in a missing or
-    unwritable folder, or names the same file as another output."""
-    named = [(opt, p) for opt, p in (("--json", json_path), ("--report", report_path), ("--log", log),
+    unwritable folder, or names the same file as another output (``--report`` may be given several times)."""
+    reports = [report_path] if isinstance(report_path, Path) else list(report_path or [])
+    named = [(opt, p) for opt, p in (("--json", json_path), *(("--report", r) for r in reports), ("--log", log),
                                       ("--dump-dir", dump_dir)) if p is not None and not is_stdout(p)]
     for i, (opt_a, a) in enumerate(named):
         for opt_b, b in named[i + 1:]:
@@ -37,10 +38,10 @@ def check_triage_outputs(json_path: Path | None, report_path: Path | None, log: 
         check_writable(json_path, force)
     if log is not None:
         check_writable(log, force)
-    if report_path is not None:
+    for r in reports:
         from ampdoctor.cli.reports import check_report_path
 
-        check_report_path(report_path, force)
+        check_report_path(r, force)
     if dump_dir is not None:
         from ampdoctor.cli.dump import check_dump_dir
 
