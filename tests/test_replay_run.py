@@ -189,6 +189,11 @@ def test_a_timestep_drawn_in_the_step_replays_the_runs_draw_every_time(tmp_path:
         v = rep["verdict"]
         seen.add((v["cause"], v["first_module"], v["first_step"]))
         assert rep["config"]["rng_restored"] == ["torch"]
+        # item 3: every step the run's own, from the data: the scale story, the evidence, the start's words
+        assert rep["scaler"]["init_scale"] == 256.0 and [e["step"] for e in rep["scaler"]["skips"]] == [first]
+        assert rep["config"]["start"] == f"the checkpoint ckpt{first}.pt"
+        weights = [f["evidence"].get("fp32_recheck_weights") for f in rep["findings"]]
+        assert all(w is None or w in (f"the checkpoint ckpt{first}.pt", f"stage amp before step {first}") for w in weights), weights
     assert seen == {("fp16_forward_overflow", "inp", first)}, seen
     # the capture of the same run, replayed with no spec at all: the same verdict every time
     verdicts = set()

@@ -63,7 +63,8 @@ class Run:
     start_kind: str = "init"
     """Where the stages started: ``init`` (the spec's initial weights), ``capture`` or ``checkpoint``."""
     start_label: str = ""
-    """The checkpoint's name ("checkpoint checkpoint-130") when ``start_kind`` is ``checkpoint``."""
+    """The checkpoint as the report names it ("checkpoint-130", "the checkpoint ckpt.pt") when ``start_kind`` is
+    ``checkpoint``."""
     rng_restored: list[str] = field(default_factory=list)
     """The RNG states set before every stage (``torch``, ``cuda``, ``numpy``, ``python``); empty: seeded."""
 

@@ -84,17 +84,19 @@ def user_hooks(model: nn.Module) -> list[str]:
 
 
 def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[str, torch.Tensor],
-               results: dict[str, StageResult], device: torch.device):  # noqa: ANN201
-    """FP32 replay of a step's batch from the initial weights or a stage's snapshot."""
+               results: dict[str, StageResult], device: torch.device, step0: int = 0,
+               start: str = "initial"):  # noqa: ANN201
+    """FP32 replay of a step's batch from the stages' start (``start`` names it: 'initial', 'the captured
+    weights at step 120', 'checkpoint-130') or a stage's snapshot, named with the run's step (``step0 + k``)."""
 
     def run(stage: str, step: int) -> Recheck | None:
         if stage == "initial":
-            state, label = init_state, "initial"
+            state, label = init_state, start
         else:
             res = results.get(stage)
             if res is None or res.snapshot is None or res.snapshot_step != step:
                 return None
-            state, label = res.snapshot, f"stage {stage} before step {step}"
+            state, label = res.snapshot, f"stage {stage} before step {step0 + step}"
         model.load_state_dict(state)
         model.train()
         model.zero_grad(set_to_none=True)
@@ -246,7 +248,8 @@ def triage(
     run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)", user_hooks=user_hooks(model),
               start=start_note, step0=start.step0 if start is not None else skip_batches, said=said,
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
-              start_label=(f"checkpoint {Path(checkpoint).name}" if checkpoint is not None else ""))
+              start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
+                           if checkpoint is not None else ""))
     rng = start.rng if start is not None else None
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
@@ -485,6 +488,16 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     return spec, model, batches, cap, said
 
 
+def start_of(run: Run) -> str:
+    """Where every stage started, as the report says it: 'the initial weights', 'the captured weights at step
+    8,217', 'checkpoint-130'."""
+    if run.start_kind == "capture" and run.replay is not None:
+        return f"the captured weights at step {run.replay.step0:,}"
+    if run.start_kind == "checkpoint":
+        return run.start_label or f"the checkpoint of step {run.step0:,}"
+    return "the initial weights"
+
+
 def _rng_words(run: Run, rp: Replay | None) -> str:
     """Whether the run's RNG states were restored before every stage, and what that means for a step that
     draws randomness (dropout, a timestep drawn in the step)."""
@@ -527,10 +540,14 @@ def _optimizer_state_fits(opt: torch.optim.Optimizer, want: list[set[str]], wher
 def build_report(run: Run, argv: list[str] | None = None) -> Report:
     """Diagnose the run's stage results and build the Report (the FP32 re-check replays from ``run``)."""
     cfg, results, batches, device = run.config, run.results, run.batches, run.device
-    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device)
+    start_words = start_of(run)
+    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device, run.replay.step0 if run.replay
+                         is not None else run.step0, "initial" if run.start_kind == "init" else start_words)
     phase = run.replay.manifest.get("scaler_phase") if run.replay is not None else None  # (what GradScaler was doing)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
-                    scaler_phase=phase if isinstance(phase, str) else None)
+                    scaler_phase=phase if isinstance(phase, str) else None,
+                    step0=run.replay.step0 if run.replay is not None else run.step0,  # the story in the run's steps
+                    resumed=run.start_kind != "init")
     rp = run.replay
     step0 = rp.step0 if rp is not None else run.step0
     if rp is not None:
@@ -539,6 +556,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
             diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
     if step0:
         diag = shift_diagnosis(diag, step0)  # the run's own steps, before any word is written
+    diag.outcome.facts.setdefault("start", start_words)  # where the stages started, in the words' own terms
     verdict, findings, fixes, scaler = words.write(diag)
     run.reset()
     fp32 = results.get("fp32")
@@ -551,6 +569,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
     cfg_dict = asdict(cfg)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
+    cfg_dict["start"] = start_words
     if ratio is not None:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
@@ -577,12 +596,6 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
                                      f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
                                      "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
                                                              else "steps.csv`"))
-    if rp is None and run.start_kind == "checkpoint" and report.scaler is not None:
-        amp = results.get("amp")
-        first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
-        if first is not None and first != report.scaler.init_scale:  # the checkpoint's scale, not --init-scale
-            report.scaler.init_scale = first
-            report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)

@@ -216,16 +216,20 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, f
     return interesting[:limit]
 
 
-def scaler_story(res: StageResult, cfg: TriageConfig) -> ScalerStory | None:
+def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0, resumed: bool = False) -> ScalerStory | None:
+    """GradScaler's history in the amp stage, every step the run's own (``step0 + k``: the words are written
+    from these numbers, never patched afterwards); ``resumed``: the stage started from the run's GradScaler
+    state (a capture, a checkpoint), so the story starts from that scale, not ``--init-scale``."""
     recs = res.records
     if not recs or recs[0].scaler_scale is None:
         return None
     scales = [float(r.scaler_scale or 0.0) for r in recs]
     skipped = [r.skipped for r in recs]
+    init = scales[0] if resumed else cfg.init_scale
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
-                       backoff_factor=cfg.backoff_factor, init_scale=cfg.init_scale)
-    events = [ScaleEvent(r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
-    return ScalerStory(cfg.init_scale, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
+                       backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
+    events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
+    return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
                        d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
 
 
@@ -236,7 +240,8 @@ class Ctx:
     once (the FP32 re-check of the first bad step runs at most once, on first use)."""
 
     def __init__(self, results: dict[str, StageResult], batches: Batches, cfg: TriageConfig, recheck: RecheckFn,
-                 device: str = "cpu", hooks: list[str] | None = None, scaler_phase: str | None = None) -> None:
+                 device: str = "cpu", hooks: list[str] | None = None, scaler_phase: str | None = None,
+                 step0: int = 0, resumed: bool = False) -> None:
         self.results, self.batches, self.cfg, self.recheck = results, batches, cfg, recheck
         self.device, self.hooks = device, list(hooks or [])
         self.scaler_phase = scaler_phase or ""
@@ -246,7 +251,7 @@ class Ctx:
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)
         self.probe = results.get("fp16")
-        self.story = scaler_story(results["amp"], cfg) if "amp" in results else None
+        self.story = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
 
     @cached_property
     def ratio(self) -> float | None:
@@ -635,11 +640,13 @@ def diagnose(
     device: str = "cpu",
     model_hooks: list[str] | None = None,
     scaler_phase: str | None = None,
+    step0: int = 0,
+    resumed: bool = False,
 ) -> Diagnosis:
     """Apply the rules in order (FP32 → target stage, with probes and the FP32 re-check → healthy),
     then add what every verdict carries: the layer table led by the verdict's module, the bf16
     stage's word on switching, and the data scan's findings."""
-    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase)
+    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed)
     out = judge(c)
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}

@@ -159,7 +159,9 @@ def _stages(report: Report) -> list[str]:
     head = ["stage", "steps", "first non-finite", "skipped", "final scale", "final loss", "FP32 loss", "note"]
     rows = [[s.name, str(s.steps_run), num(s.first_nonfinite_step), str(len(s.skipped_steps)), scale(s.final_scale),
              num(s.final_loss), num(s.fp32_loss) if s.name != "fp32" else "", _stage_note(s)] for s in report.stages]
-    lines = ["", "## Stages", "", "Every stage replays the same batches from the same initial weights and seed; "
+    start = str(report.config.get("start") or "the initial weights")
+    start = "the same initial weights and seed" if start == "the initial weights" else start
+    lines = ["", "## Stages", "", f"Every stage replays the same batches from {start}; "
              "*FP32 loss* is FP32's loss at that stage's last step (same batch).", ""]
     lines += table(head, rows, {1, 2, 3, 4, 5, 6})
     return lines

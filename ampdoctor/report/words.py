@@ -167,7 +167,13 @@ def _amp_defeated(f: Facts) -> str:
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
-            f"{loc} even from the initial weights.")
+            f"{loc} {_from_start(f, even=True)}.")
+
+
+def _from_start(f: Facts, even: bool = False) -> str:
+    """'even from the initial weights', 'from the captured weights at step 8,217', 'from checkpoint-130'."""
+    start = f.get("start") or "the initial weights"
+    return ("even from " if even and start == "the initial weights" else "from ") + str(start)
 
 
 def _custom_where(f: Facts) -> str:
@@ -273,7 +279,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"FP32 fails at step {f['step']} on batch {f['batch']}, whose field {f['field']!r} is {_g3(f['ratio'])}x larger "
         "than the median batch."),
     "fp32_diverged": lambda f: (
-        f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite and trains from the initial weights, "
+        f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite and trains {_from_start(f)}, "
         f"so the weights diverged over {f['steps_before']} steps (largest gradient norm before: {_g4(f['max_grad_l2'])})."),
     "fp32_bug": _fp32_bug,
     "no_target": lambda f: "FP32 trains cleanly; no target stage was run.",
