@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -13,7 +14,7 @@ from ampdoctor.render import html as html_render
 from ampdoctor.render import json as json_render
 from ampdoctor.render import markdown as md_render
 from ampdoctor.render import terminal as term_render
-from ampdoctor.report.model import CAUSES, Report
+from ampdoctor.report.model import CAUSES, LayerStep, Report
 from tests.report_fixtures import make_report
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -101,3 +102,29 @@ def test_markdown_without_matplotlib_says_how_to_get_plots(monkeypatch: pytest.M
     assert "pip install matplotlib" in str(files[tmp_path / "r.md"])
     page = html_render.render(make_report())
     assert "pip install matplotlib" in page and "data:image" not in page
+
+
+def test_heatmap_shows_the_verdicts_op_row_on_a_log_scale() -> None:
+    """The op the verdict names (a layers row of kind 'op', not a heatmap row) is drawn, and a 0.2% share is
+    not blank: the op row's pixels at its step are coloured."""
+    pytest.importorskip("matplotlib")
+    import io
+
+    from matplotlib import image as mpimg
+
+    from ampdoctor.records import LayerRow
+    from ampdoctor.render.plots import heatmap_figure
+
+    r = make_report()
+    r.layer_steps = [LayerStep("enc", "activation", s, 0.0, 0.0, 0.0, 0.0, 10.0) for s in range(4)]
+    r.layers = [LayerRow("enc > matmul", "op", 7.571e4, 0.002, 0.0, 0.0, -0.2, 0)]
+    r.verdict.first_module, r.verdict.first_step = "enc", 0
+    with_op = heatmap_figure(r)
+    r.layers = []
+    without = heatmap_figure(r)
+    assert with_op is not None and without is not None
+    a, b = mpimg.imread(io.BytesIO(with_op)), mpimg.imread(io.BytesIO(without))
+    # the op row adds warm (red-orange) pixels: the 0.2% overflow cell and the red mark
+    def warm(img: Any) -> int:
+        return int(((img[..., 0] > 0.8) & (img[..., 1] < 0.6) & (img[..., 2] < 0.5)).sum())
+    assert warm(a) > warm(b) + 50

@@ -112,13 +112,19 @@ def _integer_ticks() -> Any:
 
 
 def heatmap_figure(report: Report) -> bytes | None:
+    """Layers x steps, three panels. The op the verdict names (a row of ``report.layers`` of kind 'op',
+    measured at one step by the FP32 op scan) is the first row; the verdict's module is marked in red.
+    The colour scale is logarithmic (1e-4 to 1), so that any non-zero share shows; cells a row has no
+    measurement for are grey."""
     cells = report.layer_steps
     if not cells:
         return None
     import numpy as np
+    from matplotlib.colors import LogNorm
 
     plt = _plt()
-    keys = list(dict.fromkeys((c.module, c.kind) for c in cells))
+    ops = [r for r in report.layers if r.kind == "op"]
+    keys = [(r.module, "op") for r in ops] + list(dict.fromkeys((c.module, c.kind) for c in cells))
     steps = sorted({c.step for c in cells})
     col = {s: i for i, s in enumerate(steps)}
     row = {k: i for i, k in enumerate(keys)}
@@ -126,22 +132,46 @@ def heatmap_figure(report: Report) -> bytes | None:
               ("flushed_frac", "flushed to 0 (target stage)")]
     height = max(2.6, 0.28 * len(keys) + 1.4)
     fig, axes = plt.subplots(1, 3, figsize=(12, height), sharey=True)
+    cmap = plt.get_cmap("magma_r").copy()
+    cmap.set_bad(alpha=0.0)  # zero: the background shows
+    norm = LogNorm(vmin=1e-4, vmax=1.0, clip=True)
+    v = report.verdict
     im = None
     for ax, (field, title) in zip(axes, panels, strict=True):
         grid = np.zeros((len(keys), len(steps)))
         for c in cells:
             grid[row[(c.module, c.kind)], col[c.step]] = getattr(c, field)
-        im = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0.0, vmax=1.0, interpolation="nearest")
+        for r in ops:
+            grid[row[(r.module, "op")]] = np.nan
+            s = r.first_nonfinite_step if r.first_nonfinite_step is not None else v.first_step
+            if s in col:
+                grid[row[(r.module, "op")], col[s]] = {"overflow_frac": r.overflow_frac, "nonfinite_frac": r.nonfinite_frac,
+                                                      "flushed_frac": r.underflow_frac}[field]
+        unmeasured = np.isnan(grid)
+        ax.imshow(np.where(unmeasured, 0.82, 1.0), aspect="auto", cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+        shown = np.ma.masked_where(unmeasured | (grid <= 0), np.maximum(grid, 1e-4))
+        im = ax.imshow(shown, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         tick = max(1, len(steps) // 8)
         ax.set_xticks(range(0, len(steps), tick))
         ax.set_xticklabels([str(steps[i]) for i in range(0, len(steps), tick)], fontsize=7)
+        culprit = [i for i, (m, _k) in enumerate(keys) if v.first_module and (m == v.first_module
+                                                                                  or m.startswith(v.first_module + " > "))]
+        if culprit and v.first_step in col:
+            from matplotlib.patches import Rectangle
+
+            i = culprit[0]
+            ax.add_patch(Rectangle((col[v.first_step] - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#d62728", linewidth=1.5))
     axes[0].set_yticks(range(len(keys)))
     axes[0].set_yticklabels([f"{m} [{k}]" for m, k in keys], fontsize=7)
-    fig.colorbar(im, ax=list(axes), fraction=0.025, pad=0.01, label="share of elements")
+    for lab, (m, _k) in zip(axes[0].get_yticklabels(), keys, strict=True):
+        if v.first_module and (m == v.first_module or m.startswith(v.first_module + " > ")):
+            lab.set_color("#d62728")
+            lab.set_fontweight("bold")
+    fig.colorbar(im, ax=list(axes), fraction=0.025, pad=0.01, label="share of elements (log; blank: 0, grey: not measured)")
     # above the panel titles whatever the figure's height (a few rows made them overlap)
-    fig.suptitle(TITLES["heatmap"], fontsize=10, y=1.0 + 0.25 / height)
+    fig.suptitle(TITLES["heatmap"] + "; red: the verdict's module and step", fontsize=10, y=1.0 + 0.25 / height)
     return _png(fig)
 
 
@@ -166,9 +196,21 @@ def headroom_figure(report: Report) -> bytes | None:
     colors = ["#d62728" if h < 0 else "#ff7f0e" if h < 2 else "#2ca02c" for _, h in rows]
     ax.barh(range(len(rows)), [h for _, h in rows], color=colors)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([n for n, _ in rows], fontsize=7)
+    ax.set_yticklabels([n for n, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=1)
+    lo = min(h for _, h in rows)
+    if lo < 0:  # a slightly negative bar (the cause) must not be a sliver: room on the left, and its value
+        ax.set_xlim(left=min(-2.0, lo * 1.3))
+        for i, (_, h) in enumerate(rows):
+            if h < 0:
+                ax.annotate(f"{h:.1f}", (h, i), xytext=(-4, 0), textcoords="offset points", ha="right", va="center",
+                            fontsize=8, color="#d62728", fontweight="bold")
+    first = report.verdict.first_module
+    for lab, (n, _) in zip(ax.get_yticklabels(), rows, strict=True):
+        if first and (n.startswith(first + " [") or n.startswith(first + " > ")):
+            lab.set_color("#d62728")
+            lab.set_fontweight("bold")
     ax.set_xlabel("headroom in binades: log2(65504 / FP32 absmax); below 0 overflows FP16")
     ax.set_title(TITLES["headroom"])
     ax.grid(axis="x", alpha=0.3)
