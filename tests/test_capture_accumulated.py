@@ -79,3 +79,55 @@ def test_micro_batches_given_twice_is_a_usage_error(tmp_path: Path) -> None:
         mon.backward(model(x).sum(), batch=(x,))
         with pytest.raises(UsageError, match="micro-batches were given to backward"):
             mon.step(batch=(x,))
+
+
+IMG_SPEC = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 1))
+
+def build_dataloader():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 3, 64, 64, generator=g), torch.randn(8, 1, generator=g)) for _ in range(2)]
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out.float(), y)
+'''
+
+
+def test_the_capture_holds_no_more_than_its_budget_and_still_re_reaches_the_step(tmp_path: Path) -> None:
+    """Batches of 393 KB, a 2 MB budget, a snapshot every 100 steps: the capture takes snapshots early so what
+    it holds stays within the budget, and an applied failure at step 57 replays from the last of them."""
+    from ampdoctor.watch.steplog import read_step_log
+
+    ns: dict[str, object] = {}
+    exec(IMG_SPEC, ns)
+    model = ns["build_model"]()  # type: ignore[operator]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    hold = 2_000_000
+    g = torch.Generator().manual_seed(1)
+    with Monitor(model, opt, capture=tmp_path / "cap", capture_hold_bytes=hold, log=tmp_path / "steps.csv",
+                 quiet=True) as mon:
+        for step in range(60):
+            x, y = torch.randn(8, 3, 64, 64, generator=g), torch.randn(8, 1, generator=g)
+            if step == 57:
+                x[1, 0, 5, 5] = float("nan")
+            loss = ns["loss_fn"](model(x), y)  # type: ignore[operator]
+            loss.backward()
+            mon.after_backward(loss, batch=(x, y))
+            opt.step()  # a plain loop: the NaN step is applied
+            mon.after_step()
+            opt.zero_grad(set_to_none=True)
+        early = mon.capture.early_snapshots  # type: ignore[union-attr]
+    held = read_step_log(tmp_path / "steps.csv").frame["capture_held_bytes"].astype(int)
+    assert held.max() <= hold and early >= 5, (held.max(), early)
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["step"], m["skipped"]) == (57, False) and m["snapshot_step"] < 57 <= m["snapshot_step"] + 5
+    spec = tmp_path / "spec.py"
+    spec.write_text(IMG_SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 57), r.output[-2000:]

@@ -164,6 +164,15 @@ def spec_hint() -> str | None:
     return None
 
 
+def default_hold_bytes(max_bytes: int) -> int:
+    """The capture's default host budget: a thirty-second of the machine's RAM, never more than ``max_bytes``."""
+    try:
+        ram = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):  # not POSIX: the cap alone
+        return max_bytes
+    return max(1, min(max_bytes, ram // 32))
+
+
 def rng_states() -> dict[str, Any]:
     """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe)."""
     out: dict[str, Any] = {"torch": torch.get_rng_state()}
@@ -379,21 +388,58 @@ class Capture:
     """``Monitor(quiet=True)``: nothing on the default stderr handler (see ``ampdoctor.notify``)."""
     sharded: str | None = None
     """The sharding engine of the model (``sharded_engine``): the capture then holds this rank's shard."""
+    hold_bytes: int = 0
+    """What the capture may hold on the host between snapshots (the snapshot and the batches since): 0 means
+    ``default_hold_bytes(max_bytes)``. Past it a snapshot is taken early, so the held batches restart."""
+    held: int = 0
+    """Bytes held now: the last snapshot and the batches since (the step log's ``capture_held_bytes``)."""
+    early_snapshots: int = 0
+    """Snapshots taken before ``snapshot_every`` because the batches filled ``hold_bytes``."""
+    _snap_bytes: int = 0
+    _batch_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hold_bytes <= 0:
+            self.hold_bytes = default_hold_bytes(self.max_bytes)
 
     # every step ----------------------------------------------------------------------------------
     def before_update(self, step: int, batch: Any) -> None:
-        """At the step's one host copy, before the optimizer step: the periodic snapshot, then the batch."""
+        """At the step's one host copy, before the optimizer step: the periodic snapshot, then the batch.
+
+        Bounded: when the snapshot and the batches since would pass ``hold_bytes``, a snapshot is taken
+        now (the state before this step's update) and the held batches start again from this one, so the
+        failing step can always be re-reached from what is held. A batch that does not fit beside the
+        snapshot even alone is still kept (the failing step needs it), alone."""
         if self.done:
             return
-        if self._snapshot is None or step % self.snapshot_every == 0:
-            self._snapshot = self.state()
-            self._snapshot_step = step
-            self._batches.clear()
-            self._batch_steps.clear()
+        kept = None
         if batch is not None:
             # an accumulated step's micro-batches keep their grouping (the replay runs them as one step)
-            self._batches.append({MICRO_KEY: [host_copy(b) for b in batch]} if isinstance(batch, Micro) else host_copy(batch))
+            kept = {MICRO_KEY: [host_copy(b) for b in batch]} if isinstance(batch, Micro) else host_copy(batch)
+        kb = nbytes(kept) if kept is not None else 0
+        periodic = self._snapshot is None or step % self.snapshot_every == 0
+        full = bool(self._batches) and self._snap_bytes + self._batch_bytes + kb > self.hold_bytes
+        if full and not periodic and self._snap_bytes + kb > self.hold_bytes:
+            # the snapshot and this batch alone pass the budget: an early snapshot cannot help (and would copy the
+            # state every step). Hold this batch alone; the snapshot no longer re-reaches it (a skipped failing
+            # step still replays from state.pt), and the next periodic one starts again
+            self._batches.clear()
+            self._batch_steps.clear()
+            self._batch_bytes = 0
+            full = False
+        if periodic or full:
+            self._batches.clear()  # (before the copy: what they held is free for it)
+            self._batch_steps.clear()
+            self._batch_bytes = 0
+            self._snapshot = self.state()
+            self._snap_bytes = nbytes(self._snapshot)
+            self._snapshot_step = step
+            self.early_snapshots += int(full and not periodic)
+        if kept is not None:
+            self._batches.append(kept)
             self._batch_steps.append(step)
+            self._batch_bytes += kb
+        self.held = self._snap_bytes + self._batch_bytes
 
     def state(self) -> dict[str, Any]:
         """Host copies of the model, optimizer and scaler state, as they are now."""
@@ -452,6 +498,10 @@ class Capture:
             files["state.pt"] = st
         batches, steps = list(self._batches), list(self._batch_steps)
         snap = self._snapshot if self._snapshot_step is not None and self._snapshot_step < step else None
+        if snap is not None and steps and steps[0] != self._snapshot_step:
+            left_out.append(f"snapshot.pt (the batches since step {self._snapshot_step} passed capture_hold_bytes="
+                            f"{self.hold_bytes}, so it cannot re-reach the step)")
+            snap = None
         if snap is not None:
             files["snapshot.pt"] = snap
         files["rng.pt"] = rng_states()

@@ -82,6 +82,9 @@ log = logging.getLogger("ampdoctor")  # heard on stderr until the application co
 
 EXTRA_COLUMNS: tuple[str, ...] = ("scale_after", "skip_rate", "nonfinite_params", "injected")
 """Columns the monitor writes after the standard ones (see ``steplog.COLUMNS``)."""
+CAPTURE_COLUMNS: tuple[str, ...] = ("capture_held_bytes",)
+"""With a capture armed, after ``EXTRA_COLUMNS``: the host bytes it holds after the step (its last snapshot
+and the batches since; bounded by ``capture_hold_bytes``)."""
 RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
 """Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
 value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
@@ -142,6 +145,8 @@ class MonitorRecord:
     """Under torch.distributed: this process's rank."""
     ranks: RankView | None = None
     """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
+    capture_held: int | None = None
+    """With a capture armed: the host bytes it holds after this step."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -153,6 +158,7 @@ class MonitorRecord:
             "skip_reason": self.skip_reason, "scaler_scale": self.scaler_scale, "scale_after": self.scale_after,
             "skip_rate": round(self.skip_rate, 6),
             "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
+            **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
             **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
                if self.rank is not None else {}),
         }
@@ -253,6 +259,10 @@ class Monitor:
         snapshot_every: with ``capture``, keep a host copy of the state every this many steps (and
             the batches since), to re-reach a step whose applied update broke the weights.
         capture_max_bytes: cap on the capture's size; what did not fit is named in its manifest.
+        capture_hold_bytes: what the capture may hold on the host between snapshots (its last snapshot
+            and the batches since); past it a snapshot is taken early. Default: a thirty-second of the
+            machine's RAM, never more than ``capture_max_bytes``. The step log's ``capture_held_bytes``
+            says what it holds.
         mode: ``"full"`` (per-layer statistics every ``every``-th step) or ``"sentinel"``, the
             always-on mode for long runs: every step, only a sentinel (each parameter gradient's
             L2 norm, which the monitor takes anyway: non-finite exactly when the gradient holds a
@@ -317,6 +327,7 @@ class Monitor:
         process_group: Any = None,
         capture_ranks: Literal["first", "all"] = "first",
         capture_on: Literal["failure", "skip"] = "failure",
+        capture_hold_bytes: int | None = None,
         quiet: bool = False,
     ) -> None:
         _check_types(model, optimizer, scaler)
@@ -369,7 +380,7 @@ class Monitor:
             raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
                              "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
         try:
-            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, capture_on=capture_on, quiet=quiet)
+            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, capture_on=capture_on, capture_hold_bytes=capture_hold_bytes, quiet=quiet)
         except AmpDoctorError:  # misuse, a log that must not be overwritten: the user's to fix, at once
             self.close()
             raise
@@ -412,6 +423,7 @@ class Monitor:
         process_group: Any = None,
         capture_ranks: Literal["first", "all"] = "first",
         capture_on: Literal["failure", "skip"] = "failure",
+        capture_hold_bytes: int | None = None,
         quiet: bool = False,
     ) -> None:
         """Everything the constructor builds once the setup is known to be one the monitor can watch."""
@@ -478,7 +490,7 @@ class Monitor:
                         "every": every, "activations": activations, "snapshot_every": snapshot_every}
             self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                    str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
-                                   quiet=quiet, sharded=self.engine)
+                                   quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
         if capture_on not in ("failure", "skip"):
             raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
         self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
@@ -491,7 +503,8 @@ class Monitor:
         self._last_stats: StepStats | None = None
         self.log_path = Path(log) if log else None
         """The step log this process writes (per rank under torch.distributed)."""
-        self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (RANK_COLUMNS if self.rank is not None else ()),
+        self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (CAPTURE_COLUMNS if self.capture is not None else ())
+                                     + (RANK_COLUMNS if self.rank is not None else ()),
                                      mode=log_mode, fsync=fsync) if log else None)
         # counters and history (state_dict)
         if first_step < 0:
@@ -946,6 +959,7 @@ class Monitor:
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
             m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
+            capture_held=self.capture.held if self.capture is not None else None,
         )
         if m.ranks is not None and m.ranks.faults and self.first_fault is None:
             first = m.ranks.first
@@ -1157,4 +1171,4 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
 
 
-__all__ = ["EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
+__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
