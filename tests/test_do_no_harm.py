@@ -295,3 +295,22 @@ def test_two_processes_capturing_into_one_folder_both_keep_theirs(tmp_path: Path
     assert len(set(written)) == 2 and all(written), outs  # two captures, two folders, neither lost
     for w in written:
         assert json.loads((Path(w) / "manifest.json").read_text())["step"] == 1
+
+
+def test_the_capture_keeps_the_rng_as_the_failing_step_began(tmp_path: Path) -> None:
+    """A step that draws randomness (dropout here) replays the run's own draw: rng.pt is the state as the
+    failing step began, not after its draws."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Monitor(model, opt, capture=tmp_path / "cap", quiet=True) as mon:
+        for step in range(4):
+            x = torch.randn(8, 6)
+            if step == 3:
+                x[0, 0] = float("nan")
+                began = torch.get_rng_state()
+            mon.step(nn.functional.mse_loss(model(x), torch.zeros(8, 1)), batch=(x, torch.zeros(8, 1)))
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["step"], m["rng_after_step"]) == (3, 2)
+    rng = torch.load(tmp_path / "cap" / "rng.pt", weights_only=True)
+    assert torch.equal(rng["torch"], began)

@@ -173,15 +173,23 @@ def default_hold_bytes(max_bytes: int) -> int:
     return max(1, min(max_bytes, ram // 32))
 
 
-def rng_states() -> dict[str, Any]:
-    """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe)."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+def raw_rng() -> tuple[Any, ...]:
+    """The RNG states as the libraries hand them out (cheap: no conversion; reading changes none of them)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+
+
+def rng_states(raw: tuple[Any, ...] | None = None) -> dict[str, Any]:
+    """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe): now, or
+    ``raw`` (``raw_rng()``) taken earlier."""
+    t, cuda, np_state, py_state = raw if raw is not None else raw_rng()
+    out: dict[str, Any] = {"torch": t}
+    if cuda is not None:
+        out["cuda"] = cuda
+    kind, keys, pos, has_gauss, cached = np_state
     out["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    version, state, gauss = random.getstate()
+    version, state, gauss = py_state
     out["python"] = {"version": int(version), "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss}
     return out
 
@@ -401,6 +409,20 @@ class Capture:
     def __post_init__(self) -> None:
         if self.hold_bytes <= 0:
             self.hold_bytes = default_hold_bytes(self.max_bytes)
+        self._rng: tuple[Any, ...] | None = None
+        self._rng_step: int | None = None
+        self._rng_forward: int | None = None
+
+    def step_starts(self, step: int, forward: bool = False) -> None:
+        """The RNG states as ``step`` begins, so a replay of that step draws what the run drew (dropout, a
+        timestep or noise drawn in the step). Kept at the end of the previous step, then again as the step's
+        first training forward of the model begins (``forward=True``: after any draw the loop makes for its
+        data, which the replay does not make)."""
+        if self.done or (forward and self._rng_forward == step):
+            return
+        self._rng = raw_rng()
+        self._rng_step = step
+        self._rng_forward = step if forward else None
 
     # every step ----------------------------------------------------------------------------------
     def before_update(self, step: int, batch: Any) -> None:
@@ -504,7 +526,8 @@ class Capture:
             snap = None
         if snap is not None:
             files["snapshot.pt"] = snap
-        files["rng.pt"] = rng_states()
+        at_start = self._rng is not None and self._rng_step == step
+        files["rng.pt"] = rng_states(self._rng if at_start else None)
         budget = self.max_bytes - sum(nbytes(v) for v in files.values())
         # the failing batch first in priority, then the ones before it, newest first
         kept: list[int] = []
@@ -552,7 +575,8 @@ class Capture:
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "model_identity": model_identity(self.model),
-            "rng_after_step": step,  # rng.pt is taken now, after the failing step's draws
+            # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
+            "rng_after_step": step - 1 if at_start else step,
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,

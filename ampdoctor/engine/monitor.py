@@ -493,11 +493,15 @@ class Monitor:
                                    quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
         if capture_on not in ("failure", "skip"):
             raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
+        if self.capture is not None:
+            self.capture.step_starts(first_step)
         self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
                                     every_skip=capture_on == "skip")
         self._recent_counted = deque(maxlen=window)
         """Per step of the window: a skip that counts for the alert (not GradScaler's calibration or probe)."""
-        self.tap = ForwardTap(model, None, inputs=True) if capture is not None else None
+        self.tap = (ForwardTap(model, None, inputs=True, on_start=self._forward_starts) if capture is not None else None)
+        if self.tap is not None:
+            self.tap.on_error = self._hook_failed
         """With a capture: the model's own inputs of each step's training forwards (the batch, without ``batch=``)."""
         self._batch_checked = False
         self._last_stats: StepStats | None = None
@@ -633,6 +637,10 @@ class Monitor:
         detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         self._turn_off(f"{where} failed at step {self.step_num} ({type(exc).__name__}{': ' + detail if detail else ''})",
                        warn=True)
+
+    def _forward_starts(self) -> None:
+        if self.capture is not None and self._pending is None:
+            self.capture.step_starts(self.step_num, forward=True)
 
     def _hook_failed(self, exc: BaseException) -> None:
         self._fail("recording the forward", exc)
@@ -998,6 +1006,8 @@ class Monitor:
         if self.capture is not None and self.capture.done and self.tap is not None:
             self.tap.close()  # nothing more to keep
             self.tap = None
+        if self.capture is not None:
+            self.capture.step_starts(self.step_num)  # the RNG as the next step begins (a replay draws the run's)
         self._judge_rate(self.alert_rate_now, pend.step)
         return rec
 

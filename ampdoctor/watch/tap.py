@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.watch.hooks import call_wrapping_enabled, listen_calls, remove_hooks, unlisten_calls, unwrap, uses_compile
+from ampdoctor.watch.hooks import (
+    call_wrapping_enabled,
+    listen_calls,
+    remove_hooks,
+    track_calls,
+    unlisten_calls,
+    unwrap,
+    uses_compile,
+)
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
@@ -39,10 +47,13 @@ class ForwardTap:
     model). On each *training* forward (the root in train mode, grad enabled) it hands the output's
     loss to ``on_loss`` (when ``loss=True``) and keeps the inputs (when ``inputs=True``)."""
 
-    def __init__(self, model: nn.Module, on_loss: Callable[[torch.Tensor], None] | None, inputs: bool) -> None:
+    def __init__(self, model: nn.Module, on_loss: Callable[[torch.Tensor], None] | None, inputs: bool,
+                 on_start: Callable[[], None] | None = None) -> None:
         self._root_id = id(unwrap(model))
         self.on_loss = on_loss
         self.keep_inputs = inputs
+        self.on_start = on_start
+        """Called as each training call of the model begins (before its forward draws any random number)."""
         self.inputs: list[Any] = []
         self._last: weakref.ref[Any] | None = None
         self.on_error: Callable[[BaseException], None] | None = None
@@ -51,6 +62,8 @@ class ForwardTap:
         if call_wrapping_enabled() and not uses_compile(model):  # the cheap way (see watch.hooks)
             self._listening = True
             listen_calls(self)
+            if on_start is not None:
+                track_calls(self)  # (its _enter: the start of a call)
             weakref.finalize(self, unlisten_calls, None)
             return
         self._listening = False
@@ -80,6 +93,17 @@ class ForwardTap:
         # the model itself, or a torch.compile wrapper made later (a Trainer compiles after callbacks exist)
         if id(module) == self._root_id or id(module._modules.get("_orig_mod")) == self._root_id:
             self._seen(module, args, kwargs, output)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A call begins (the ``__call__`` wrapper's trackers): the model's own training call tells ``on_start``."""
+        if self.on_start is not None and id(module) == self._root_id and module.training and torch.is_grad_enabled():
+            try:
+                self.on_start()
+            except Exception as e:  # never in the user's forward
+                self.on_start = None
+                if self.on_error is not None:
+                    self.on_error(e)
+        return False  # (no _leave needed)
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
