@@ -239,3 +239,16 @@ Trainer(model=t._Reg(), args=args, train_dataset=t._RegData(), callbacks=[AmpDoc
     # bf16 on the CPU, no GradScaler: the Trainer applies the NaN step, and the callback says so, once
     assert r.stderr.count("ampdoctor: step 0 failed: the loss is nan; the step was applied") == 1, r.stderr[-3000:]
     assert r.stderr.count("the Trainer's own log hides it") == 1
+
+
+def test_a_run_that_asked_for_fp16_and_runs_fp32_is_told_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # on the CPU accelerate makes no GradScaler and no autocast for fp16=True: the run is FP32
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=1,
+                           inject_param=f"{QUERY}.weight")
+    with caplog.at_level(logging.WARNING, logger="ampdoctor"):
+        _trainer(tmp_path, cb, fp16=True, max_steps=3).train()
+    said = [r.getMessage() for r in caplog.records if "was asked for" in r.getMessage()]
+    assert said == ["ampdoctor: the Trainer (TrainingArguments) was asked for fp16 but runs fp32 (no GradScaler and no "
+                    "FP16 autocast on this device); the step log and the capture describe what ran"]
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["precision"], m["monitor"]["asked_precision"], m["monitor"]["ran_precision"]) == ("fp32", "fp16", "fp32")

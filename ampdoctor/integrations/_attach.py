@@ -25,7 +25,28 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
+from ampdoctor.notify import say
 from ampdoctor.watch.tap import ForwardTap, output_loss
+
+
+def precision_ran(amp_dtype: torch.dtype | None, scaler: Any) -> str:
+    """What a step really computes: 'fp16' (FP16 autocast with an enabled GradScaler), 'fp16_autocast' (no
+    scaler), 'bf16', or 'fp32'."""
+    enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
+    if amp_dtype == torch.float16:
+        return "fp16" if enabled else "fp16_autocast"
+    if amp_dtype == torch.bfloat16:
+        return "bf16"
+    return "fp32"
+
+
+def _rank0() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    except Exception:  # pragma: no cover
+        return True
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -45,13 +66,22 @@ class Attached:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, *,
                  amp_dtype: torch.dtype | None, first_step: int, log: str | Path | None, capture: str | Path | None,
-                 loss_from_output: bool, monitor_kwargs: dict[str, Any]) -> None:
+                 loss_from_output: bool, monitor_kwargs: dict[str, Any], asked: str | None = None,
+                 framework: str = "the framework") -> None:
         kw = dict(monitor_kwargs)
         kw.setdefault("max_norm", None)  # the framework clips; the monitor measures
+        ran = precision_ran(amp_dtype, scaler)
+        if asked is not None and asked != ran and not kw.get("quiet") and _rank0():
+            # once, at the start: a run that asked for fp16 and trains in FP32 finds no FP16 problem to find
+            say(f"ampdoctor: {framework} was asked for {asked} but runs {ran}"
+                + (" (no GradScaler and no FP16 autocast on this device)" if asked == "fp16" and ran == "fp32" else "")
+                + "; the step log and the capture describe what ran")
         self.monitor = Monitor(model, optimizer, scaler, log=log, capture=capture, amp_dtype=amp_dtype,
                                first_step=first_step, **kw)
         self.tap: ForwardTap | None = None
         self._measured = False
+        if self.monitor.capture is not None:  # the manifest's Monitor settings say what was asked and what ran
+            self.monitor.capture.settings.update(asked_precision=asked, ran_precision=ran)
         if self.monitor.off is not None:  # a setup it cannot read: it said so once; the callbacks do nothing
             return
         if self.monitor.writer is not None:  # the framework's step is known: an old log fails before training starts
@@ -90,4 +120,4 @@ class Attached:
         self.monitor.close()
 
 
-__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss"]  # (the tap lives in watch.tap)
+__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss", "precision_ran"]  # (the tap lives in watch.tap)

@@ -68,7 +68,9 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
     scaler = getattr(accelerator, "scaler", None)
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
     a = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=_amp_dtype(accelerator), first_step=0, log=log,
+                 asked={"fp16": "fp16", "bf16": "bf16"}.get(mp, "fp32"), framework=f"accelerate (mixed_precision={mp!r})",
                  capture=capture, loss_from_output=False, monitor_kwargs=monitor_kwargs)
     mon = a.monitor
     mon.__class__ = _Watch  # the same object, with a close() that also unwraps

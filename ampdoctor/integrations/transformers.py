@@ -83,7 +83,9 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
         else:  # fp32, or fp16 where accelerate makes no scaler and no autocast (the CPU)
             amp = None
         self._said_hidden = False
+        asked = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.attached = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=amp, first_step=state.global_step,
+                                 asked=asked, framework="the Trainer (TrainingArguments)",
                                  log=self.log_file, capture=self.capture_dir, loss_from_output=True,
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
 
