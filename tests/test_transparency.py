@@ -60,7 +60,7 @@ def _batch(step: int, micro: int, nan: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int, mode: str, capture: Path | None,
-         fault: str, fault_step: int, watched: bool) -> dict[str, Any]:
+         fault: str, fault_step: int, watched: bool, log: Path | None = None) -> dict[str, Any]:
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
@@ -69,7 +69,7 @@ def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int,
     sc = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaler_on else None
     mon = None
     if watched:
-        mon = Monitor(model, opt, sc, mode=mode, full_every=3, full_after=1, capture=capture, snapshot_every=2,
+        mon = Monitor(model, opt, sc, mode=mode, full_every=3, full_after=1, capture=capture, snapshot_every=2, log=log,
                       max_norm=1.0 if clip and driver == "owned" else None, alert_min_steps=1, alert_rate=0.2, quiet=True)
     for step in range(STEPS):
         torch.rand(1)  # the loop's own randomness (data augmentation, noise)
@@ -210,3 +210,33 @@ def test_owned_clipping_matches_the_recipe_within_rounding() -> None:
             torch.testing.assert_close(seen["model"][k], v, rtol=1e-5, atol=1e-6)
         _same(bare["scaler"], seen["scaler"])
         _same(bare["torch_rng"], seen["torch_rng"])
+
+
+def test_a_full_disk_under_the_log_and_the_capture_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Fused AdamW, a NaN loss, and a disk that fills after two log rows: the log warns and stops, the capture
+    cannot be written, and the run is still byte for byte the run without ampdoctor."""
+    import errno
+    import os
+
+    from ampdoctor.engine import capture as capture_mod
+    from ampdoctor.watch import steplog
+
+    from .test_hostile import Filling
+
+    monkeypatch.setattr(steplog, "_open_raw", lambda path, mode: Filling(path, mode, room=400))
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(capture_mod, "_claim", full)
+    kw = dict(scaler_on=True, clip=True, accum=1, mode="full", fault="nan_loss", fault_step=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare = _run("adamw_fused", "observe", capture=None, watched=False, **kw)  # type: ignore[arg-type]
+        seen = _run("adamw_fused", "observe", capture=tmp_path / "cap", watched=True, log=tmp_path / "steps.csv",
+                    **kw)  # type: ignore[arg-type]
+    said = " ".join(str(w.message) for w in caught) + caplog.text  # (quiet: the capture's words go to the logger)
+    assert "rows of the step log" in said and "could not write the capture of step 3" in said  # said, not raised
+    assert not (tmp_path / "cap").exists()
+    _same(bare, seen)
