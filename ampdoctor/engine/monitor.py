@@ -379,155 +379,121 @@ class Monitor:
         if self.engine == "fsdp1" and max_norm is not None:
             raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
                              "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
+
+        def setup() -> None:
+            """Everything built once the setup is known to be one the monitor can watch (a closure: the
+            arguments above, one signature)."""
+            nonlocal log, capture, amp_dtype
+            if window < 1:
+                raise UsageError(f"window must be at least 1, got {window}")
+            if max_norm is not None and not max_norm > 0:
+                raise UsageError(f"max_norm must be positive, got {max_norm}")
+            if max_skip_rate is not None and not 0 <= max_skip_rate < 1:
+                raise UsageError(f"max_skip_rate must be in [0, 1), got {max_skip_rate}")
+            if mode not in ("full", "sentinel"):
+                raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
+            if full_every < 1 or full_after < 0:
+                raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
+            self.mode = mode
+            self.full_every = full_every
+            self.full_after = full_after
+            self._full_until = -1
+            """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
+            self._user_scaler = scaler
+            self.window = window
+            self.alert_rate = alert_rate
+            self.alert_min_steps = alert_min_steps
+            self.max_skip_rate = max_skip_rate
+            self.patience = patience
+            self.keep_stats = keep_stats
+            self.inject_inf_at = _steps(inject_inf_at)
+            self.inject_spike_at = _steps(inject_spike_at)
+            self.inject_param = inject_param
+            self.spike_factor = spike_factor
+            first = next(iter(model.parameters()), None)
+            self.device = first.device if first is not None else torch.device("cpu")
+            if amp_dtype is None and self.scaler is not None:
+                amp_dtype = torch.float16
+            self.amp_dtype = amp_dtype
+            named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
+            if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
+                raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
+            self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
+                               every=every)
+            if mode == "sentinel":
+                self.hooks.record_if = self._wants_full
+            self.recipe = TrainStep(model, optimizer, self.scaler, hooks=self.hooks, max_norm=max_norm,
+                                    precision=Precision("monitor", autocast=amp_dtype, loss_scaling=self.scaler is not None),
+                                    sentinel=self.hooks.fmt.max if mode == "sentinel" else None)
+            """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
+            self._params = self.recipe.params
+            self._names = self.recipe.names
+            if distributed is not False:
+                self.ranks = RankExchange.detect(self.recipe.modules, [self._names[id(p)] for p in self._params], process_group)
+                if distributed and self.ranks is None:
+                    raise UsageError("distributed=True but torch.distributed is not initialised with more than one rank")
+            self.recipe.ranks = self.ranks
+            self.rank = self.ranks.rank if self.ranks is not None else None
+            if self.rank is not None:
+                log = rank_path(str(log), self.rank) if log else log
+                capture = rank_path(str(capture), self.rank) if capture is not None else None
+            if capture_ranks not in ("first", "all"):
+                raise UsageError(f"capture_ranks must be 'first' or 'all', got {capture_ranks!r}")
+            self.capture_ranks = capture_ranks
+            if snapshot_every < 1:
+                raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
+            if capture is not None:
+                settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
+                            "every": every, "activations": activations, "snapshot_every": snapshot_every}
+                self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
+                                       str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
+                                       quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
+            if capture_on not in ("failure", "skip"):
+                raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
+            if self.capture is not None:
+                self.capture.step_starts(first_step)
+            self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
+                                        every_skip=capture_on == "skip")
+            self._recent_counted = deque(maxlen=window)
+            """Per step of the window: a skip that counts for the alert (not GradScaler's calibration or probe)."""
+            self.tap = (ForwardTap(model, None, inputs=True, on_start=self._forward_starts) if capture is not None else None)
+            if self.tap is not None:
+                self.tap.on_error = self._hook_failed
+            """With a capture: the model's own inputs of each step's training forwards (the batch, without ``batch=``)."""
+            self._batch_checked = False
+            self._last_stats: StepStats | None = None
+            self.log_path = Path(log) if log else None
+            """The step log this process writes (per rank under torch.distributed)."""
+            self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (CAPTURE_COLUMNS if self.capture is not None else ())
+                                         + (RANK_COLUMNS if self.rank is not None else ()),
+                                         mode=log_mode, fsync=fsync) if log else None)
+            # counters and history (state_dict)
+            if first_step < 0:
+                raise UsageError(f"first_step must be at least 0, got {first_step}")
+            if self.writer is not None:
+                # a wrong log path fails now, not after the first step (rows already there: judged at the
+                # first write, as a load_state_dict may yet continue the run)
+                self.writer.check(first_step if first_step > 0 else None)
+            self._spiked = False
+            self._asked = False
+            """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
+            if self.engine == "fsdp1" and self.rank in (None, 0):
+                say("ampdoctor: FSDP (FullyShardedDataParallel): each rank holds a shard of the gradients, so the step "
+                    "log leaves the gradient norms out; losses, skips, the first rank and each rank's capture of its "
+                    "shard are exact", quiet=quiet)
+            self.hooks.on_error = self._hook_failed
+            self.hooks.attach()
+            self.hooks.begin_step(self.step_num)
+            start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
+
         try:
-            self._setup(model, optimizer, scaler, log=log, log_mode=log_mode, max_norm=max_norm, window=window, alert_rate=alert_rate, alert_min_steps=alert_min_steps, max_skip_rate=max_skip_rate, patience=patience, every=every, activations=activations, weights=weights, amp_dtype=amp_dtype, inject_inf_at=inject_inf_at, inject_param=inject_param, inject_spike_at=inject_spike_at, spike_factor=spike_factor, keep_stats=keep_stats, fsync=fsync, capture=capture, snapshot_every=snapshot_every, capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after, first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks, capture_on=capture_on, capture_hold_bytes=capture_hold_bytes, quiet=quiet)
+            setup()
         except AmpDoctorError:  # misuse, a log that must not be overwritten: the user's to fix, at once
             self.close()
             raise
         except Exception as e:  # something of ampdoctor's: off, with one warning; the training is not stopped
             self.close()
             self._fail("setting up the monitor", e)  # (an exchange already agreed on is joined once, flagged off)
-
-    def _setup(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scaler: torch.amp.GradScaler | None,
-        *,
-        log: str | Path | None = None,
-        log_mode: Mode = "append",
-        max_norm: float | None = None,
-        window: int = 1000,
-        alert_rate: float = 0.05,
-        alert_min_steps: int = 100,
-        max_skip_rate: float | None = None,
-        patience: int = 100,
-        every: int = 1,
-        activations: bool = True,
-        weights: bool = False,
-        amp_dtype: torch.dtype | None = None,
-        inject_inf_at: int | Iterable[int] | None = None,
-        inject_param: str | None = None,
-        inject_spike_at: int | Iterable[int] | None = None,
-        spike_factor: float = 1e8,
-        keep_stats: bool = True,
-        fsync: bool = False,
-        capture: str | Path | None = None,
-        snapshot_every: int = 100,
-        capture_max_bytes: int = DEFAULT_MAX_BYTES,
-        mode: Literal["full", "sentinel"] = "full",
-        full_every: int = 1000,
-        full_after: int = 8,
-        first_step: int = 0,
-        distributed: bool | None = None,
-        process_group: Any = None,
-        capture_ranks: Literal["first", "all"] = "first",
-        capture_on: Literal["failure", "skip"] = "failure",
-        capture_hold_bytes: int | None = None,
-        quiet: bool = False,
-    ) -> None:
-        """Everything the constructor builds once the setup is known to be one the monitor can watch."""
-        if window < 1:
-            raise UsageError(f"window must be at least 1, got {window}")
-        if max_norm is not None and not max_norm > 0:
-            raise UsageError(f"max_norm must be positive, got {max_norm}")
-        if max_skip_rate is not None and not 0 <= max_skip_rate < 1:
-            raise UsageError(f"max_skip_rate must be in [0, 1), got {max_skip_rate}")
-        if mode not in ("full", "sentinel"):
-            raise UsageError(f"mode must be 'full' or 'sentinel', got {mode!r}")
-        if full_every < 1 or full_after < 0:
-            raise UsageError(f"full_every must be at least 1 and full_after at least 0, got {full_every}, {full_after}")
-        self.mode = mode
-        self.full_every = full_every
-        self.full_after = full_after
-        self._full_until = -1
-        """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
-        self._user_scaler = scaler
-        self.window = window
-        self.alert_rate = alert_rate
-        self.alert_min_steps = alert_min_steps
-        self.max_skip_rate = max_skip_rate
-        self.patience = patience
-        self.keep_stats = keep_stats
-        self.inject_inf_at = _steps(inject_inf_at)
-        self.inject_spike_at = _steps(inject_spike_at)
-        self.inject_param = inject_param
-        self.spike_factor = spike_factor
-        first = next(iter(model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        if amp_dtype is None and self.scaler is not None:
-            amp_dtype = torch.float16
-        self.amp_dtype = amp_dtype
-        named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
-        if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
-            raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
-        self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
-                           every=every)
-        if mode == "sentinel":
-            self.hooks.record_if = self._wants_full
-        self.recipe = TrainStep(model, optimizer, self.scaler, hooks=self.hooks, max_norm=max_norm,
-                                precision=Precision("monitor", autocast=amp_dtype, loss_scaling=self.scaler is not None),
-                                sentinel=self.hooks.fmt.max if mode == "sentinel" else None)
-        """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
-        self._params = self.recipe.params
-        self._names = self.recipe.names
-        if distributed is not False:
-            self.ranks = RankExchange.detect(self.recipe.modules, [self._names[id(p)] for p in self._params], process_group)
-            if distributed and self.ranks is None:
-                raise UsageError("distributed=True but torch.distributed is not initialised with more than one rank")
-        self.recipe.ranks = self.ranks
-        self.rank = self.ranks.rank if self.ranks is not None else None
-        if self.rank is not None:
-            log = rank_path(str(log), self.rank) if log else log
-            capture = rank_path(str(capture), self.rank) if capture is not None else None
-        if capture_ranks not in ("first", "all"):
-            raise UsageError(f"capture_ranks must be 'first' or 'all', got {capture_ranks!r}")
-        self.capture_ranks = capture_ranks
-        if snapshot_every < 1:
-            raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
-        if capture is not None:
-            settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
-                        "every": every, "activations": activations, "snapshot_every": snapshot_every}
-            self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
-                                   str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
-                                   quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
-        if capture_on not in ("failure", "skip"):
-            raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
-        if self.capture is not None:
-            self.capture.step_starts(first_step)
-        self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
-                                    every_skip=capture_on == "skip")
-        self._recent_counted = deque(maxlen=window)
-        """Per step of the window: a skip that counts for the alert (not GradScaler's calibration or probe)."""
-        self.tap = (ForwardTap(model, None, inputs=True, on_start=self._forward_starts) if capture is not None else None)
-        if self.tap is not None:
-            self.tap.on_error = self._hook_failed
-        """With a capture: the model's own inputs of each step's training forwards (the batch, without ``batch=``)."""
-        self._batch_checked = False
-        self._last_stats: StepStats | None = None
-        self.log_path = Path(log) if log else None
-        """The step log this process writes (per rank under torch.distributed)."""
-        self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (CAPTURE_COLUMNS if self.capture is not None else ())
-                                     + (RANK_COLUMNS if self.rank is not None else ()),
-                                     mode=log_mode, fsync=fsync) if log else None)
-        # counters and history (state_dict)
-        if first_step < 0:
-            raise UsageError(f"first_step must be at least 0, got {first_step}")
-        if self.writer is not None:
-            # a wrong log path fails now, not after the first step (rows already there: judged at the
-            # first write, as a load_state_dict may yet continue the run)
-            self.writer.check(first_step if first_step > 0 else None)
-        self._spiked = False
-        self._asked = False
-        """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
-        if self.engine == "fsdp1" and self.rank in (None, 0):
-            say("ampdoctor: FSDP (FullyShardedDataParallel): each rank holds a shard of the gradients, so the step "
-                "log leaves the gradient norms out; losses, skips, the first rank and each rank's capture of its "
-                "shard are exact", quiet=quiet)
-        self.hooks.on_error = self._hook_failed
-        self.hooks.attach()
-        self.hooks.begin_step(self.step_num)
-        start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
 
     # lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
