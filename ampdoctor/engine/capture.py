@@ -54,7 +54,7 @@ from ampdoctor.input.capture_schema import CAPTURE_VERSION, validate_batches, va
 from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
-from ampdoctor.watch.hooks import unwrap
+from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
 
 log = logging.getLogger("ampdoctor")
 
@@ -140,11 +140,9 @@ def local_state(model: nn.Module) -> dict[str, Any]:
     inner = unwrap(model)
     if sharded_engine(inner) is None:
         return dict(inner.state_dict())
-    out: dict[str, Any] = {}
-    for n, p in inner.named_parameters():
-        out[n] = p.to_local() if _is_dtensor(p) else p  # type: ignore[attr-defined]
-    for n, b in inner.named_buffers():
-        out[n] = b.to_local() if _is_dtensor(b) else b  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.hooks.user_name``)
+    for n, p in [*inner.named_parameters(), *inner.named_buffers()]:
+        out[user_name(n)] = local(p).detach()
     return out
 
 
@@ -263,7 +261,7 @@ def optimizer_layout(optimizer: torch.optim.Optimizer | None, model: nn.Module) 
     no-decay groups). None when a parameter is not the model's."""
     if optimizer is None:
         return None
-    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    names = {id(p): n for n, p in named_parameters(unwrap(model))}
     groups = []
     for g in optimizer.param_groups:
         ps = [names.get(id(p)) for p in g["params"]]
@@ -396,6 +394,9 @@ class Capture:
     """``Monitor(quiet=True)``: nothing on the default stderr handler (see ``ampdoctor.notify``)."""
     sharded: str | None = None
     """The sharding engine of the model (``sharded_engine``): the capture then holds this rank's shard."""
+    layout: dict[str, Any] | None = None
+    """Under a sharding engine: where each tensor of this rank's state sits in the whole one
+    (``engine.shards.Shards.layout``), written to the manifest so the ranks' captures are reassembled."""
     hold_bytes: int = 0
     """What the capture may hold on the host between snapshots (the snapshot and the batches since): 0 means
     ``default_hold_bytes(max_bytes)``. Past it a snapshot is taken early, so the held batches restart."""
@@ -501,10 +502,11 @@ class Capture:
     def replay_hint(self) -> str:
         """'captured to DIR; replay it: ampdoctor triage SPEC --from DIR' (the script itself when it is a spec)."""
         where = self.written
-        if self.sharded:
-            return (f"captured to {where}: this rank's shard of an {self.sharded} model (every rank holds its own "
-                    "shard; replaying a sharded capture is not supported yet)")
         spec = spec_hint()
+        if self.sharded:
+            spec_ = spec or "SPEC.py"
+            return (f"captured to {where}: this rank's shard of an {self.sharded} model, beside every other rank's\n"
+                    f"  replay it (the shards reassembled on one process): ampdoctor triage {spec_} --from {where}")
         tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
         return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
@@ -572,6 +574,8 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
+            **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model)}}
+               if self.sharded and self.layout is not None else {}),
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "model_identity": model_identity(self.model),
@@ -634,6 +638,14 @@ def _num(x: Any) -> float | str | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else str(v)
+
+
+def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> list[str | None]:
+    """The user's name of each optimizer parameter, in the order of its state's indices."""
+    if optimizer is None:
+        return []
+    names = {id(p): n for n, p in named_parameters(unwrap(model))}
+    return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
 
 
 def _module_of(skip_reason: str) -> str | None:

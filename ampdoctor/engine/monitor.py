@@ -66,6 +66,7 @@ from ampdoctor.engine.capture import (
     sharded_engine,
 )
 from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
+from ampdoctor.engine.shards import Shards
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
@@ -74,7 +75,7 @@ from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, s
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.watch.fused import start_build
-from ampdoctor.watch.hooks import Hooks, unwrap
+from ampdoctor.watch.hooks import Hooks, local, named_parameters, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 from ampdoctor.watch.tap import ForwardTap
 
@@ -105,11 +106,19 @@ class MonitorOffWarning(UserWarning):
 
 
 UNSUPPORTED = {
-    "fsdp2": "FSDP2 (fully_shard)",
-    "tensor_parallel": "tensor parallelism (DTensor parameters)",
     "deepspeed": "DeepSpeed",
 }
 """Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning."""
+SHARDED = {
+    "fsdp1": "FSDP1 (FullyShardedDataParallel)",
+    "fsdp2": "FSDP2 (fully_shard)",
+    "tensor_parallel": "tensor parallelism (DTensor parameters)",
+}
+"""Sharding engines read through their pieces (``engine.shards``): norms and rows reduced across the ranks."""
+
+
+class _Unreadable(Exception):
+    """The setup is one the monitor cannot read correctly (a sharded layout it does not reduce yet)."""
 
 
 @dataclass
@@ -376,9 +385,6 @@ class Monitor:
             self._turn_off(f"{UNSUPPORTED[self.engine]} is not supported yet: ampdoctor cannot read its sharded "
                            "gradients correctly, so it watches nothing of this run", warn=True, who=0)
             return
-        if self.engine == "fsdp1" and max_norm is not None:
-            raise UsageError("max_norm: under FSDP each rank holds a shard, so a norm taken here is the shard's; "
-                             "clip with model.clip_grad_norm_(max_norm) (FullyShardedDataParallel's) instead")
 
         def setup() -> None:
             """Everything built once the setup is known to be one the monitor can watch (a closure: the
@@ -416,7 +422,7 @@ class Monitor:
                 amp_dtype = torch.float16
             self.amp_dtype = amp_dtype
             named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
-            if inject_param is not None and inject_param not in {n for n, _ in named.named_parameters()}:
+            if inject_param is not None and inject_param not in {n for n, _ in named_parameters(named)}:
                 raise UsageError(f"inject_param {inject_param!r} is not a parameter of the model")
             self.hooks = Hooks(model, BF16 if amp_dtype == torch.bfloat16 else FP16, activations=activations, params=weights,
                                every=every)
@@ -434,6 +440,15 @@ class Monitor:
                     raise UsageError("distributed=True but torch.distributed is not initialised with more than one rank")
             self.recipe.ranks = self.ranks
             self.rank = self.ranks.rank if self.ranks is not None else None
+            if self.engine in SHARDED:
+                rx = self.ranks
+                self.recipe.shards = sh = Shards(self.engine, model, self._params, rx.rank if rx is not None else 0,
+                                                 rx.world if rx is not None else 1)
+                if rx is not None:
+                    rx.by_position = self.engine == "tensor_parallel"  # ranks share a batch: order by the forward
+                    rx.derived_inputs = self.engine in ("fsdp1", "fsdp2")  # (their mixed precision casts the batch)
+                if sh.problem is not None:
+                    raise _Unreadable(f"{SHARDED[self.engine]} over {sh.problem} is not supported yet")
             if self.rank is not None:
                 log = rank_path(str(log), self.rank) if log else log
                 capture = rank_path(str(capture), self.rank) if capture is not None else None
@@ -447,7 +462,8 @@ class Monitor:
                             "every": every, "activations": activations, "snapshot_every": snapshot_every}
                 self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                        str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
-                                       quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
+                                       quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0,
+                                       layout=self.recipe.shards.layout(model) if self.recipe.shards is not None else None)
             if capture_on not in ("failure", "skip"):
                 raise UsageError(f"capture_on must be 'failure' or 'skip', got {capture_on!r}")
             if self.capture is not None:
@@ -477,10 +493,8 @@ class Monitor:
             self._spiked = False
             self._asked = False
             """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
-            if self.engine == "fsdp1" and self.rank in (None, 0):
-                say("ampdoctor: FSDP (FullyShardedDataParallel): each rank holds a shard of the gradients, so the step "
-                    "log leaves the gradient norms out; losses, skips, the first rank and each rank's capture of its "
-                    "shard are exact", quiet=quiet)
+            if self.engine in SHARDED and self.rank in (None, 0):
+                self._say_sharded(scaler)
             self.hooks.on_error = self._hook_failed
             self.hooks.attach()
             self.hooks.begin_step(self.step_num)
@@ -488,6 +502,10 @@ class Monitor:
 
         try:
             setup()
+        except _Unreadable as e:  # a layout the monitor cannot read: off with one warning (rank 0), training goes on
+            self.close()  # (every rank finds the same layout: none of them joins an exchange)
+            self._turn_off(f"{e}: ampdoctor cannot read its sharded gradients correctly, so it watches nothing of "
+                           "this run", warn=True, who=0)
         except AmpDoctorError:  # misuse, a log that must not be overwritten: the user's to fix, at once
             self.close()
             raise
@@ -556,6 +574,20 @@ class Monitor:
         self._asked = True
         return self._pending.m.skip
 
+    def _say_sharded(self, scaler: Any) -> None:
+        """Under a sharding engine, once (rank 0): what the log's norms are, and a scaler that lets the ranks drift."""
+        name = SHARDED[self.engine or ""]
+        if not self.recipe.reduced:
+            say(f"ampdoctor: {name}: each rank holds a shard of the gradients and this monitor exchanges nothing with "
+                "the other ranks (distributed=False), so the step log leaves the gradient norms out", quiet=self.quiet)
+        if self.scaler is not None and type(scaler).__name__ != "ShardedGradScaler" and self.recipe.ranks is not None:
+            msg = (f"ampdoctor: {name} with a plain GradScaler: each rank decides its skip from its own shard of the "
+                   "gradients, so the ranks' loss scales can drift apart; use "
+                   "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which agrees across ranks")
+            say(msg, quiet=self.quiet, warned=not self.quiet)
+            if not self.quiet:
+                warn_user(msg, RuntimeWarning)
+
     # failing safe ------------------------------------------------------------------------------
     def _turn_off(self, why: str, *, warn: bool, who: int | None = None) -> None:
         """Turn the monitor off for the rest of the run: hooks, tap and the exchange go; the log is closed.
@@ -623,7 +655,13 @@ class Monitor:
         try:
             row = torch.zeros(SLOTS, dtype=torch.float64, device=self.device)
             row[0] = OFF
-            rx.exchange(row).cpu()
+            sh = self.recipe.shards
+            if sh is None:
+                rx.exchange(row).cpu()
+            else:  # the same collectives as the others' at this step (a recorded step reduces rows too)
+                ns, nm = sh.sizes(self._scheduled(self.step_num))
+                rx.exchange(row, torch.zeros(ns, dtype=torch.float64, device=self.device),
+                            torch.full((nm,), -math.inf, dtype=torch.float64, device=self.device) if nm else None).cpu()
         except Exception:  # pragma: no cover - the collective itself broke: nothing more to join
             pass
 
@@ -668,7 +706,7 @@ class Monitor:
     def _inject_inf(self) -> str:
         if self.step_num not in self.inject_inf_at:
             return ""
-        named = dict(unwrap(self.model).named_parameters())
+        named = dict(named_parameters(unwrap(self.model)))
         if self.inject_param is not None:
             p = named[self.inject_param]
             if p.grad is None:
@@ -681,7 +719,9 @@ class Monitor:
             p, name = cands[0], self._names[id(cands[0])]
         assert p.grad is not None
         with torch.no_grad():
-            g = p.grad
+            g = local(p.grad)
+            if g.numel() == 0:  # this rank holds an empty slice of it
+                return ""
             if g.dim() == 0:
                 g.fill_(float("inf"))
             else:
@@ -825,7 +865,10 @@ class Monitor:
         if self._spiked:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
-        if self.mode == "sentinel" and (m.skip or (m.stats is None and m.tripped)):
+        trip = m.skip or (m.stats is None and m.tripped)
+        if self.recipe.shards is not None and m.ranks is not None:  # the same on every rank: their collectives agree
+            trip = bool(m.ranks.faults) or m.tripped
+        if self.mode == "sentinel" and trip:
             self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
             if m.stats is None:  # the tripping step passed unrecorded: take what is still there, in full
                 st = self._trip_stats(1.0 / m.scale if self.recipe.grads_scaled and m.scale else None)
@@ -857,6 +900,11 @@ class Monitor:
         return self._pending
 
     # sentinel mode -----------------------------------------------------------------------------
+    def _scheduled(self, step: int) -> bool:
+        """Whether ``step`` is recorded in full (every rank's schedule is the same)."""
+        h = self.hooks
+        return h.record_if(step) if h.record_if is not None else step % h.every == 0
+
     def _wants_full(self, step: int) -> bool:
         """Sentinel mode: whether ``step`` gets full per-layer statistics."""
         return step % self.full_every == 0 or step < self._full_until
@@ -869,7 +917,25 @@ class Monitor:
         h.begin_step(self.step_num, record=True)
         h.after_backward(inv_scale)
         h.after_step()
-        st = h.end_step()
+        sh, rx = self.recipe.shards, self.ranks
+        if sh is None or rx is None:
+            st = h.end_step()
+        else:  # every rank trips at the same step (``_measure``): the pieces' rows are reduced across them
+            ns, nm = sh.sizes(True)
+            nrow = len(sh.counts)
+
+            def reduce(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:
+                import torch.distributed as dist
+
+                sums, maxes = sh.tables(keys, rows)
+                dist.all_reduce(sums, group=rx.group)
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=rx.group)
+                return torch.cat([sums, maxes])
+
+            st = h.end_step(reduce)
+            got = h.exchanged
+            if got is not None:
+                sh.apply(st, got[: ns - nrow], got[ns - nrow: ns - nrow + nm])
         st.extra["sentinel_trip"] = 1.0
         return st
 
@@ -927,7 +993,7 @@ class Monitor:
             self.skips.append((pend.step, reason))
         if m.scale is not None and (not self.scale_changes or self.scale_changes[-1][1] != m.scale):
             self.scale_changes.append((pend.step, m.scale))
-        pre, post = (m.grad_l2_pre_clip, m.grad_l2_post_clip) if self.engine is None else (math.nan, math.nan)
+        pre, post = (m.grad_l2_pre_clip, m.grad_l2_post_clip) if self.recipe.reduced else (math.nan, math.nan)
         rec = MonitorRecord(
             pend.step, m.lr, pre, post, m.loss, sk, reason, m.scale,
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
@@ -1025,7 +1091,7 @@ class Monitor:
                      "first_module": first.module if first is not None else None,
                      "others_clean": view.others_clean if first is not None else None}
             chosen = first.rank if first is not None else 0
-            if self.capture_ranks == "first" and self.rank != chosen:
+            if self.capture_ranks == "first" and self.rank != chosen and self.recipe.shards is None:
                 cap.done = True  # this failing step is captured by rank `chosen`
                 return
         before = None

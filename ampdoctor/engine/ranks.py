@@ -132,6 +132,11 @@ class RankExchange:
         self.params = list(params)
         self.calls = 0
         """Exchanges joined so far (a failing step tells whether this step's was joined)."""
+        self.derived_inputs = False
+        """The engine copies the model's inputs before its first module reads them (FSDP's cast to ``param_dtype``):
+        the module that first reads the batch is the first to read such a copy."""
+        self.by_position = False
+        """The ranks share one batch (tensor parallelism): the first rank is the one whose forward went bad earliest."""
 
     @classmethod
     def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None,
@@ -178,14 +183,17 @@ class RankExchange:
             for t in c.outputs:
                 producer.setdefault(t, c.module)
         inputs = set(st.model_inputs)
-        reader = self._code(locate.first_consumer_of_inputs(st))
+        first = locate.first_consumer_of_inputs(st)
+        if self.derived_inputs and first in (None, locate.MODEL):  # the engine cast the batch before the first module
+            first = locate.first_reader_of_derived(st) or first
+        reader = self._code(first)
         idx, order, codes, is_in = [], [], [], []
         for i, k in enumerate(keys):
             if isinstance(k, tuple) and k[0] == "act":
                 tid = int(k[1])
                 idx.append(i)
                 order.append(tid)  # tensor ids are handed out in the order the forward made them
-                if tid in inputs:
+                if tid in inputs or (self.derived_inputs and tid not in producer):  # the batch, or the engine's copy
                     codes.append(reader)
                     is_in.append(1.0)
                 else:
@@ -236,22 +244,35 @@ class RankExchange:
         anyb = bad.any()
         return anyb.to(torch.float64), torch.where(anyb, first, 0.0)
 
-    def exchange(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's row, summed into one ``world x SLOTS`` tensor: the step's one collective."""
+    def exchange(self, row: torch.Tensor, sums: torch.Tensor | None = None,
+                 maxes: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's row, summed into one ``world x SLOTS`` tensor: the step's one collective.
+
+        ``sums``: more numbers summed across ranks in the same collective (a sharded model's sums of
+        squares and counts, ``engine.shards``); ``maxes``: numbers reduced by MAX, in a second collective.
+        Returns ``world x SLOTS`` numbers, then the summed ``sums``, then the ``maxes``, as one vector."""
         import torch.distributed as dist
 
         self.calls += 1
-        full = torch.zeros((self.world, SLOTS), dtype=torch.float64, device=row.device)
-        full[self.rank] = row
+        n = self.world * SLOTS
+        full = torch.zeros(n + (sums.numel() if sums is not None else 0), dtype=torch.float64, device=row.device)
+        full[self.rank * SLOTS: (self.rank + 1) * SLOTS] = row
+        if sums is not None:
+            full[n:] = sums.reshape(-1).to(row.device, torch.float64)
         dist.all_reduce(full, group=self.group)
-        return full.reshape(-1)
+        if maxes is None:
+            return full
+        mx = maxes.reshape(-1).to(row.device, torch.float64).clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.cat([full, mx])
 
     # on the host -----------------------------------------------------------------------------------
     def decode(self, host: np.ndarray) -> RankView:
         """The host copy of ``exchange``'s result into the ranks that saw something."""
         faults = []
         off = []
-        for r, (flags, fwd, bwd, param) in enumerate(np.asarray(host, dtype=np.float64).reshape(self.world, SLOTS)):
+        table = np.asarray(host, dtype=np.float64)[: self.world * SLOTS].reshape(self.world, SLOTS)
+        for r, (flags, fwd, bwd, param) in enumerate(table):
             fl = int(flags)
             if fl & OFF:
                 off.append(r)

@@ -31,14 +31,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ampdoctor.engine.ranks import RankExchange, RankView
+from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
+from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.fused import fused_norms
-from ampdoctor.watch.hooks import Hooks, unwrap
+from ampdoctor.watch.hooks import Hooks, local, named_modules, named_parameters, unwrap
 
 
 @dataclass(frozen=True)
@@ -238,13 +239,13 @@ class TrainStep:
                                                  if optimizer is not None else list(model.parameters()))
         """What the optimizer steps: norms and clipping cover these."""
         named = unwrap(model)  # a compiled model: names without its ``_orig_mod.`` prefix
-        self.names = names if names is not None else {id(p): n for n, p in named.named_parameters()}
+        self.names = names if names is not None else {id(p): n for n, p in named_parameters(named)}
         if self.master is not None:
             for (n, _), p32 in zip(model.named_parameters(), self.master, strict=True):
                 self.names.setdefault(id(p32), n)
         for i, p in enumerate(self.params):
             self.names.setdefault(id(p), f"<optimizer param {i}>")
-        self.modules = [n or locate.MODEL for n, _ in named.named_modules()]
+        self.modules = [n or locate.MODEL for n, _ in named_modules(named)]
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._loss_ok: torch.Tensor | None = None
@@ -258,6 +259,14 @@ class TrainStep:
         before the first step, GradScaler's ``init_scale`` or loaded state)."""
         self.ranks: RankExchange | None = None
         """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
+        self.shards: Shards | None = None
+        """A sharded model (FSDP1/FSDP2/tensor parallelism): gradients are read as this rank's pieces, and with
+        ``ranks`` their norms and rows are reduced across the ranks in the exchange (the Monitor sets it)."""
+
+    @property
+    def reduced(self) -> bool:
+        """Norms and parameter rows are the whole model's: not sharded, or sharded and reduced across ranks."""
+        return self.shards is None or self.ranks is not None
 
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -349,7 +358,10 @@ class TrainStep:
         # global L2 norm over the optimizer's parameters; per-parameter norms in float32 (an FP16
         # gradient's norm would overflow before its elements do)
         gparams = [p for p in self.params if p.grad is not None]
-        grads = [p.grad for p in gparams if p.grad is not None]
+        sh = self.shards
+        grads = [p.grad if sh is None else local(p.grad) for p in gparams if p.grad is not None]
+        rx = self.ranks
+        shard_sums = sh is not None and rx is not None  # the norms are reduced across the ranks at the host copy
         dev = grads[0].device if grads else self.device
         per: torch.Tensor | None = None
         if grads:
@@ -369,7 +381,12 @@ class TrainStep:
         else:
             pre = torch.zeros((), device=dev)
             nbad = first_bad = torch.zeros((), device=dev)
-        if self.max_norm is not None and grads and not observe:
+        sq: torch.Tensor | None = None
+        if shard_sums:
+            assert sh is not None
+            present = [i for i, p in enumerate(self.params) if p.grad is not None]
+            sq = sh.sums(per, present, dev)  # this rank's sums of squares, one per parameter (replicas: 0)
+        if self.max_norm is not None and grads and not observe and not shard_sums:
             torch.nn.utils.clip_grads_with_norm_(gparams, self.max_norm, pre)
             post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
@@ -396,12 +413,14 @@ class TrainStep:
                 for t in fi.values():
                     torch.maximum(t, force.to(t.device, t.dtype), out=t)
             found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (nbad > 0).float()
+            found_by_norms = not fi
             s_dev: torch.Tensor | None = getattr(sc, "_scale", None)
             t_dev: torch.Tensor | None = getattr(sc, "_growth_tracker", None)
             scale_t = s_dev if s_dev is not None else torch.full((), sc.get_scale(), device=dev)
             tracker = t_dev if t_dev is not None else torch.zeros((), device=dev)
         else:
             found = ((~torch.isfinite(pre)) | (~loss_ok.to(dev))).to(torch.float32)
+            found_by_norms = True
             scale_t = tracker = torch.full((), float("nan"), device=dev)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
         lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
@@ -410,7 +429,6 @@ class TrainStep:
         hooks = self.hooks
         recording = hooks is not None and hooks.recording
         tripped = False
-        rx = self.ranks
         exchanged: np.ndarray | None = None
         if hooks is not None and recording:
             hooks.after_backward(self.grad_inv_scale)  # parameter gradients, as the optimizer will see them
@@ -418,9 +436,17 @@ class TrainStep:
             hooks.after_step()
             hooks.add_scalars(_PACKED, packed)
             cur = hooks.current
-            st: StepStats | None = hooks.end_step(  # the one host copy (with the ranks' all-reduce in it)
-                None if rx is None else
-                lambda keys, rows: rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad, cur, keys, rows)))
+
+            def exchange(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:
+                assert rx is not None
+                row = rx.local_row(dev, loss_ok, nbad, first_bad, cur, keys, rows)
+                if sq is None:
+                    return rx.exchange(row)
+                assert sh is not None
+                sums, maxes = sh.tables(keys, rows)  # the parameter rows, reduced in the same collective
+                return rx.exchange(row, torch.cat([sq, sums.to(sq.device)]), maxes)
+
+            st: StepStats | None = hooks.end_step(None if rx is None else exchange)  # the one host copy
             assert st is not None
             vals = [st.extra[n] for n in _PACKED]
             exchanged = hooks.exchanged
@@ -428,11 +454,11 @@ class TrainStep:
             st = None
             parts = [packed]
             nper = 0
-            if self.sentinel is not None and per is not None:  # each gradient's L2 norm too (no extra pass)
+            if self.sentinel is not None and per is not None and not shard_sums:  # each gradient's L2 norm (no extra pass)
                 parts.append(per.to(packed.device, torch.float64))
                 nper = per.numel()
             if rx is not None:
-                parts.append(rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad)).to(packed.device))
+                parts.append(rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad), sq).to(packed.device))
             host = (torch.cat(parts) if len(parts) > 1 else packed).cpu().numpy()
             if nper:
                 gnorms = host[len(_PACKED): len(_PACKED) + nper]
@@ -441,6 +467,32 @@ class TrainStep:
                 exchanged = host[len(_PACKED) + nper:]
             vals = host[: len(_PACKED)].tolist()
         loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
+        idx_params = gparams
+        if shard_sums and exchanged is not None:
+            assert sh is not None
+            # the whole model's norms from every rank's sums of squares (what clip_grad_norm_ computes)
+            n0 = rx.world * SLOTS  # type: ignore[union-attr]
+            g = np.asarray(exchanged[n0: n0 + len(self.params)], dtype=np.float64)
+            per_g = np.sqrt(g)
+            pre_f = float(np.sqrt(g.sum()))
+            badv = ~np.isfinite(per_g)
+            nbad_f, first_f = float(badv.sum()), float(np.argmax(badv)) if badv.any() else 0.0
+            idx_params = self.params
+            post_f = pre_f
+            if self.max_norm is not None and gparams and not observe:
+                coef = torch.clamp(self.max_norm / (torch.tensor(pre_f, dtype=torch.float32) + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, coef.to(dev))  # every rank scales its pieces by the global factor
+                post_f = pre_f * min(1.0, float(self.max_norm / (np.float32(pre_f) + 1e-6)))
+            if sc is None:  # the whole model's gradients, and this rank's loss
+                found_f = float(nbad_f > 0 or not math.isfinite(pre_f) or (loss_known and not math.isfinite(loss_f)))
+            elif found_by_norms:  # GradScaler has not unscaled yet: the global norms say what it will find
+                found_f = float(nbad_f > 0)
+            if st is None and self.sentinel is not None:
+                tripped = bool(badv.any() or (per_g > self.sentinel).any())
+            if st is not None:
+                n1 = n0 + len(self.params)
+                ns, nm = sh.sizes(True)
+                sh.apply(st, exchanged[n1: n0 + ns], exchanged[n0 + ns: n0 + ns + nm])
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
         skip = found_f > 0 or (loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
         # what the step will do: GradScaler skips on its found-inf alone where the caller steps (observe)
@@ -452,7 +504,7 @@ class TrainStep:
         elif recorded:
             bad_params = []
         elif nbad_f > 0:
-            bad_params = [self.names[id(gparams[int(first_f)])]]
+            bad_params = [self.names[id(idx_params[int(first_f)])]]
         else:
             bad_params = []
         count = len(bad_params) if recorded else int(nbad_f)

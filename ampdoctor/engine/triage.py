@@ -434,11 +434,11 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
     the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
-    if cap.manifest.get("sharded"):
+    if cap.manifest.get("sharded") and cap.assembled is None:
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
-                           f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
-                           "(the manifest, stats.json and the step logs still say which rank, step and module)")
-    said: list[str] = []
+                           f"{cap.manifest['sharded']} model without the layout that reassembles it (a capture of an "
+                           "older ampdoctor); the manifest, stats.json and the step logs still say which rank, step and module")
+    said: list[str] = [cap.assembled] if cap.assembled else []
     if not spec.own_model:
         rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
         if rb.lightning and spec.loss_fn is None:

@@ -55,6 +55,15 @@ def first_consumer_of_inputs(st: StepStats) -> str | None:
     return leaves[0] if leaves else None
 
 
+def first_reader_of_derived(st: StepStats) -> str | None:
+    """The first leaf module (not the root) that reads a tensor no module made: where the model's input
+    enters when the root's own code, or an engine's hook on it, copied it first (FSDP casts the inputs to
+    its ``param_dtype`` before the root's forward)."""
+    made = {t for c in st.calls for t in c.outputs}
+    leaves = innermost(c.module for c in st.calls if c.module != MODEL and any(t not in made for t in c.inputs))
+    return leaves[0] if leaves else None
+
+
 def producer(st: StepStats, tid: int) -> str | None:
     """Innermost module that returned tensor ``tid``."""
     names = innermost(c.module for c in st.calls if tid in c.outputs)

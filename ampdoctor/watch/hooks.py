@@ -65,6 +65,38 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+ENGINE_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+"""Name parts the engines insert between the user's modules (FSDP1's wrapper, activation checkpointing's, a
+compiled submodule's): never the user's own names."""
+
+
+def user_name(name: str) -> str:
+    """A parameter or module name as the user wrote the model: ``_fsdp_wrapped_module.embed._fsdp_wrapped_module.weight``
+    → ``embed.weight`` (see ``ENGINE_PARTS``; a wrapper's leading ``module.`` is dropped by ``unwrap``)."""
+    if "_" not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p not in ENGINE_PARTS)
+
+
+def named_parameters(root: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``root.named_parameters()`` under the user's names (``user_name``)."""
+    return [(user_name(n), p) for n, p in root.named_parameters()]
+
+
+def named_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``root.named_modules()`` under the user's names: an engine's wrapper and the module it wraps share one."""
+    return [(user_name(n), m) for n, m in root.named_modules()]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: a DTensor's local shard (FSDP2, tensor parallelism; no collective),
+    else the tensor itself (FSDP1's parameters already are the local shard)."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return t
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
 def _is_compiled(model: nn.Module) -> bool:
     """Whether a ``torch.compile``d module is anywhere in the wrapping (DDP around compiled, or the reverse)."""
     while True:
@@ -262,12 +294,14 @@ class Hooks:
         self._root = weakref.ref(root)
         self._root_id = id(root)
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
-        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
-        self._param_names = [(n, p) for n, p in root.named_parameters()]
+        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in named_modules(root)}
+        self._param_names = named_parameters(root)
         self._pgrad_keys: list[tuple[Hashable, torch.Tensor]] = [(("pgrad", n), p) for n, p in self._param_names]
         self._param_keys: list[Hashable] = [("param", n) for n, _ in self._param_names]
         self._params: list[torch.Tensor] = [p for _, p in self._param_names]
-        self._param_numel = sum(p.numel() for p in self._params)
+        self._sharded = any(local(p) is not p for p in self._params)
+        """DTensor parameters: statistics read each one's local shard."""
+        self._param_numel = sum(local(p).numel() for p in self._params)
         self._active = False
         self.on_error: Callable[[BaseException], None] | None = None
         """Called once when recording raised inside the user's forward or backward (the hooks stop recording);
@@ -520,6 +554,7 @@ class Hooks:
         for k, p in self._pgrad_keys:
             g = p.grad
             if g is not None:
+                g = local(g)  # a sharded gradient: this rank's shard (the engine reduces the rows across ranks)
                 keys.append(k)
                 grads.append(g)
                 numel += g.numel()
@@ -545,7 +580,9 @@ class Hooks:
         if not (self._active and self.params):
             return
         if self._param_keys:  # (a model split over devices: the buffer groups them per device)
-            self._buf.add_many(self._param_keys, self._params, self._param_numel, self._params_split())
+            params = self._params if not self._sharded else [local(p) for p in self._params]
+            self._buf.add_many(self._param_keys, params, sum(p.numel() for p in params) if self._sharded
+                               else self._param_numel, self._params_split())
 
     def end_step(self, exchange: Callable[[list[Hashable], torch.Tensor], torch.Tensor] | None = None) -> StepStats:
         """Reduce everything queued this step and bring it to the host (one transfer).

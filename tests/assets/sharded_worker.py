@@ -1,23 +1,30 @@
 """Two CPU ranks (gloo) under torchrun, each running a Monitor on a sharded or failing setup.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/assets/sharded_worker.py MODE OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/assets/sharded_worker.py MODE OUT [MONITOR_MODE]
 
-MODE ``fsdp1``: FullyShardedDataParallel (use_orig_params, fp16 MixedPrecision, ShardedGradScaler), a
-NaN in rank 1's batch at step 3, a capture armed: the bad rank writes its own shard with no collective,
-the job finishes. ``fsdp2``: fully_shard: the monitor turns itself off with one warning per rank and the
-training goes on. ``fail``: DDP; rank 1's monitor raises inside its statistics at step 2: every rank's
-monitor turns off at that step (rank 1 still joins the step's exchange), no rank hangs, training goes on.
-Each rank writes OUT/result.rank{r}.json: steps trained, whether the weights are finite, the monitor's
-``off``.
+MODE ``fsdp2``: ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=float16)`` and ``ShardedGradScaler``;
+``fsdp2_bf16``: the same in bf16 without a scaler; ``fsdp1``: ``FullyShardedDataParallel(use_orig_params=True)``
+with fp16 ``MixedPrecision`` and ``ShardedGradScaler``; ``tp``: ``ColwiseParallel``/``RowwiseParallel`` on a
+1-D mesh (every rank the same batch). A NaN at step 5 on rank 1: in its batch (FSDP), or in its local part of
+``embed``'s output (TP: the next layer's all-reduce carries it to rank 0). Each step the worker takes
+``clip_grad_norm_``'s value itself (``ref``) and the monitor watches (full statistics, or ``MONITOR_MODE=sentinel``).
+Then a second phase (FSDP): the same model trained with ``mon.step(loss, max_norm=0.5)`` next to PyTorch's recipe
+with the engine's clip: the weights must agree. ``fail``: DDP; rank 1's monitor raises inside its statistics at
+step 2: every rank's monitor turns off at that step, no rank hangs, training goes on.
+
+Each rank writes OUT/result.rank{r}.json. The file is also the spec that replays the capture
+(``build_model``: the model unwrapped, ``loss_fn``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,37 +32,147 @@ from torch import nn
 
 from ampdoctor import Monitor
 
+STEPS = 8
+BAD_STEP = 5
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.act = nn.GELU()
+        self.mid = nn.Linear(32, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.act(self.embed(x))))
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def wrap(mode: str, model: nn.Module) -> tuple[nn.Module, Any]:
+    """The model under the engine, and its scaler (None in bf16)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if mode.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dt = torch.bfloat16 if mode.endswith("bf16") else torch.float16
+        mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
+        for sub in (model.embed, model.mid, model.head):
+            fully_shard(sub, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model, (None if dt == torch.bfloat16 else ShardedGradScaler("cpu", init_scale=2.0**10))
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
+                                         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                                         mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32))
+        return model, ShardedGradScaler("cpu", init_scale=2.0**10)
+    if mode == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, {"embed": ColwiseParallel(), "mid": RowwiseParallel()})
+        return model, torch.amp.GradScaler("cpu", init_scale=2.0**10)  # (the ranks' gradients agree after the all-reduce)
+    return nn.parallel.DistributedDataParallel(model), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+
+def total_norm(model: nn.Module) -> float:
+    """The global gradient norm as PyTorch's engines compute it (``clip_grad_norm_`` with no clipping)."""
+    if isinstance(model, nn.Module) and type(model).__name__ == "FullyShardedDataParallel":
+        return float(model.clip_grad_norm_(math.inf))  # type: ignore[operator]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if any(type(g).__name__ == "DTensor" for g in grads) and not all(type(g).__name__ == "DTensor" for g in grads):
+        # a tensor-parallel model with plain (replicated) parameters: the DTensors' norms whole, the rest as they are
+        sq = sum(float(g.full_tensor().float().norm()) ** 2 if type(g).__name__ == "DTensor" else float(g.float().norm()) ** 2
+                 for g in grads)
+        return math.sqrt(sq)
+    n = torch.nn.utils.clip_grad_norm_(list(model.parameters()), math.inf)
+    return float(n.full_tensor() if hasattr(n, "full_tensor") else n)
+
+
+def batch(g: torch.Generator, mode: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    if mode != "tp" and rank == 1 and step == BAD_STEP:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def local_nan(mode: str, model: nn.Module, rank: int, step: list[int]) -> None:
+    """TP: rank 1's own part of ``embed``'s output goes NaN at the bad step (its local computation)."""
+    if mode != "tp" or rank != 1:
+        return
+
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if step[0] == BAD_STEP:
+            with torch.no_grad():
+                out[0, 0] = float("nan")
+
+    model.embed.register_forward_hook(hook)
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+
+
+def clip_phase(mode: str, rank: int) -> float | None:
+    """``mon.step(loss, max_norm=...)`` against PyTorch's recipe with the engine's clip: the largest weight difference."""
+    if mode not in ("fsdp1", "fsdp2"):
+        return None
+    finals = []
+    for watched in (True, False):
+        model, scaler = wrap(mode, build_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = Monitor(model, opt, scaler, max_norm=0.5, alert_min_steps=10**6) if watched else None
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            loss = loss_fn(model(x), y)
+            if mon is not None:
+                mon.step(loss)
+                continue
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if mode == "fsdp1":
+                model.clip_grad_norm_(0.5)  # type: ignore[operator]
+            else:
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        if mon is not None:
+            assert mon.off is None, mon.off
+            mon.close()
+        finals.append(weights(model))
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(*finals, strict=True))
+
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    mon_mode = sys.argv[3] if len(sys.argv) > 3 else "full"
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
-    if mode == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
-                                         mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16))
-        scaler: torch.amp.GradScaler = ShardedGradScaler("cpu", init_scale=2.0**10)
-    elif mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        for sub in model:
-            if isinstance(sub, nn.Linear):
-                fully_shard(sub)
-        fully_shard(model)
-        scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
-    else:
-        model = nn.parallel.DistributedDataParallel(model)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model, scaler = wrap(mode, build_model())
+    at = [0]
+    local_nan(mode, model, rank, at)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    refs: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mon = Monitor(model, opt, scaler, log=out / "steps.csv", capture=out / "cap")
+        mon = Monitor(model, opt, scaler, log=out / "steps.csv", capture=out / "cap", mode=mon_mode,  # type: ignore[arg-type]
+                      full_every=4, amp_dtype=torch.bfloat16 if scaler is None else None, alert_min_steps=10**6)
         if mode == "fail" and rank == 1:
             real = mon.hooks.after_backward
 
@@ -65,25 +182,35 @@ def main() -> None:
                 real(*a, **k)
 
             mon.hooks.after_backward = flaky  # type: ignore[method-assign]
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(0 if mode == "tp" else rank)  # TP: every rank the same batch
         steps = 0
-        for step in range(8):
-            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-            if rank == 1 and step == 3:
-                x[0, 0] = float("nan")
-            out_ = model(x)
-            loss = nn.functional.mse_loss(out_.float(), y)
-            scaler.scale(loss).backward()
-            mon.after_backward(loss)
-            scaler.step(opt)
-            scaler.update()
+        for step in range(STEPS):
+            at[0] = step
+            x, y = batch(g, mode, step, rank)
+            with mon.autocast() if scaler is None else torch.autocast("cpu", enabled=False):
+                loss = loss_fn(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            refs.append(total_norm(model))
+            mon.after_backward(loss, batch=(x, y))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif not mon.should_skip:
+                opt.step()
             mon.after_step()
             opt.zero_grad(set_to_none=True)
             steps += 1
     mon.close()
     finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
+    clip = clip_phase(mode, rank)
     (out / f"result.rank{rank}.json").write_text(json.dumps({
-        "steps": steps, "finite": finite, "off": mon.off,
+        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip,
+        "first_fault": None if mon.first_fault is None else [mon.first_fault.step, mon.first_fault.rank,
+                                                             mon.first_fault.kind, mon.first_fault.module],
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "ampdoctor" in str(w.message)],
         "pid": os.getpid()}))
     dist.barrier()

@@ -1,0 +1,217 @@
+"""A sharded model's statistics, reduced across its ranks inside the step's one exchange.
+
+Under FSDP2 (``fully_shard``), tensor parallelism (DTensor parameters) and FSDP1
+(``FullyShardedDataParallel(use_orig_params=True)``) a rank holds a piece of each parameter and of its
+gradient: a DTensor's local shard (``to_local()``, no collective), or FSDP1's slice of the flattened
+parameter (which may be empty). Everything the monitor measures of parameters is measured on the pieces
+and then reduced across the ranks, in the collective the ranks' exchange runs anyway
+(``engine.ranks.RankExchange.exchange``):
+
+- **norms**: each parameter's sum of squares (``P`` float64, SUM): the global norm is the square root of
+  the total, exactly what ``clip_grad_norm_`` computes; a sentinel and the first non-finite parameter read
+  the global per-parameter norms;
+- **rows** (a recorded step's statistics of parameter gradients and weights): the counts (SUM) ride in
+  the same collective, absmax and the smallest non-zero in a second one (MAX), recorded steps only.
+
+A piece that is a replica (a ``Replicate`` placement, a plain parameter of a tensor-parallel model, FSDP1's
+``NO_SHARD``) counts on one rank only, so replicated parameters count once. Rows are aligned by parameter
+name (every rank has every name; a rank may hold an empty slice, or, under FSDP1, no gradient at all).
+
+``layout`` says where each piece of the model's state sits in the whole tensor (plain JSON), so a capture
+of every rank's pieces is reassembled on one process (``engine.replay``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ampdoctor.records import NCOLS, Col, StepStats
+from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+
+ENGINES = ("fsdp1", "fsdp2", "tensor_parallel")
+"""The sharding engines whose pieces this module reads."""
+NSUM = Col.NAN + 2
+"""Columns of a row reduced by SUM: the counts (``Col.NUMEL`` .. ``Col.NAN``) and one for 'a rank holds it'."""
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _fsdp1_flat(inner: nn.Module) -> dict[int, tuple[list[int], int]]:
+    """FSDP1 (``use_orig_params=True``): id of each original parameter → (its shape, where this rank's slice
+    starts in it, flattened), read from the flat parameters' ``_fqns``/``_shapes``/``_shard_param_infos``."""
+    out: dict[int, tuple[list[int], int]] = {}
+    for m in inner.modules():
+        fp = getattr(m, "_flat_param", None)
+        infos = getattr(fp, "_shard_param_infos", None)
+        params = getattr(fp, "_params", None)
+        shapes = getattr(fp, "_shapes", None)
+        if infos is None or params is None or shapes is None:
+            continue
+        for p, shape, info in zip(params, shapes, infos, strict=False):
+            start = int(info.intra_param_start_idx or 0) if info.in_shard else 0
+            out[id(p)] = ([int(x) for x in shape], start)
+    return out
+
+
+def _fsdp1_strategy(inner: nn.Module) -> tuple[str, int | None]:
+    for m in inner.modules():
+        if type(m).__name__ == "FullyShardedDataParallel":
+            strat = getattr(m, "sharding_strategy", None)
+            pg = getattr(m, "process_group", None)
+            size = pg.size() if pg is not None and hasattr(pg, "size") else None
+            return str(getattr(strat, "name", strat)), size
+    return "", None
+
+
+class Shards:
+    """The pieces this rank holds of a sharded model's parameters, and their reduction across ranks.
+
+    ``params``: the optimizer's parameters (the norms' order); ``names``: id → the user's name."""
+
+    def __init__(self, engine: str, model: nn.Module, params: Sequence[torch.Tensor], rank: int, world: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.world = world
+        inner = unwrap(model)
+        self.flat = _fsdp1_flat(inner) if engine == "fsdp1" else {}
+        self.problem: str | None = None
+        """Why this layout cannot be reduced correctly (the monitor then turns off), else None."""
+        replica = False
+        if engine == "fsdp1":
+            strat, size = _fsdp1_strategy(inner)
+            if strat.startswith("HYBRID") or (size is not None and size != world):
+                self.problem = f"FSDP1 with {strat or 'a process group'} of {size} rank(s) in a world of {world}"
+            replica = strat == "NO_SHARD"
+        self._replica_plain = engine != "fsdp1" or replica
+        self.named = named_parameters(inner)
+        """(user name, parameter) of the model: the rows' order."""
+        self.index = {n: i for i, (n, _) in enumerate(self.named)}
+        self.counts = [self._counts(p) for p in params]
+        """Per optimizer parameter: whether this rank's piece counts in the sums (False: a replica)."""
+        self.row_counts = [self._counts(p) for _, p in self.named]
+        self._w: dict[torch.device, torch.Tensor] = {}
+
+    def _counts(self, p: torch.Tensor) -> bool:
+        if _is_dtensor(p):
+            mesh = p.device_mesh  # type: ignore[attr-defined]
+            if mesh.size() != self.world and self.problem is None:
+                self.problem = (f"a DTensor mesh of {mesh.size()} rank(s) in a world of {self.world} (the replicas "
+                                "outside the mesh would count twice)")
+            coord = mesh.get_coordinate() or []
+            return all(c == 0 for c, pl in zip(coord, p.placements, strict=False)  # type: ignore[attr-defined]
+                       if not pl.is_shard())
+        return self.rank == 0 if self._replica_plain else True
+
+    # norms ------------------------------------------------------------------------------------------
+    def weights(self, device: torch.device) -> torch.Tensor:
+        w = self._w.get(device)
+        if w is None:
+            w = self._w[device] = torch.tensor([1.0 if c else 0.0 for c in self.counts], dtype=torch.float64, device=device)
+        return w
+
+    def sums(self, per: torch.Tensor | None, present: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The ``P`` sums of squares this rank adds (0 for a parameter without a gradient here, or a replica
+        another rank counts), on the device: ``per`` holds the local norms of the ``present`` parameters."""
+        out = torch.zeros(len(self.counts), dtype=torch.float64, device=device)
+        if per is not None and len(present):
+            out[torch.tensor(list(present), device=device)] = per.to(device, torch.float64).square()
+        return out * self.weights(device)
+
+    # rows -------------------------------------------------------------------------------------------
+    def sizes(self, recorded: bool) -> tuple[int, int]:
+        """(numbers added to the SUM collective, numbers in the MAX one) at a step (recorded or not)."""
+        n = len(self.named)
+        return len(self.counts) + (2 * n * NSUM if recorded else 0), (2 * n * 2 if recorded else 0)
+
+    def tables(self, keys: list[Hashable], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A recorded step's rows of parameter gradients and weights, aligned by name: (SUM part, MAX part),
+        flat, on the rows' device."""
+        n = len(self.named)
+        dev = rows.device
+        at, sel = [], []
+        for i, k in enumerate(keys):
+            if isinstance(k, tuple) and k[0] in ("pgrad", "param"):
+                j = self.index.get(str(k[1]))
+                if j is not None:
+                    at.append(j + (n if k[0] == "param" else 0))
+                    sel.append(i)
+        sums = torch.zeros((2 * n, NSUM), dtype=torch.float64, device=dev)
+        maxes = torch.zeros((2 * n, 2), dtype=torch.float64, device=dev)
+        maxes[:, 1] = -float("inf")
+        if at:
+            r = rows[torch.tensor(sel, device=dev)].to(torch.float64)
+            w = torch.tensor([1.0 if self.row_counts[j % n] else 0.0 for j in at], dtype=torch.float64, device=dev)
+            idx = torch.tensor(at, device=dev)
+            part = torch.cat([r[:, : Col.NAN + 1] * w[:, None], torch.ones((len(at), 1), dtype=torch.float64, device=dev)], 1)
+            sums[idx] = part
+            maxes[idx] = torch.stack([r[:, Col.ABSMAX], -r[:, Col.MIN_NONZERO]], 1)
+        return sums.reshape(-1), maxes.reshape(-1)
+
+    def apply(self, st: StepStats, sums: np.ndarray, maxes: np.ndarray) -> None:
+        """Replace the step's parameter rows by the reduced ones (every rank gets every name's whole row)."""
+        n = len(self.named)
+        s = np.asarray(sums, dtype=np.float64).reshape(2 * n, NSUM)
+        m = np.asarray(maxes, dtype=np.float64).reshape(2 * n, 2)
+        for j in range(2 * n):
+            if s[j, NSUM - 1] <= 0:  # no rank held a row for it (no gradient anywhere, or weights not recorded)
+                continue
+            row = np.zeros(NCOLS, dtype=np.float64)
+            row[: Col.NAN + 1] = s[j, : Col.NAN + 1]
+            row[Col.ABSMAX] = m[j, 0]
+            row[Col.MIN_NONZERO] = -m[j, 1]
+            name = self.named[j % n][0]
+            (st.param if j >= n else st.pgrad)[name] = row
+
+    # the capture ------------------------------------------------------------------------------------
+    def layout(self, model: nn.Module) -> dict[str, Any]:
+        """Where each tensor of ``capture.local_state(model)`` sits in the whole one (plain JSON):
+        ``{"shape": [...], "offset": [...]}`` (a block: a DTensor's shard, or the whole tensor) or
+        ``{"shape": [...], "flat": k}`` (FSDP1: elements ``k..`` of the flattened tensor)."""
+        inner = unwrap(model)
+        out: dict[str, Any] = {}
+        for n, p in [*inner.named_parameters(), *inner.named_buffers()]:
+            out[user_name(n)] = self._piece(p)
+        return out
+
+    def _piece(self, t: torch.Tensor) -> dict[str, Any]:
+        if _is_dtensor(t):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+            return {"shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset]}
+        hit = self.flat.get(id(t))
+        if hit is not None:
+            return {"shape": hit[0], "flat": hit[1]}
+        return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
+
+
+def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
+    """The whole tensor from every rank's piece and its layout; raises ValueError when an element is missing."""
+    shape = [int(x) for x in pieces[0][1]["shape"]]
+    dtype = pieces[0][0].dtype
+    full = torch.zeros(shape, dtype=dtype)
+    have = torch.zeros(shape, dtype=torch.bool)
+    for t, lay in pieces:
+        if "flat" in lay:
+            k = int(lay["flat"])
+            full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
+            have.view(-1)[k: k + t.numel()] = True
+        else:
+            if list(t.shape) == shape and any(int(o) for o in lay["offset"]) is False and have.all():
+                continue  # a replica of what is already there
+            sl = tuple(slice(int(o), int(o) + int(s)) for o, s in zip(lay["offset"], t.shape, strict=True))
+            full[sl] = t.to(dtype)
+            have[sl] = True
+    if not bool(have.all()):
+        raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece")
+    return full
+
+
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble"]
