@@ -7,6 +7,7 @@ writes a capture, which ``triage --from`` reads. Runs the sample the docs tell u
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
+from ampdoctor.engine.replay import read_capture
 from ampdoctor.engine.ranks import RankExchange, RankView, parse_column, rank_path
 from ampdoctor.watch.steplog import read_step_log
 
@@ -115,10 +117,10 @@ def test_sentinel_mode_names_the_rank_from_its_loss(tmp_path: Path) -> None:
 
 def test_decode_blames_the_lowest_local_rank() -> None:
     rx = RankExchange(None, 0, 4, ["<model>", "a", "b"], ["a.weight", "b.weight"])
-    host = np.zeros((4, 4))
-    host[0] = [8, 0, 0, 1]  # rank 0: parameter gradient only (after the all-reduce)
-    host[2] = [2 | 8, 3, 0, 1]  # rank 2: forward in b
-    host[3] = [1 | 8, 0, 0, 2]  # rank 3: loss
+    host = np.zeros((4, 5))
+    host[0] = [8, 0, 0, 1, 0]  # rank 0: parameter gradient only (after the all-reduce)
+    host[2] = [2 | 8, 3, 0, 1, 3]  # rank 2: forward in b
+    host[3] = [1 | 8, 0, 0, 2, 0]  # rank 3: loss
     view = rx.decode(host.reshape(-1))
     assert view.first is not None and (view.first.rank, view.first.kind, view.first.module) == (2, "forward", "b")
     assert not view.others_clean
@@ -175,34 +177,150 @@ def test_a_monitor_on_rank0_alone_does_not_hang(tmp_path: Path) -> None:
 WORKER = ROOT / "tests" / "assets" / "sharded_worker.py"
 
 
-def _sharded(mode: str, out: Path) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), mode, str(out)]
+def _sharded(mode: str, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), mode, str(out),
+           *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r, [json.loads((out / f"result.rank{k}.json").read_text()) for k in (0, 1)]
 
 
+def _norms_agree(log: Path, ref: list[float]) -> None:
+    """The logged global norm is clip_grad_norm_'s at every step (NaN where it is NaN)."""
+    got = read_step_log(log).frame["grad_l2_pre_clip"].astype(float).tolist()
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref, strict=True):
+        assert (math.isnan(g) and math.isnan(r)) or g == pytest.approx(r, rel=1e-5), (got, ref)
+
+
+def _replay(cap: Path) -> dict[str, object]:
+    r = CliRunner().invoke(app, ["triage", str(WORKER), "--from", str(cap), "--json", "-", "-q"])
+    assert r.exit_code in (0, 1), r.output
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, object]]]:
+    out = tmp_path_factory.mktemp("fsdp2")
+    _, res = _sharded("fsdp2", out)
+    return out, res
+
+
+def test_fsdp2_logs_the_global_norm_and_names_rank1_and_embed(fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
+    out, res = fsdp2_run
+    assert all(x["steps"] == 8 and x["finite"] and x["off"] is None and not x["warnings"] for x in res)
+    for rank in (0, 1):
+        _norms_agree(out / f"steps.rank{rank}.csv", res[rank]["ref"])  # type: ignore[arg-type]
+        f = read_step_log(out / f"steps.rank{rank}.csv").frame.set_index("step")
+        assert res[rank]["first_fault"] == [5, 1, "input", "embed"]
+        seen = parse_column(str(f.loc[5, "ranks"]))
+        assert (1, "input", "embed") in seen and [r for r, k, _ in seen if k != "grad"] == [1]
+        assert str(f.loc[5, "nonfinite_params"]).split(";")[:2] == ["embed.weight", "embed.bias"]  # the user's names
+        assert bool(f.loc[5, "skipped"]) and f["scaler_scale"].tolist()[-1] == 512.0  # ShardedGradScaler, read
+    assert res[0]["clip_diff"] is not None and res[0]["clip_diff"] <= 1e-5  # mon.step(max_norm) clips on the global norm
+
+
+def test_fsdp2_capture_reassembles_on_one_process_and_replays_to_data(
+        fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
+    out, _ = fsdp2_run
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("cap")) == ["cap.rank0", "cap.rank1"]
+    for rank in (0, 1):  # each rank's own shard, plain tensors: loads with weights_only=True, no engine class in it
+        st = torch.load(out / f"cap.rank{rank}" / "state.pt", weights_only=True)
+        assert all(type(v) is torch.Tensor for v in st["model"].values())
+        assert st["model"]["embed.weight"].shape == (16, 8)  # half of embed's 32 rows
+    cap = read_capture(out / "cap.rank1")
+    full = torch.load(out / "full.pt", weights_only=True)
+    assert set(cap.model) == set(full) and all(torch.equal(cap.model[k], full[k]) for k in full)
+    assert cap.model["head.weight"].shape == (1, 6)  # rank 1 held an empty slice of it
+    rep = _replay(out / "cap.rank1")
+    assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
+    assert any("reassembled the whole model from the 2 ranks' shards (fsdp2) of step 5" in n
+               for n in rep["notes"])  # type: ignore[attr-defined]
+    assert _replay(out / "cap")["verdict"] == rep["verdict"]  # the name given to Monitor(capture=...) reads the same
+
+
 @pytest.mark.slow
-def test_fsdp1_capture_on_the_bad_rank_alone_needs_no_collective(tmp_path: Path) -> None:
-    r, res = _sharded("fsdp1", tmp_path)
+def test_fsdp2_bf16_sentinel_mode_logs_the_global_norm_and_names_rank1(tmp_path: Path) -> None:
+    _, res = _sharded("fsdp2_bf16", tmp_path, "sentinel")
+    assert all(x["off"] is None and x["finite"] for x in res)
+    for rank in (0, 1):
+        _norms_agree(tmp_path / f"steps.rank{rank}.csv", res[rank]["ref"])  # type: ignore[arg-type]
+        assert res[rank]["first_fault"][:2] == [5, 1]  # type: ignore[index]
+    assert _replay(tmp_path / "cap.rank1")["verdict"]["cause"] == "data"  # type: ignore[index]
+
+
+@pytest.fixture(scope="module")
+def fsdp1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[dict[str, object]]]:
+    out = tmp_path_factory.mktemp("fsdp1")
+    r, res = _sharded("fsdp1", out)
+    return out, r.stderr, res
+
+
+def test_fsdp1_logs_the_global_norm_under_the_users_names_and_clips_on_it(
+        fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
+    out, stderr, res = fsdp1_run
     assert all(x["steps"] == 8 and x["finite"] and x["off"] is None for x in res)  # finished, nothing aborted
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("cap")) == ["cap.rank1"]  # the bad rank's
-    m = json.loads((tmp_path / "cap.rank1" / "manifest.json").read_text())
-    assert (m["step"], m["rank"], m["first_rank"], m["sharded"]) == (3, 1, 1, "fsdp1")
-    assert r.stderr.count("ampdoctor: step 3 failed: the loss is nan") == 1  # said once, by rank 1
-    for rank in (0, 1):  # per-shard norms would mislead: the log leaves them out
-        f = read_step_log(tmp_path / f"steps.rank{rank}.csv").frame
-        assert f["grad_l2_pre_clip"].isna().all() and bool(f.set_index("step").loc[3, "skipped"])
+    for rank in (0, 1):
+        _norms_agree(out / f"steps.rank{rank}.csv", res[rank]["ref"])  # type: ignore[arg-type]
+        assert res[rank]["first_fault"] == [5, 1, "input", "embed"]
+        f = read_step_log(out / f"steps.rank{rank}.csv").frame.set_index("step")
+        assert "_fsdp_wrapped_module" not in str(f.loc[5, "nonfinite_params"]) + str(f.loc[5, "ranks"])
+    assert res[0]["clip_diff"] is not None and res[0]["clip_diff"] <= 1e-5  # == model.clip_grad_norm_(max_norm)
+    assert stderr.count("ampdoctor: step 5 failed: the loss is nan") == 1  # said once, by rank 1
+    drift = [w for w in res[0]["drift"] if "drift apart" in w]  # type: ignore[attr-defined]
+    assert len(drift) == 1 and "ShardedGradScaler" in drift[0] and not res[1]["drift"]  # plain GradScaler: once, rank 0
 
 
-@pytest.mark.slow
-def test_fsdp2_turns_the_monitor_off_with_one_warning_and_trains_on(tmp_path: Path) -> None:
-    r, res = _sharded("fsdp2", tmp_path)
-    assert all(x["steps"] == 8 and x["finite"] and "FSDP2" in str(x["off"]) for x in res)
-    said = [w for x in res for w in x["warnings"]]  # type: ignore[attr-defined]
-    assert len(said) == 1 and said[0].startswith("MonitorOffWarning: ampdoctor: FSDP2 (fully_shard) is not supported yet")
-    assert res[0]["warnings"] == said  # once, from rank 0
-    assert not (tmp_path / "steps.rank0.csv").exists() and not (tmp_path / "steps.csv").exists()  # nothing misleading
+def test_fsdp1_capture_of_every_rank_replays_to_data(fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
+    out, _, _ = fsdp1_run
+    m = json.loads((out / "cap.rank1" / "manifest.json").read_text())
+    assert (m["step"], m["rank"], m["first_rank"], m["sharded"]) == (5, 1, 1, "fsdp1")
+    assert "flat" in m["shards"]["model"]["embed.weight"]  # a slice of the flattened parameter
+    cap = read_capture(out / "cap.rank0")
+    full = torch.load(out / "full.pt", weights_only=True)
+    assert all(torch.equal(cap.model[k], full[k]) for k in full)
+    rep = _replay(out / "cap.rank0")
+    assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
+    assert "replayed rank 1's batch" in " ".join(rep["notes"])  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, object]]]:
+    out = tmp_path_factory.mktemp("tp")
+    _, res = _sharded("tp", out)
+    return out, res
+
+
+def test_tensor_parallel_names_the_rank_whose_own_computation_went_bad_first(
+        tp_run: tuple[Path, list[dict[str, object]]]) -> None:
+    out, res = tp_run
+    assert all(x["steps"] == 8 and x["finite"] and x["off"] is None and not x["warnings"] for x in res)
+    for rank in (0, 1):
+        _norms_agree(out / f"steps.rank{rank}.csv", res[rank]["ref"])  # type: ignore[arg-type]
+        # RowwiseParallel's all-reduce carried rank 1's NaN (embed, its own shard) into rank 0's mid: rank 1 first
+        assert res[rank]["first_fault"] == [5, 1, "forward", "embed"]
+        seen = parse_column(str(read_step_log(out / f"steps.rank{rank}.csv").frame.set_index("step").loc[5, "ranks"]))
+        assert seen == [(0, "forward", "mid"), (1, "forward", "embed")]
+    rep = _replay(out / "cap.rank1")  # the whole model on one process: the NaN was rank 1's computation, not data
+    assert rep["verdict"]["cause"] == "not_reproduced" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
+    assert any("(tensor_parallel)" in n for n in rep["notes"])  # type: ignore[attr-defined]
+
+
+def test_tensor_parallel_order_is_the_forward_position_not_the_rank_number() -> None:
+    rx = RankExchange(None, 0, 3, ["<model>", "embed", "mid"], ["embed.weight", "mid.weight"])
+    host = np.zeros((3, 5))
+    host[0] = [2, 3, 0, 0, 4]  # rank 0: mid's output, late in the forward (the all-reduce brought it)
+    host[1] = [2, 3, 0, 0, 4]
+    host[2] = [2, 2, 0, 0, 2]  # rank 2: embed's output, its own shard
+    view = rx.decode(host.reshape(-1))
+    assert view.first is not None and view.first.rank == 0  # DDP's rule: the lowest rank
+    rx.by_position = True
+    view = rx.decode(host.reshape(-1))
+    assert view.first is not None and (view.first.rank, view.first.module) == (2, "embed")
+    assert view.spread and view.others_clean
+    host[0] = [2, 2, 0, 0, 2]  # two ranks bad at the same place: the lowest, and not one rank's alone
+    view = rx.decode(host.reshape(-1))
+    assert view.first is not None and view.first.rank == 0 and not view.spread and not view.others_clean
 
 
 @pytest.mark.slow

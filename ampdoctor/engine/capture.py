@@ -505,7 +505,7 @@ class Capture:
         spec = spec_hint()
         if self.sharded:
             spec_ = spec or "SPEC.py"
-            return (f"captured to {where}: this rank's shard of an {self.sharded} model, beside every other rank's\n"
+            return (f"captured to {where}: this rank's shard of the {self.sharded} model, beside every other rank's\n"
                     f"  replay it (the shards reassembled on one process): ampdoctor triage {spec_} --from {where}")
         tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
         return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"

@@ -195,10 +195,14 @@ class FirstFault:
     problem (a bad batch, a rank-local overflow), not every rank's."""
     ranks: str
     """Every rank that saw it, as the step log's ``ranks`` column."""
+    spread: bool = False
+    """Tensor parallelism: the other ranks went bad too, later in the forward, through a collective."""
 
     def describe(self) -> str:
         where = f" in {self.module}" if self.module else ""
-        who = (f"the other ranks were clean: rank {self.rank}'s own batch or forward" if self.others_clean
+        who = (f"the other ranks went non-finite later in the forward, through a collective: rank {self.rank}'s own "
+               "computation" if self.spread else
+               f"the other ranks were clean: rank {self.rank}'s own batch or forward" if self.others_clean
                else "other ranks saw it too: a range problem every rank shares")
         return f"step {self.step}: rank {self.rank} went non-finite first ({self.kind}{where}); {who} [{self.ranks}]"
 
@@ -580,7 +584,8 @@ class Monitor:
         if not self.recipe.reduced:
             say(f"ampdoctor: {name}: each rank holds a shard of the gradients and this monitor exchanges nothing with "
                 "the other ranks (distributed=False), so the step log leaves the gradient norms out", quiet=self.quiet)
-        if self.scaler is not None and type(scaler).__name__ != "ShardedGradScaler" and self.recipe.ranks is not None:
+        if (self.engine == "fsdp1" and self.scaler is not None and type(scaler).__name__ != "ShardedGradScaler"
+                and self.recipe.ranks is not None):  # (DTensor gradients: GradScaler's found-inf is all-reduced already)
             msg = (f"ampdoctor: {name} with a plain GradScaler: each rank decides its skip from its own shard of the "
                    "gradients, so the ranks' loss scales can drift apart; use "
                    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which agrees across ranks")
@@ -1005,7 +1010,7 @@ class Monitor:
             first = m.ranks.first
             assert first is not None
             self.first_fault = FirstFault(pend.step, first.rank, first.kind, first.module, m.ranks.others_clean,
-                                          m.ranks.column())
+                                          m.ranks.column(), m.ranks.spread)
         if self.writer is not None:
             self.writer.write(rec.row())
         self.last = rec
@@ -1070,7 +1075,8 @@ class Monitor:
         if first is not None and view is not None:
             where = f" in {first.module}" if first.module else ""
             who = (f"; rank {first.rank} went first ({first.kind}{where}), "
-                   + ("the other ranks were clean" if view.others_clean else "other ranks saw it too"))
+                   + ("the other ranks went non-finite later in the forward, through a collective" if view.spread
+                      else "the other ranks were clean" if view.others_clean else "other ranks saw it too"))
         return f"ampdoctor: step {rec.step} failed: {what}; the step was {done}{scale}{who}"
 
     def _say_failure(self, words: str, m: Measured) -> None:

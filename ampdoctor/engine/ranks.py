@@ -20,6 +20,15 @@ Per rank, the row holds:
   finite); with bit 4, the first module that read the batch. ``index + 1`` into ``modules``.
 - ``backward``: the module whose outgoing gradient went non-finite first in backward.
 - ``param``: the first parameter (in the optimizer's order) with a non-finite gradient, ``index + 1``.
+- ``pos``: where in this step's forward the first non-finite output appeared (the order in which the
+  forward made its tensors, ``+ 1``; 0 when none, or the step was not recorded). Ranks that run one program
+  on one batch (tensor parallelism) make their tensors in the same order, so positions compare across them.
+
+Which rank went first: under DDP and FSDP a rank's batch and forward are its own, and the lowest rank that
+saw it locally is named. Under tensor parallelism (``by_position``) the ranks share the batch and a
+collective inside the forward (RowwiseParallel's all-reduce) carries one rank's NaN into every rank's next
+layer: the rank named is the one whose forward went bad at the earliest position, its own computation (the
+others went bad later, through the collective); a tie goes to the lowest rank.
 
 Module codes come from the per-layer statistics, so they are known on recorded steps; on the
 others (sentinel mode between full steps) a rank is named by its loss and parameter gradients.
@@ -39,7 +48,7 @@ import torch
 from ampdoctor.judge import locate
 from ampdoctor.records import Col, StepStats
 
-SLOTS = 4
+SLOTS = 5
 HANDSHAKE_TIMEOUT = 120.0
 """Seconds a rank's monitor waits for every other rank's at start-up before it goes without the exchange."""
 LOSS, FORWARD, BACKWARD, GRAD, INPUT = 1, 2, 4, 8, 16
@@ -61,6 +70,8 @@ class RankFault:
     flags: int
     module: str | None
     """The first module on this rank (forward, else backward, else the first bad parameter's)."""
+    pos: int = 0
+    """Where in the forward its first non-finite output appeared (``SLOTS``' ``pos``; 0: unknown)."""
 
     @property
     def kind(self) -> str:
@@ -86,18 +97,34 @@ class RankView:
     faults: tuple[RankFault, ...]
     off: tuple[int, ...] = ()
     """Ranks whose monitor failed and left (``OFF``): every rank turns off after this step."""
+    by_position: bool = False
+    """The ranks share one batch (tensor parallelism): the first is the earliest in the forward (module doc)."""
 
     @property
     def first(self) -> RankFault | None:
-        """The rank to blame: the lowest rank that saw it locally, else the lowest that saw it at all."""
+        """The rank to blame: the lowest rank that saw it locally, else the lowest that saw it at all (under
+        ``by_position``: the rank whose forward went bad earliest)."""
         local = [f for f in self.faults if f.local]
         pool = local or list(self.faults)
+        if self.by_position and any(f.pos for f in pool):
+            return min(pool, key=lambda f: (f.pos if f.pos > 0 else float("inf"), f.rank))
         return pool[0] if pool else None
 
     @property
+    def spread(self) -> bool:
+        """``by_position``: other ranks went bad too, all later in the forward than the first (a collective
+        carried the first rank's fault to them)."""
+        first = self.first
+        if not self.by_position or first is None or first.pos <= 0:
+            return False
+        others = [f for f in self.faults if f.local and f.rank != first.rank]
+        return bool(others) and all(f.pos > first.pos for f in others)
+
+    @property
     def others_clean(self) -> bool:
-        """Only the first rank saw it locally: one rank's batch or forward, not every rank's overflow."""
-        return sum(f.local for f in self.faults) <= 1
+        """Only the first rank saw it locally: one rank's batch or forward, not every rank's overflow (under
+        ``by_position``, also when the others went bad only later in the forward, through a collective)."""
+        return sum(f.local for f in self.faults) <= 1 or self.spread
 
     def column(self, limit: int = 8) -> str:
         """The step log's ``ranks`` column: ``1:input:embed;3:forward:blocks.2`` ('' when all clean)."""
@@ -167,17 +194,18 @@ class RankExchange:
         flags = (~loss_ok.to(device)).to(torch.float64) * LOSS + (nbad.to(device) > 0).to(torch.float64) * GRAD
         fwd = torch.zeros((), device=device, dtype=torch.float64)
         bwd = torch.zeros((), device=device, dtype=torch.float64)
+        pos = torch.zeros((), device=device, dtype=torch.float64)
         if st is not None and keys is not None and rows is not None and rows.numel():
             rows = rows.to(device)
-            fwd_f, fwd, inp = self._forward(st, keys, rows, device)
-            bwd_f, bwd = self._backward(st, keys, rows, device)
+            fwd_f, fwd, inp, pos = self._forward(st, keys, rows, device)
+            bwd_f, bwd, _ = self._backward(st, keys, rows, device)
             flags = flags + fwd_f * FORWARD + bwd_f * BACKWARD + inp * INPUT
         param = torch.where(nbad.to(device) > 0, first_bad.to(device, torch.float64) + 1, 0.0)
-        return torch.stack([flags, fwd, bwd, param]).to(torch.float64)
+        return torch.stack([flags, fwd, bwd, param, pos]).to(torch.float64)
 
     def _forward(self, st: StepStats, keys: list[Hashable], rows: torch.Tensor,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(any module output bad, the first one's module code, the batch itself is bad)."""
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(any module output bad, the first one's module code, the batch itself is bad, its position + 1)."""
         producer: dict[int, str] = {}
         for c in st.calls:  # calls end inner-first: the first to claim a tensor is its innermost producer
             for t in c.outputs:
@@ -201,14 +229,14 @@ class RankExchange:
                     is_in.append(0.0)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if not idx:
-            return zero, zero, zero
+            return zero, zero, zero, zero
         bad = _bad_rows(rows[torch.tensor(idx, device=device)])
-        return self._first(bad, order, codes, device) + (
-            (bad & (torch.tensor(is_in, device=device) > 0)).any().to(torch.float64),)
+        anyb, code, pos = self._first(bad, order, codes, device)
+        return anyb, code, (bad & (torch.tensor(is_in, device=device) > 0)).any().to(torch.float64), pos
 
     def _backward(self, st: StepStats, keys: list[Hashable], rows: torch.Tensor,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(any activation gradient bad, the module whose outgoing gradient went bad first)."""
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(any activation gradient bad, the module whose outgoing gradient went bad first, its arrival + 1)."""
         arrival: dict[int, int] = {}
         for pos, tid in enumerate(st.grad_order):
             arrival.setdefault(tid, pos)
@@ -232,17 +260,19 @@ class RankExchange:
                 codes.append(self._code(mod))
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if not idx:
-            return zero, zero
+            return zero, zero, zero
         return self._first(_bad_rows(rows[torch.tensor(idx, device=device)]), order, codes, device)
 
     @staticmethod
     def _first(bad: torch.Tensor, order: list[int], codes: list[float],
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(any bad, the first bad one's code, its place in ``order`` + 1): 0 for the last two when none is bad."""
         o = torch.tensor(order, dtype=torch.float64, device=device)
         key = torch.where(bad, o, torch.full_like(o, float("inf")))
-        first = torch.tensor(codes, dtype=torch.float64, device=device)[key.argmin()]
+        at = key.argmin()
+        first = torch.tensor(codes, dtype=torch.float64, device=device)[at]
         anyb = bad.any()
-        return anyb.to(torch.float64), torch.where(anyb, first, 0.0)
+        return anyb.to(torch.float64), torch.where(anyb, first, 0.0), torch.where(anyb, o[at] + 1, 0.0)
 
     def exchange(self, row: torch.Tensor, sums: torch.Tensor | None = None,
                  maxes: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,7 +302,7 @@ class RankExchange:
         faults = []
         off = []
         table = np.asarray(host, dtype=np.float64)[: self.world * SLOTS].reshape(self.world, SLOTS)
-        for r, (flags, fwd, bwd, param) in enumerate(table):
+        for r, (flags, fwd, bwd, param, pos) in enumerate(table):
             fl = int(flags)
             if fl & OFF:
                 off.append(r)
@@ -282,8 +312,8 @@ class RankExchange:
             module = self._module(int(fwd)) or self._module(int(bwd))
             if module is None and int(param) > 0 and int(param) - 1 < len(self.params):
                 module = locate.module_of_param(self.params[int(param) - 1], self.modules)
-            faults.append(RankFault(r, fl, module))
-        return RankView(self.world, tuple(faults), tuple(off))
+            faults.append(RankFault(r, fl, module, int(pos)))
+        return RankView(self.world, tuple(faults), tuple(off), self.by_position)
 
     def _module(self, code: int) -> str | None:
         return self.modules[code - 1] if 0 < code <= len(self.modules) else None

@@ -97,6 +97,28 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
 
 
+def _plain(obj: Any) -> Any:
+    """A module call's tensors as plain ones, for the recorders: a tensor parallel layer's output is an
+    ``AsyncCollectiveTensor`` (its all-reduce still in flight: waited for here, which it would be at its first
+    use anyway) or a DTensor (its local shard); tuples, lists and dicts are looked into."""
+    t = type(obj)
+    if t is torch.Tensor:
+        return obj
+    if t.__name__ == "AsyncCollectiveTensor" and hasattr(obj, "trigger_wait"):
+        return obj.trigger_wait()
+    if t.__name__ == "DTensor" and hasattr(obj, "_local_tensor"):
+        return obj._local_tensor
+    if t is tuple or t is list:
+        return t(_plain(x) for x in obj)
+    if t is dict:
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _plain_call(fast: Callable[..., bool], module: nn.Module, args: tuple, kwargs: dict, output: Any) -> bool:
+    return fast(module, _plain(args), _plain(kwargs), _plain(output))
+
+
 def _is_compiled(model: nn.Module) -> bool:
     """Whether a ``torch.compile``d module is anywhere in the wrapping (DDP around compiled, or the reverse)."""
     while True:
@@ -377,6 +399,8 @@ class Hooks:
                                                    self._training_only)
                         self._configured = True
                     fast = partial(self._native.tap_call, self._tap)
+                    if self._sharded:
+                        fast = partial(_plain_call, fast)
                 listen_calls(self, fast)
             else:
                 hook = _global_hook(weakref.ref(self))
@@ -511,6 +535,8 @@ class Hooks:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._active:
             return
+        if self._sharded:
+            args, kwargs, output = _plain(args), _plain(kwargs), _plain(output)
         idx = self._index.get(id(module))
         if idx is None:  # another model's module (the hook is process-wide)
             return

@@ -83,7 +83,11 @@ def wrap(mode: str, model: nn.Module) -> tuple[nn.Module, Any]:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        parallelize_module(model, mesh, {"embed": ColwiseParallel(), "mid": RowwiseParallel()})
+        from torch.distributed.tensor import Replicate
+
+        # every parameter a DTensor (GradScaler's unscale_ takes no mix): head's input is replicated, its bias too
+        parallelize_module(model, mesh, {"embed": ColwiseParallel(), "mid": RowwiseParallel(),
+                                         "head": RowwiseParallel(input_layouts=Replicate())})
         return model, torch.amp.GradScaler("cpu", init_scale=2.0**10)  # (the ranks' gradients agree after the all-reduce)
     return nn.parallel.DistributedDataParallel(model), torch.amp.GradScaler("cpu", init_scale=2.0**10)
 
@@ -114,12 +118,26 @@ def local_nan(mode: str, model: nn.Module, rank: int, step: list[int]) -> None:
     if mode != "tp" or rank != 1:
         return
 
-    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
-        if step[0] == BAD_STEP:
-            with torch.no_grad():
-                out[0, 0] = float("nan")
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if step[0] != BAD_STEP:
+            return None
+        bad = torch.zeros_like(out)
+        bad[0, 0] = float("nan")
+        return out + bad
 
     model.embed.register_forward_hook(hook)
+
+
+def full_weights(mode: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights under the user's names, gathered by the engine's own means."""
+    from ampdoctor.watch.hooks import user_name
+
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model):
+            return {user_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def weights(model: nn.Module) -> list[torch.Tensor]:
@@ -155,7 +173,7 @@ def clip_phase(mode: str, rank: int) -> float | None:
             assert mon.off is None, mon.off
             mon.close()
         finals.append(weights(model))
-    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(*finals, strict=True))
+    return max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(*finals, strict=True))
 
 
 def main() -> None:
@@ -204,11 +222,21 @@ def main() -> None:
             mon.after_step()
             opt.zero_grad(set_to_none=True)
             steps += 1
+            if step == BAD_STEP and mode != "fail":
+                full = full_weights(mode, model)  # (a collective: every rank)
+                if rank == 0:
+                    torch.save(full, out / "full.pt")  # the whole weights after the (skipped) bad step
     mon.close()
     finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
     clip = clip_phase(mode, rank)
+    drift: list[str] = []
+    if mode == "fsdp1":  # a plain GradScaler under FSDP1: each rank's skip from its own shard
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            Monitor(model, opt, torch.amp.GradScaler("cpu")).close()
+        drift = [str(w.message) for w in said if "ampdoctor" in str(w.message)]
     (out / f"result.rank{rank}.json").write_text(json.dumps({
-        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip,
+        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip, "drift": drift,
         "first_fault": None if mon.first_fault is None else [mon.first_fault.step, mon.first_fault.rank,
                                                              mon.first_fault.kind, mon.first_fault.module],
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "ampdoctor" in str(w.message)],
