@@ -18,8 +18,8 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
-from ampdoctor.engine.replay import read_capture
 from ampdoctor.engine.ranks import RankExchange, RankView, parse_column, rank_path
+from ampdoctor.engine.replay import read_capture
 from ampdoctor.watch.steplog import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,6 +218,7 @@ def test_fsdp2_logs_the_global_norm_and_names_rank1_and_embed(fsdp2_run: tuple[P
         assert str(f.loc[5, "nonfinite_params"]).split(";")[:2] == ["embed.weight", "embed.bias"]  # the user's names
         assert bool(f.loc[5, "skipped"]) and f["scaler_scale"].tolist()[-1] == 512.0  # ShardedGradScaler, read
     assert res[0]["clip_diff"] is not None and res[0]["clip_diff"] <= 1e-5  # mon.step(max_norm) clips on the global norm
+    assert [x["observe_diff"] for x in res] == [0.0, 0.0]  # watching changed no bit of the weights
 
 
 def test_fsdp2_capture_reassembles_on_one_process_and_replays_to_data(
@@ -266,6 +267,7 @@ def test_fsdp1_logs_the_global_norm_under_the_users_names_and_clips_on_it(
         f = read_step_log(out / f"steps.rank{rank}.csv").frame.set_index("step")
         assert "_fsdp_wrapped_module" not in str(f.loc[5, "nonfinite_params"]) + str(f.loc[5, "ranks"])
     assert res[0]["clip_diff"] is not None and res[0]["clip_diff"] <= 1e-5  # == model.clip_grad_norm_(max_norm)
+    assert [x["observe_diff"] for x in res] == [0.0, 0.0]  # watching changed no bit of the weights
     assert stderr.count("ampdoctor: step 5 failed: the loss is nan") == 1  # said once, by rank 1
     drift = [w for w in res[0]["drift"] if "drift apart" in w]  # type: ignore[attr-defined]
     assert len(drift) == 1 and "ShardedGradScaler" in drift[0] and not res[1]["drift"]  # plain GradScaler: once, rank 0
@@ -301,6 +303,7 @@ def test_tensor_parallel_names_the_rank_whose_own_computation_went_bad_first(
         assert res[rank]["first_fault"] == [5, 1, "forward", "embed"]
         seen = parse_column(str(read_step_log(out / f"steps.rank{rank}.csv").frame.set_index("step").loc[5, "ranks"]))
         assert seen == [(0, "forward", "mid"), (1, "forward", "embed")]
+    assert [x["observe_diff"] for x in res] == [0.0, 0.0]  # watching changed no bit of the weights
     rep = _replay(out / "cap.rank1")  # the whole model on one process: the NaN was rank 1's computation, not data
     assert rep["verdict"]["cause"] == "not_reproduced" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
     assert any("(tensor_parallel)" in n for n in rep["notes"])  # type: ignore[attr-defined]

@@ -153,14 +153,26 @@ def test_a_failure_inside_ampdoctor_turns_it_off_and_the_step_still_happens(wher
         torch.testing.assert_close(bad[k], good[k], rtol=1e-5, atol=1e-6)
 
 
-def test_an_unsupported_sharded_setup_is_one_warning_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine,said", [
+    ("deepspeed", r"DeepSpeed is not supported yet"),
+    ("fsdp2", r"FSDP2 \(fully_shard\) over a DTensor mesh of 1 rank\(s\) in a world of 2 .* is not supported yet"),
+])
+def test_an_unsupported_sharded_setup_is_one_warning_and_training_goes_on(monkeypatch: pytest.MonkeyPatch, engine: str,
+                                                                         said: str) -> None:
     import ampdoctor.engine.monitor as monitor_mod
+    from ampdoctor.engine.shards import Shards
 
-    monkeypatch.setattr(monitor_mod, "sharded_engine", lambda m: "fsdp2")
+    class Unreducible(Shards):  # a layout the reduction cannot count right (replicas outside the mesh)
+        def __init__(self, *a: object, **k: object) -> None:
+            super().__init__(*a, **k)  # type: ignore[arg-type]
+            self.problem = "a DTensor mesh of 1 rank(s) in a world of 2 (the replicas outside the mesh would count twice)"
+
+    monkeypatch.setattr(monitor_mod, "sharded_engine", lambda m: engine)
+    monkeypatch.setattr(monitor_mod, "Shards", Unreducible)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()
-    with pytest.warns(MonitorOffWarning, match=r"FSDP2 \(fully_shard\) is not supported yet"):
+    with pytest.warns(MonitorOffWarning, match=said):
         mon = Monitor(model, opt, log=None)
     loss = model(torch.ones(3, 4)).sum()
     rec = mon.step(loss)  # the step is taken, plainly
@@ -249,8 +261,13 @@ def test_the_forward_only_replay_says_so_and_a_sharded_capture_is_one_line(tmp_p
     m = json.loads(mf.read_text())
     mf.write_text(json.dumps({**m, "sharded": "fsdp1", "rank": 1, "world_size": 2}))
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap")])
-    assert r.exit_code == 2 and "replaying a sharded capture is not supported yet" in r.output
+    assert r.exit_code == 2 and "without the layout that reassembles it" in r.output  # (no shards field)
     assert "Traceback" not in r.output
+    layout = {k: {"shape": list(v.shape), "offset": [0] * v.dim()} for k, v in model.state_dict().items()}
+    mf.write_text(json.dumps({**m, "sharded": "fsdp2", "rank": 1, "world_size": 2, "shards": {"model": layout}}))
+    (tmp_path / "cap").rename(tmp_path / "cap.rank1")  # one rank's shard, the other rank's folder missing
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap.rank1")])
+    assert r.exit_code == 2 and "rank(s) 0 of 2 have none next to it" in r.output and "Traceback" not in r.output
 
 
 def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:

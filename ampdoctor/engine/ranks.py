@@ -7,7 +7,8 @@ its forward (module outputs), its loss and the gradients at its activations (bac
 rank's own graph, before the bucket all-reduce touches parameter gradients). ``RankExchange`` packs
 those facts into ``SLOTS`` numbers per rank, on the device, and sums one ``world_size x SLOTS``
 float64 tensor across ranks (each rank writes only its own row): one all-reduce of
-``32 * world_size`` bytes per step, queued before the step's host copy and brought back with it.
+``40 * world_size`` bytes per step, queued before the step's host copy and brought back with it (a
+sharded model adds its sums of squares and parameter rows to it: ``engine.shards``).
 After it every rank knows, at the same step, which ranks saw a non-finite value, what kind, and in
 which module.
 

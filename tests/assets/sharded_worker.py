@@ -176,6 +176,47 @@ def clip_phase(mode: str, rank: int) -> float | None:
     return max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(*finals, strict=True))
 
 
+def observe_phase(mode: str, rank: int) -> float | None:
+    """Do no harm: the same loop with and without a watching Monitor (full statistics, a NaN on rank 1 at step 2):
+    the largest weight difference (0.0: bit-identical)."""
+    if mode == "fail":
+        return None
+    finals = []
+    for watched in (True, False):
+        model, scaler = wrap(mode, build_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = Monitor(model, opt, scaler, alert_min_steps=10**6, quiet=True) if watched else None
+        g = torch.Generator().manual_seed(200 + (0 if mode == "tp" else rank))
+        for step in range(4):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is None):
+                loss = loss_fn(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            if mon is not None:
+                mon.after_backward(loss, batch=(x, y))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                bad = torch.tensor([0.0 if math.isfinite(float(loss)) else 1.0])
+                dist.all_reduce(bad)
+                if not bad.item():
+                    opt.step()
+            if mon is not None:
+                mon.after_step()
+            opt.zero_grad(set_to_none=True)
+        if mon is not None:
+            assert mon.off is None, mon.off
+            mon.close()
+        finals.append(weights(model))
+    return max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(*finals, strict=True))
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     mon_mode = sys.argv[3] if len(sys.argv) > 3 else "full"
@@ -229,6 +270,7 @@ def main() -> None:
     mon.close()
     finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
     clip = clip_phase(mode, rank)
+    harm = observe_phase(mode, rank)
     drift: list[str] = []
     if mode == "fsdp1":  # a plain GradScaler under FSDP1: each rank's skip from its own shard
         with warnings.catch_warnings(record=True) as said:
@@ -236,7 +278,7 @@ def main() -> None:
             Monitor(model, opt, torch.amp.GradScaler("cpu")).close()
         drift = [str(w.message) for w in said if "ampdoctor" in str(w.message)]
     (out / f"result.rank{rank}.json").write_text(json.dumps({
-        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip, "drift": drift,
+        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip, "drift": drift, "observe_diff": harm,
         "first_fault": None if mon.first_fault is None else [mon.first_fault.step, mon.first_fault.rank,
                                                              mon.first_fault.kind, mon.first_fault.module],
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "ampdoctor" in str(w.message)],
