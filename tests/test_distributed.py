@@ -219,6 +219,9 @@ def test_fsdp2_logs_the_global_norm_and_names_rank1_and_embed(fsdp2_run: tuple[P
         assert bool(f.loc[5, "skipped"]) and f["scaler_scale"].tolist()[-1] == 512.0  # ShardedGradScaler, read
     assert res[0]["clip_diff"] is not None and res[0]["clip_diff"] <= 1e-5  # mon.step(max_norm) clips on the global norm
     assert [x["observe_diff"] for x in res] == [0.0, 0.0]  # watching changed no bit of the weights
+    for x in res:  # distributed=False: no exchange, so no global norm to log, and nothing raises
+        off, norms = x["alone"]  # type: ignore[misc]
+        assert off is None and all(math.isnan(n) for n in norms)
 
 
 def test_fsdp2_capture_reassembles_on_one_process_and_replays_to_data(

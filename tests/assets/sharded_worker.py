@@ -217,6 +217,32 @@ def observe_phase(mode: str, rank: int) -> float | None:
     return max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(*finals, strict=True))
 
 
+def alone_phase(mode: str, rank: int) -> list[Any] | None:
+    """``Monitor(distributed=False)`` on a sharded model: no exchange, so no global norm (the log leaves it out);
+    it must watch without raising. Returns [off, the logged norms]."""
+    if mode in ("fail", "tp"):
+        return None
+    model, scaler = wrap(mode, build_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, scaler, distributed=False, quiet=True, alert_min_steps=10**6)
+    g = torch.Generator().manual_seed(rank)
+    norms = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is None):
+            loss = loss_fn(model(torch.randn(16, 8, generator=g)), torch.randn(16, 1, generator=g))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        mon.after_backward(loss)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        norms.append(mon.after_step().grad_l2_pre_clip)
+        opt.zero_grad(set_to_none=True)
+    mon.close()
+    return [mon.off, norms]
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     mon_mode = sys.argv[3] if len(sys.argv) > 3 else "full"
@@ -271,6 +297,7 @@ def main() -> None:
     finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
     clip = clip_phase(mode, rank)
     harm = observe_phase(mode, rank)
+    alone = alone_phase(mode, rank)
     drift: list[str] = []
     if mode == "fsdp1":  # a plain GradScaler under FSDP1: each rank's skip from its own shard
         with warnings.catch_warnings(record=True) as said:
@@ -278,7 +305,7 @@ def main() -> None:
             Monitor(model, opt, torch.amp.GradScaler("cpu")).close()
         drift = [str(w.message) for w in said if "ampdoctor" in str(w.message)]
     (out / f"result.rank{rank}.json").write_text(json.dumps({
-        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip, "drift": drift, "observe_diff": harm,
+        "steps": steps, "finite": finite, "off": mon.off, "ref": refs, "clip_diff": clip, "drift": drift, "observe_diff": harm, "alone": alone,
         "first_fault": None if mon.first_fault is None else [mon.first_fault.step, mon.first_fault.rank,
                                                              mon.first_fault.kind, mon.first_fault.module],
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "ampdoctor" in str(w.message)],
