@@ -117,6 +117,15 @@ SHARDED = {
 """Sharding engines read through their pieces (``engine.shards``): norms and rows reduced across the ranks."""
 
 
+def _dist_rank() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed's default group, (0, 1) when it is not initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class _Unreadable(Exception):
     """The setup is one the monitor cannot read correctly (a sharded layout it does not reduce yet)."""
 
@@ -446,8 +455,8 @@ class Monitor:
             self.rank = self.ranks.rank if self.ranks is not None else None
             if self.engine in SHARDED:
                 rx = self.ranks
-                self.recipe.shards = sh = Shards(self.engine, model, self._params, rx.rank if rx is not None else 0,
-                                                 rx.world if rx is not None else 1)
+                rank, world = (rx.rank, rx.world) if rx is not None else _dist_rank()
+                self.recipe.shards = sh = Shards(self.engine, model, self._params, rank, world)
                 if rx is not None:
                     rx.by_position = self.engine == "tensor_parallel"  # ranks share a batch: order by the forward
                     rx.derived_inputs = self.engine in ("fsdp1", "fsdp2")  # (their mixed precision casts the batch)

@@ -204,7 +204,7 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> to
             full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
             have.view(-1)[k: k + t.numel()] = True
         else:
-            if list(t.shape) == shape and any(int(o) for o in lay["offset"]) is False and have.all():
+            if list(t.shape) == shape and not any(int(o) for o in lay["offset"]) and bool(have.all()):
                 continue  # a replica of what is already there
             sl = tuple(slice(int(o), int(o) + int(s)) for o, s in zip(lay["offset"], t.shape, strict=True))
             full[sl] = t.to(dtype)

@@ -1,0 +1,87 @@
+"""A sharded model's pieces without processes: the user's names, rows reduced by name, tensors reassembled.
+
+The torchrun tests (tests/test_distributed.py) run the real engines; these check the arithmetic of
+``engine.shards`` on hand-made pieces, where every number is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.engine.shards import Shards, assemble
+from ampdoctor.formats import FP16
+from ampdoctor.records import NCOLS, Col, StepStats
+from ampdoctor.watch.hooks import user_name
+from ampdoctor.watch.stats import tensor_stats
+
+
+def test_user_names_drop_the_engines_parts() -> None:
+    assert user_name("_fsdp_wrapped_module.embed._fsdp_wrapped_module.weight") == "embed.weight"
+    assert user_name("blocks.0._checkpoint_wrapped_module.attn.q.weight") == "blocks.0.attn.q.weight"
+    assert user_name("_orig_mod.head.bias") == "head.bias"
+    assert user_name("my_module.weight") == "my_module.weight"  # a user's own underscore stays
+
+
+def test_pieces_reassemble_blocks_flat_slices_and_replicas() -> None:
+    whole = torch.arange(24.0).reshape(6, 4)
+    # a row-sharded DTensor's pieces, unevenly (3 + 3), and a column block
+    rows = [(whole[:3], {"shape": [6, 4], "offset": [0, 0]}), (whole[3:], {"shape": [6, 4], "offset": [3, 0]})]
+    assert torch.equal(assemble(rows, "w"), whole)
+    cols = [(whole[:, :1], {"shape": [6, 4], "offset": [0, 0]}), (whole[:, 1:], {"shape": [6, 4], "offset": [0, 1]})]
+    assert torch.equal(assemble(cols, "w"), whole)
+    # FSDP1: slices of the flattened tensor, one of them empty
+    flat = whole.reshape(-1)
+    pieces = [(flat[:10], {"shape": [6, 4], "flat": 0}), (flat[10:10], {"shape": [6, 4], "flat": 10}),
+              (flat[10:], {"shape": [6, 4], "flat": 10})]
+    assert torch.equal(assemble(pieces, "w"), whole)
+    # a replica on every rank: the whole tensor once
+    assert torch.equal(assemble([(whole, {"shape": [6, 4], "offset": [0, 0]})] * 2, "w"), whole)
+    with pytest.raises(ValueError, match="12 of 24 elements are in no rank's piece"):
+        assemble(rows[:1] + [(whole[:3], {"shape": [6, 4], "offset": [0, 0]})], "w")
+
+
+def test_rows_reduce_by_name_across_pieces_counted_once() -> None:
+    """Two ranks' rows of one parameter's gradient, one rank with none for another parameter: the reduced row
+    is the row of the whole tensor (counts summed, absmax the max, smallest non-zero the min)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    params = list(model.parameters())
+    sh = Shards("fsdp1", model, params, rank=0, world=1)
+    g = torch.tensor([[1e-9, 2.0, 0.0], [7e4, -3.0, 1.0], [0.5, 0.25, 1e-6], [4.0, 5.0, 6.0]])  # 0.weight's gradient
+    b = torch.tensor([1.0, float("nan"), 2.0, 3.0])  # 0.bias's gradient, held by rank 1 alone
+    names = [n for n, _ in sh.named]
+    per_rank = [
+        (["0.weight"], [g.reshape(-1)[:5]]),
+        (["0.weight", "0.bias"], [g.reshape(-1)[5:], b]),
+    ]
+    total_s = None
+    total_m = None
+    for held, tensors in per_rank:
+        keys = [("pgrad", n) for n in held]
+        rows = tensor_stats(tensors, FP16)
+        s, m = sh.tables(keys, rows)
+        total_s = s if total_s is None else total_s + s  # what the SUM all-reduce does
+        total_m = m if total_m is None else torch.maximum(total_m, m)  # and the MAX
+    assert total_s is not None and total_m is not None
+    st = StepStats(0)
+    sh.apply(st, total_s.numpy(), total_m.numpy())
+    assert set(st.pgrad) == {"0.weight", "0.bias"}  # no row for a parameter no rank held
+    np.testing.assert_array_equal(st.pgrad["0.weight"], tensor_stats([g], FP16)[0].numpy())
+    np.testing.assert_array_equal(st.pgrad["0.bias"], tensor_stats([b], FP16)[0].numpy())
+    assert st.pgrad["0.bias"][Col.NAN] == 1 and len(st.pgrad["0.weight"]) == NCOLS
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_a_replica_counts_once_in_the_norm() -> None:
+    """Under FSDP1's NO_SHARD (or a tensor-parallel model's plain parameters) every rank holds the whole tensor:
+    only rank 0 adds its squares."""
+    model = nn.Linear(2, 1)
+    params = list(model.parameters())
+    per = torch.tensor([3.0, 4.0])
+    for rank, want in ((0, [9.0, 16.0]), (1, [0.0, 0.0])):
+        sh = Shards("tensor_parallel", model, params, rank=rank, world=2)
+        assert sh.sums(per, [0, 1], torch.device("cpu")).tolist() == want
+    sh = Shards("fsdp1", model, params, rank=1, world=2)  # FULL_SHARD-like: every rank's slice counts
+    assert sh.sums(per, [0, 1], torch.device("cpu")).tolist() == [9.0, 16.0]
+    assert sh.sums(per[1:], [1], torch.device("cpu")).tolist() == [0.0, 16.0]  # a parameter without a gradient here
