@@ -6,7 +6,7 @@
 Each rank (gloo, on the CPU, one torch thread) holds two copies of the same DDP model (a stack of
 ``--blocks`` x (Linear(64,64) -> LayerNorm -> GELU), batch 32, same initial weights), each with its own
 AdamW, GradScaler and ``Monitor(mode="sentinel", full_every=100)``: one with ``distributed=None``
-(the exchange on: one all_reduce of a world_size x 4 float64 tensor per step) and one with
+(the exchange on: one all_reduce of a world_size x SLOTS float64 tensor per step) and one with
 ``distributed=False`` (off). Autocast fp16 + GradScaler in both. The two are stepped interleaved
 (on, off, on, off, ...), every step timed with the wall clock (an all_reduce blocks on the slower
 rank: CPU time would not see the wait). Then, ``--repeats`` times back to back, interleaved: ``dist.all_reduce``
@@ -31,9 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ampdoctor import Monitor
-
-SLOTS = 4
-"""The numbers each rank contributes to the exchange (``engine.ranks.SLOTS``)."""
+from ampdoctor.engine.ranks import SLOTS  # the numbers each rank contributes to the exchange
 
 
 def build(blocks: int) -> nn.Module:

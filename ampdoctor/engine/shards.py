@@ -87,8 +87,10 @@ class Shards:
         if engine == "fsdp1":
             strat, size = _fsdp1_strategy(inner)
             if strat.startswith("HYBRID") or (size is not None and size != world):
-                self.problem = f"FSDP1 with {strat or 'a process group'} of {size} rank(s) in a world of {world}"
+                self.problem = f"a {strat or 'process'} group of {size} rank(s) in a world of {world}"
             replica = strat == "NO_SHARD"
+            if any(getattr(p, "_is_flat_param", False) or type(p).__name__ == "FlatParameter" for p in params):  # (their pieces are no parameter's alone)
+                self.problem = "flat parameters (use_orig_params=False; pass use_orig_params=True)"
         self._replica_plain = engine != "fsdp1" or replica
         self.named = named_parameters(inner)
         """(user name, parameter) of the model: the rows' order."""
