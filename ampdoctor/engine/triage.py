@@ -14,6 +14,7 @@ from torch import nn
 
 from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
+from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer
@@ -434,11 +435,14 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
     the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
-    if cap.manifest.get("sharded"):
+    said: list[str] = []
+    if cap.manifest.get("sharded") == "deepspeed":  # every rank's pieces, put together on this process
+        cap, whole = reassemble(cap)
+        said.append(whole)
+    elif cap.manifest.get("sharded"):
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
                            "(the manifest, stats.json and the step logs still say which rank, step and module)")
-    said: list[str] = []
     if not spec.own_model:
         rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
         if rb.lightning and spec.loss_fn is None:
