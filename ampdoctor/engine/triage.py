@@ -14,8 +14,8 @@ from torch import nn
 
 from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
-from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.run import Replay, Run
+from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError

@@ -304,6 +304,8 @@ class DeepSpeedMonitor(Monitor):
     engine_ds: Any
     _restore: list[str]
     _grads: list[_Grad]
+    _module_params: list[nn.Parameter]
+    _params_view: _Params
     _view: _LossScale | None
     _gas: int
 
@@ -335,7 +337,7 @@ class DeepSpeedMonitor(Monitor):
                 hm = getattr(p, "_hp_mapping", None)
                 if hm is not None:
                     a = hm.lp_fragment_address
-                    frag = hm.get_lp_grad_fragment(p._index_in_param_group).to(torch.float32).flatten()
+                    frag = hm.get_lp_grad_fragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
                     if frag.numel() == n and a.numel != n:  # a whole-parameter buffer: only this rank's fragment counts
                         frag = frag.narrow(0, a.start, a.numel)
                     buf.narrow(0, off + a.start, a.numel).copy_(frag)
@@ -358,7 +360,7 @@ class DeepSpeedMonitor(Monitor):
             self._params_view.param_groups[0]["lr"] = _lr(self.engine_ds)
             self._read_grads()  # (a rank that turned off and owes the exchange joins this collective too)
             if self._view is not None and self.off is None:
-                self.recipe._scale_hint = self._view.get_scale()  # the scale this step's backward used
+                self.recipe._scale_hint = self._view.get_scale()  # type: ignore[attr-defined]  # the scale this step's backward used
         except Exception as e:
             self._fail("reading DeepSpeed's gradients", e)
         self.after_backward(None)  # (off: only joins the exchange it owes)
@@ -458,10 +460,10 @@ def _route(mon: Monitor, grads: list[_Grad]) -> None:
     """The monitor's parameter names and per-layer gradient rows read the ``_Grad`` views (the model's own
     parameters hold no gradient under ZeRO)."""
     for g in grads:
-        mon.recipe.names[id(g)] = g.name  # (the same dict as the monitor's; the ranks' exchange names them too)
+        mon.recipe.names[id(g)] = g.name  # type: ignore[attr-defined]  # (the same dict as the monitor's; the ranks' exchange names them too)
     if mon.ranks is not None:
         mon.ranks.params = [g.name for g in grads]
-    mon.hooks._pgrad_keys = [(("pgrad", g.name), g) for g in grads]  # type: ignore[misc]
+    mon.hooks._pgrad_keys = [(("pgrad", g.name), g) for g in grads]  # type: ignore[attr-defined,misc]
 
 
 def _layout_optimizer(engine: Any, lay: _Layout) -> torch.optim.Optimizer:
@@ -478,7 +480,7 @@ def _accepted(cls: type) -> set[str]:
     import inspect
 
     try:
-        return set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        return set(inspect.signature(cls).parameters) - {"params"}
     except (TypeError, ValueError):  # pragma: no cover
         return set()
 

@@ -93,6 +93,14 @@ def main() -> None:
         if step == a.nan_step and rank == 1:
             x[0, 3] = float("nan")
         scale_before = float(ls.cur_scale) if ls is not None else None
+        if step == a.nan_step:  # the whole state as this step begins (every rank joins DeepSpeed's gathers)
+            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            whole = {n: {"fp32": safe_get_full_fp32_param(p).detach().clone(),
+                         "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
+                         "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone()}
+                     for n, p in engine.module.named_parameters()}
+            torch.save(whole, out / f"whole.step{step}.rank{rank}.pt")
         loss = loss_fn(engine(x.to(low)), y)
         if step == a.overflow_step:
             loss = loss * 1e10
