@@ -63,7 +63,9 @@ def fp16_bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _torchrun(tmp_path_factory.mktemp("ds") / "bf16", "--stage", "1", "--prec", "bf16", "--nan-step", "5", "--steps", "8")
+    """ZeRO-1, bf16, two micro-batches a step (gradient accumulation)."""
+    return _torchrun(tmp_path_factory.mktemp("ds") / "bf16", "--stage", "1", "--prec", "bf16", "--nan-step", "5", "--steps", "8",
+                     "--gas", "2")
 
 
 def _log(run: Path, rank: int):  # type: ignore[no-untyped-def]

@@ -82,3 +82,17 @@ def test_watch_takes_a_deepspeed_engine_and_imports_no_deepspeed() -> None:
     with pytest.raises(UsageError, match="DeepSpeedEngine"):
         watch(nn.Linear(2, 2))
     assert ("deepspeed" in sys.modules) == before
+
+
+def test_triage_of_a_rank_without_its_siblings_is_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ampdoctor.cli.app import app
+
+    _pair(tmp_path)
+    import shutil
+
+    shutil.rmtree(tmp_path / "cap.rank0")
+    r = CliRunner().invoke(app, ["triage", "--from", str(tmp_path / "cap.rank1")])
+    assert r.exit_code == 2, r.output
+    assert "rank 0's capture cap.rank0 is not beside it" in r.output and "Traceback" not in r.output

@@ -3,7 +3,7 @@ or not (``--bare``), for tests/test_integration_deepspeed.py. It is its own spec
 ``build_dataloader``, ``loss_fn``), which triage reads without DeepSpeed installed: DeepSpeed is imported
 in ``main`` only.
 
-Rank 1's batch holds a NaN at ``--nan-step``; at ``--overflow-step`` every rank's loss is multiplied by
+Rank 1's (first micro-)batch holds a NaN at step ``--nan-step``; at ``--overflow-step`` every rank's loss is multiplied by
 1e10, so the FP16 gradients overflow. Writes, per rank, ``ds.rank<r>.json`` (DeepSpeed's own norm, scale
 and skip every step) and ``final.rank<r>.pt`` (the engine's state after the run: weights, FP32 master
 partitions, optimizer state, loss scaler, RNG)."""
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--nan-step", type=int, default=5)
     ap.add_argument("--overflow-step", type=int, default=-1)
     ap.add_argument("--hysteresis", type=int, default=2)
+    ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
     ap.add_argument("--bare", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -69,7 +70,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model()
-    cfg: dict = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+    cfg: dict = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": a.gas, "steps_per_print": 10**6,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01}},
                  "zero_optimization": {"stage": a.stage}, "gradient_clipping": 1.0, "wall_clock_breakdown": False}
     if a.prec == "fp16":
@@ -89,9 +90,6 @@ def main() -> None:
     torch.manual_seed(1 + rank)  # dropout: each rank its own draws
     ls = getattr(engine.optimizer, "loss_scaler", None)
     for step in range(a.steps):
-        x, y = batch(rank, step)
-        if step == a.nan_step and rank == 1:
-            x[0, 3] = float("nan")
         scale_before = float(ls.cur_scale) if ls is not None else None
         if step == a.nan_step:  # the whole state as this step begins (every rank joins DeepSpeed's gathers)
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -101,11 +99,15 @@ def main() -> None:
                          "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone()}
                      for n, p in engine.module.named_parameters()}
             torch.save(whole, out / f"whole.step{step}.rank{rank}.pt")
-        loss = loss_fn(engine(x.to(low)), y)
-        if step == a.overflow_step:
-            loss = loss * 1e10
-        engine.backward(loss)
-        engine.step()
+        for micro in range(a.gas):  # engine.step() at every micro-batch: DeepSpeed steps at the boundary
+            x, y = batch(rank, step * a.gas + micro)
+            if step == a.nan_step and rank == 1 and micro == 0:
+                x[0, 3] = float("nan")
+            loss = loss_fn(engine(x.to(low)), y)
+            if step == a.overflow_step:
+                loss = loss * 1e10
+            engine.backward(loss)
+            engine.step()
         n = engine.get_global_grad_norm()
         rows.append({"step": step, "norm": None if n is None else float(n), "applied": bool(engine.was_step_applied()),
                      "scale_before": scale_before, "scale_after": float(ls.cur_scale) if ls is not None else None,
