@@ -51,6 +51,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     rank = engine.global_rank
     times: dict[str, list[float]] = {"bare": [], "watched": []}
+    phases: list[str] = []
     tmp = Path(tempfile.mkdtemp())
     g = torch.Generator().manual_seed(rank)
     for r in range(a.rounds):
@@ -67,11 +68,12 @@ def main() -> None:
                     times[kind].append(time.perf_counter() - t)
             if mon is not None:
                 mon.close()
+            phases.append(f"{kind[0]}{statistics.median(times[kind][-a.steps:]) * 1e3:.0f}")
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         b, w = statistics.median(times["bare"]), statistics.median(times["watched"])
         print(f"ZeRO-{a.stage} fp16, {n:,} parameters, mode={a.mode}, {len(times['bare'])} steps each: "
-              f"bare {b * 1e3:.2f} ms/step, watched {w * 1e3:.2f} ms/step, {w / b:.2f}x")
+              f"bare {b * 1e3:.2f} ms/step, watched {w * 1e3:.2f} ms/step, {w / b:.2f}x; phases (ms): {' '.join(phases)}")
 
 
 if __name__ == "__main__":
