@@ -20,10 +20,12 @@ from the engine, with no ``after_step(skipped=...)`` of yours:
 - **the loss scale**: ``engine.optimizer.loss_scaler.cur_scale`` as the step's backward used it, and after
   the step (DeepSpeed's hysteresis: with ``hysteresis: 2`` the first overflow skips the step and keeps
   the scale; ``cur_hysteresis`` is written to the capture's manifest);
-- **the gradients**: ZeRO-1/2 leave no ``p.grad``; each parameter's whole gradient is read with
-  ``deepspeed.utils.safe_get_full_grad`` (every rank joins the same all-reduce, one per parameter), still
-  multiplied by the loss scale, and measured divided by it: the global norm is
-  ``engine.get_global_grad_norm()``'s. Nothing is written to a gradient, the optimizer or the scaler.
+- **the gradients**: ZeRO-1/2 leave no ``p.grad``; each parameter's whole gradient is put together as
+  ``deepspeed.utils.safe_get_full_grad`` does (this rank's fragment of the reduced gradients, zeros
+  elsewhere, summed over the data-parallel ranks), every parameter in one all-reduce that every rank
+  joins each step; it is still multiplied by the loss scale and is measured divided by it, so the global
+  norm is ``engine.get_global_grad_norm()``'s. Nothing is written to a gradient, the optimizer or the
+  scaler.
 
 Names are the model's own (``engine.module``'s: ``embed.weight``, not ``module.embed.weight``). A capture
 (``capture=``) is written by every rank (``cap.rank0``, ``cap.rank1`` ...): each holds its own piece of
@@ -35,7 +37,6 @@ on the CPU (``DS_ACCELERATOR=cpu``, gloo): ZeRO stages 1 and 2, fp16 and bf16.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -483,10 +484,6 @@ def _accepted(cls: type) -> set[str]:
         return set(inspect.signature(cls).parameters) - {"params"}
     except (TypeError, ValueError):  # pragma: no cover
         return set()
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
 
 
 __all__ = ["DeepSpeedMonitor", "watch"]
