@@ -53,7 +53,8 @@ RUN = ("--stage", "2", "--prec", "fp16", "--nan-step", "5", "--overflow-step", "
 
 @pytest.fixture(scope="module")
 def fp16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _torchrun(tmp_path_factory.mktemp("ds") / "fp16", *RUN)
+    """ZeRO-2, fp16; the loop gives the monitor each batch (``keep_batch``): its capture replays whole steps."""
+    return _torchrun(tmp_path_factory.mktemp("ds") / "fp16", *RUN, "--keep-batch")
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +161,13 @@ def test_reassembled_state_is_deepspeeds_whole_state(fp16: Path) -> None:
     assert whole.start.scaler is not None and whole.start.scaler["scale"] == 1024.0
 
 
-def test_triage_replays_the_capture_without_deepspeed(fp16: Path) -> None:
+@pytest.mark.parametrize("which", ["fp16", "bf16"])
+def test_triage_replays_the_capture_without_deepspeed(which: str, request: pytest.FixtureRequest) -> None:
+    """fp16: the batches given (``keep_batch``), whole steps replayed; bf16: the model's own inputs, the forward alone."""
+    run: Path = request.getfixturevalue(which)
     code = ("import sys; sys.modules['deepspeed'] = None\n"  # import deepspeed now raises ImportError
             "from ampdoctor.cli import main\n"
-            f"sys.argv = ['ampdoctor', 'triage', {str(WORKER)!r}, '--from', {str(fp16 / 'cap.rank1')!r}, '--json', '-', '-q']\n"
+            f"sys.argv = ['ampdoctor', 'triage', {str(WORKER)!r}, '--from', {str(run / 'cap.rank1')!r}, '--json', '-', '-q']\n"
             "main()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
@@ -172,6 +176,8 @@ def test_triage_replays_the_capture_without_deepspeed(fp16: Path) -> None:
     assert rep["verdict"]["first_step"] == 5
     assert rep["config"]["capture_rank"] == 1
     assert any("reassembled on one process from the 2 ranks' captures of step 5" in n for n in rep["notes"])
+    assert any("ran the forward alone" in n for n in rep["notes"]) == (which == "bf16")
+    assert rep["config"]["target"] == ("amp" if which == "fp16" else "bf16")
 
 
 def test_watching_changes_nothing(fp16: Path, fp16_bare: Path) -> None:

@@ -319,6 +319,13 @@ class DeepSpeedMonitor(Monitor):
             g.grad = None
         super().close()
 
+    def keep_batch(self, batch: Any) -> None:
+        """This micro-batch as your spec's ``build_dataloader()`` yields it (e.g. ``(x, y)``), kept for the
+        capture; call it once per micro-batch. The replay then runs whole steps (forward, your ``loss_fn``,
+        backward); without it the capture keeps the inputs the model was called with, and the replay runs
+        the forward alone."""
+        self._keep_micro(batch)
+
     # the two points of DeepSpeed's step ------------------------------------------------------------
     def _read_grads(self) -> None:
         """Each parameter's whole gradient (still times the loss scale), as ``safe_get_full_grad`` assembles it

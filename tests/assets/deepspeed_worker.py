@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--overflow-step", type=int, default=-1)
     ap.add_argument("--hysteresis", type=int, default=2)
     ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
+    ap.add_argument("--keep-batch", action="store_true", help="give the monitor each micro-batch (x, y)")
     ap.add_argument("--bare", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -103,6 +104,8 @@ def main() -> None:
             x, y = batch(rank, step * a.gas + micro)
             if step == a.nan_step and rank == 1 and micro == 0:
                 x[0, 3] = float("nan")
+            if mon is not None and a.keep_batch:
+                mon.keep_batch((x, y))  # the capture replays whole steps (else the forward alone)
             loss = loss_fn(engine(x.to(low)), y)
             if step == a.overflow_step:
                 loss = loss * 1e10
