@@ -436,7 +436,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
     said: list[str] = []
-    if cap.manifest.get("sharded") == "deepspeed":  # every rank's pieces, put together on this process
+    if cap.manifest.get("sharded") == "deepspeed" and getattr(cap, "assembled", None) is None:  # every rank's pieces
         cap, whole = reassemble(cap)
         said.append(whole)
     elif cap.manifest.get("sharded"):
