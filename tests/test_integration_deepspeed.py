@@ -58,6 +58,12 @@ def fp16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def fp16_zero1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-1, fp16, the same NaN and overflow steps."""
+    return _torchrun(tmp_path_factory.mktemp("ds") / "fp16z1", "--stage", "1", *RUN[2:])
+
+
+@pytest.fixture(scope="module")
 def fp16_bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _torchrun(tmp_path_factory.mktemp("ds") / "bare", *RUN, "--bare")
 
@@ -77,7 +83,7 @@ def _ds(run: Path, rank: int) -> list[dict]:
     return json.loads((run / f"ds.rank{rank}.json").read_text())
 
 
-@pytest.mark.parametrize("which", ["fp16", "bf16"])
+@pytest.mark.parametrize("which", ["fp16", "fp16_zero1", "bf16"])
 def test_norm_skip_and_scale_are_deepspeeds(which: str, request: pytest.FixtureRequest) -> None:
     run: Path = request.getfixturevalue(which)
     for rank in (0, 1):
@@ -90,7 +96,7 @@ def test_norm_skip_and_scale_are_deepspeeds(which: str, request: pytest.FixtureR
             if r["applied"]:  # the global norm of the unscaled gradients: get_global_grad_norm()'s
                 assert r["norm"] > 0
                 assert math.isclose(float(got["grad_l2_pre_clip"]), r["norm"], rel_tol=1e-5), (rank, r, got["grad_l2_pre_clip"])
-            if which == "fp16":
+            if which.startswith("fp16"):
                 assert float(got["scaler_scale"]) == r["scale_before"]
                 assert float(got["scale_after"]) == r["scale_after"]
             else:
@@ -101,7 +107,7 @@ def test_norm_skip_and_scale_are_deepspeeds(which: str, request: pytest.FixtureR
     assert (a.loc[ok, "grad_l2_pre_clip"] == b.loc[ok, "grad_l2_pre_clip"]).all()
 
 
-@pytest.mark.parametrize("which", ["fp16", "bf16"])
+@pytest.mark.parametrize("which", ["fp16", "fp16_zero1", "bf16"])
 def test_nan_in_rank1_batch_at_step5_names_rank1_and_embed(which: str, request: pytest.FixtureRequest) -> None:
     run: Path = request.getfixturevalue(which)
     for rank in (0, 1):
@@ -118,7 +124,9 @@ def test_nan_in_rank1_batch_at_step5_names_rank1_and_embed(which: str, request: 
     assert "embed.weight" in text and "module." not in text
 
 
-def test_forced_overflow_is_a_skip_with_the_scale_halved(fp16: Path) -> None:
+@pytest.mark.parametrize("which", ["fp16", "fp16_zero1"])
+def test_forced_overflow_is_a_skip_with_the_scale_halved(which: str, request: pytest.FixtureRequest) -> None:
+    fp16: Path = request.getfixturevalue(which)
     for rank in (0, 1):
         f = _log(fp16, rank)
         assert bool(f.loc[8, "skipped"])
