@@ -74,6 +74,7 @@ def main() -> None:
         b, w = statistics.median(times["bare"]), statistics.median(times["watched"])
         print(f"ZeRO-{a.stage} fp16, {n:,} parameters, mode={a.mode}, {len(times['bare'])} steps each: "
               f"bare {b * 1e3:.2f} ms/step, watched {w * 1e3:.2f} ms/step, {w / b:.2f}x; phases (ms): {' '.join(phases)}")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ def main() -> None:
         "rng": torch.get_rng_state(),
     }
     torch.save(final, out / f"final.rank{rank}.pt")
+    torch.distributed.destroy_process_group()  # without it gloo can abort the job at exit (see docs/frameworks.md)
 
 
 if __name__ == "__main__":
