@@ -258,6 +258,10 @@ class TrainStep:
         before the first step, GradScaler's ``init_scale`` or loaded state)."""
         self.ranks: RankExchange | None = None
         """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
+        self.clip_norm: torch.Tensor | float | None = None
+        """Observe mode: the total norm the caller's ``clip_grad_norm_`` returned this step, before it clipped
+        (``Monitor.note_clip``): the next ``measure`` reports it as the pre-clip norm, its own measurement
+        (after that clip) as the post-clip norm. Read, never written; cleared by ``measure``."""
 
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -328,6 +332,7 @@ class TrainStep:
         flag to 1 (fused optimizers skip only on exactly 1).
         """
         sc = self.scaler
+        noted, self.clip_norm = self.clip_norm, None
         already = bool(self.scaler_found()) if sc is not None else False
         label = before_unscale() if before_unscale is not None else ""
         if observe and self.max_norm is not None:
@@ -374,6 +379,10 @@ class TrainStep:
             post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
             post = pre
+        pre_out = pre
+        if observe and noted is not None and not scaled:  # the caller clipped: its own pre-clip norm, ours after it
+            pre_out = (noted.detach().reshape(()) if isinstance(noted, torch.Tensor)
+                       else torch.full((), float(noted), device=dev))
         loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
         # the step's loss: the sum over its micro-batches when gradients accumulated, else the one given
         loss_sum = self._loss_sum
@@ -406,7 +415,7 @@ class TrainStep:
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
         lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
         packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
-                              (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
+                              (loss_val, pre_out, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
         hooks = self.hooks
         recording = hooks is not None and hooks.recording
         tripped = False

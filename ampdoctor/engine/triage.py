@@ -402,7 +402,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
     lacks = load_checkpoint_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
-    step0 = state.step if state.step is not None else skip_batches
+    step0 = state.next_step if state.next_step is not None else skip_batches
     loader_note: list[str] = []
     if skip_batches:
         spec, loader_note = _skipping(spec, skip_batches)
@@ -411,7 +411,9 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
+    saved = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
+             "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
+    note = (f"started from the {state.layout} checkpoint {path} ({saved}"
             + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
             + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
