@@ -24,13 +24,12 @@ after the clip, so ``grad_l2_post_clip`` is the norm the optimizer steps with.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import functools
 import threading
 import types
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
