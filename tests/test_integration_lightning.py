@@ -230,3 +230,44 @@ def test_clipping_with_and_without_the_callback_ends_bit_identical(tmp_path: Pat
     ok = log[~log["skipped"].astype(bool)]
     assert (ok["grad_l2_post_clip"] < ok["grad_l2_pre_clip"]).any() and (ok["grad_l2_post_clip"] <= 0.5 + 1e-5).all()
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # the observer is gone with the monitor
+
+
+DATA_SPEC = '''
+from tests.test_integration_lightning import _data
+
+def build_dataloader():
+    return _data(bad_step=5)
+'''
+
+
+def test_a_lightning_run_replays_without_a_spec_from_its_capture_and_its_ckpt(tmp_path: Path) -> None:
+    """No build_model, no loss_fn, no build_optimizer: the LightningModule from its import path and hparams, its
+    training_step as the loss, and (from the .ckpt) its configure_optimizers' two groups."""
+    from tests.lightning_models import LitNet
+
+    class Save(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            if trainer.global_step == 5:  # after the steps 0-4: the next step is the CSVLogger's step 5
+                trainer.save_checkpoint(tmp_path / "step5.ckpt")
+
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", quiet=True)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    _trainer(cb, plugins=[plugin], callbacks=[cb, Save()]).fit(LitNet(hidden=24), _data(bad_step=5))
+    r = CliRunner().invoke(app, ["triage", "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 5), r.output
+    assert any("LightningModule LitNet(hidden, lr) from tests.lightning_models.LitNet" in n and "training_step" in n
+               for n in rep["notes"]), rep["notes"]
+    # the .ckpt: AmpDoctorCallback's state names the class; the hparams are Lightning's own hyper_parameters
+    ck = torch.load(tmp_path / "step5.ckpt", weights_only=True)
+    assert ck["callbacks"]["AmpDoctorCallback"]["model_identity"]["class"] == "tests.lightning_models.LitNet"
+    spec = tmp_path / "data.py"
+    spec.write_text(DATA_SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--checkpoint", str(tmp_path / "step5.ckpt"), "--skip-batches", "5",
+                                 "--steps", "2", "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 5), r.output
+    notes = " | ".join(rep["notes"])
+    assert "LitNet(hidden, lr)" in notes and "hparams step5.ckpt (AmpDoctorCallback's state) recorded" in notes, notes
+    assert "2 parameter group(s) ([3, 3]) come from LitNet.configure_optimizers()" in notes, notes
+    assert "LitNet.training_step" in notes, notes

@@ -34,6 +34,7 @@ from torch import nn
 from ampdoctor.engine.ranks import RankExchange, RankView
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
+from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.tensors import iter_tensors
@@ -110,6 +111,18 @@ def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> to
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss.reshape(())
+
+
+def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, torch.Tensor]:
+    """(the model's output, the scalar loss) of one batch already on the device: ``model(inputs)`` then
+    ``get_loss``; for a LightningModule's ``TrainingStepLoss``, its ``training_step`` on the whole batch (the
+    output is the loss)."""
+    if isinstance(loss_fn, TrainingStepLoss):
+        loss = loss_fn.of(model, batch)
+        return loss, loss
+    args, kwargs, target = split(batch)
+    out = model(*args, **filter_kwargs(model, kwargs))
+    return out, get_loss(out, target, loss_fn)
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -284,10 +297,8 @@ class TrainStep:
             self.zero_grad()
         if self.precision.weights != torch.float32:
             batch = cast_floating(batch, self.precision.weights)
-        args, kwargs, target = split(batch)
         with self.autocast():
-            out = self.model(*args, **filter_kwargs(self.model, kwargs))
-            return get_loss(out, target, loss_fn)
+            return batch_loss(self.model, batch, loss_fn)[1]
 
     # backward and the one copy -------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
 
+from ampdoctor.engine.capture import model_identity
 from ampdoctor.input.batches import Micro
 from ampdoctor.integrations._attach import Attached, inner_optimizer
 
@@ -81,13 +82,23 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         self._plugin: Any = None
         self._due: tuple[Any] | None = None
         """The step's batch, measured once Lightning has clipped (``_clip_gradients``)."""
+        self._identity: dict[str, Any] | None = None
 
     @property
     def monitor(self) -> Any:
         """The ``Monitor`` (after ``on_train_start``): its ``last`` record, ``skips``, ``first_fault``..."""
         return self.attached.monitor if self.attached is not None else None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in each ``.ckpt`` (its ``callbacks`` entry): the LightningModule's import path and ``hparams``
+        (``model_identity``), so ``ampdoctor triage --checkpoint run.ckpt`` rebuilds it without a spec."""
+        return {"model_identity": self._identity} if self._identity is not None else {}
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        try:
+            self._identity = model_identity(pl_module)
+        except Exception:  # the .ckpt then needs a spec to replay; the run goes on
+            self._identity = None
         self._unwrap_clip()
         if self.attached is not None:
             self.attached.close()
