@@ -416,9 +416,9 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    saved = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
-             "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
-    note = (f"started from the {state.layout} checkpoint {path} ({saved}"
+    at = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
+          "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
+    note = (f"started from the {state.layout} checkpoint {path} ({at}"
             + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
             + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
