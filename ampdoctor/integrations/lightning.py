@@ -130,9 +130,12 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         own_clip = type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
 
         def _clip_gradients(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            due = self._due is not None and inner_optimizer(optimizer) is self._monitor_optimizer()
-            if due and (own_clip or (trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) != "norm")):
-                self._note_norm_before_clip()  # a clip that is not clip_grad_norm_: its input measured here
+            try:
+                due = self._due is not None and inner_optimizer(optimizer) is self._monitor_optimizer()
+                if due and (own_clip or (trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) != "norm")):
+                    self._note_norm_before_clip()  # a clip that is not clip_grad_norm_: its input measured here
+            except Exception:  # nothing of ampdoctor's stands between Lightning and its clip
+                due = False
             result = original(model, optimizer, *args, **kwargs)
             if due:
                 self._measure()
