@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
-from ampdoctor.engine.shards import assemble
+from ampdoctor.engine.shards import ENGINES, assemble
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import read_manifest, validate_batches, validate_state
@@ -142,10 +142,12 @@ def rank_captures(p: Path) -> dict[int, Path]:
         return {}
     found = {int(mm.group(2)): q for q in sorted(p.parent.glob(f"{glob.escape(base)}.rank*"))
              if (mm := _RANK.match(q.name)) is not None and mm.group(1) == base and (q / MANIFEST).is_file()}
-    if m:
-        own = read_manifest(p / MANIFEST)
-        if not own.get("sharded") or not own.get("shards"):
-            return {}
+    one = p / MANIFEST if m else (next(iter(found.values())) / MANIFEST if found else None)
+    if one is None:
+        return {}
+    own = read_manifest(one)
+    if own.get("sharded") not in ENGINES or not own.get("shards"):  # (DeepSpeed's: engine.shard_capture)
+        return {}
     return found
 
 
