@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +121,54 @@ def _load_built() -> Any:
     return mod
 
 
+BUSY = 3
+"""The builder's exit status when another process on the machine holds the build lock (it builds; we wait)."""
+POLL_S = 5.0
+"""How often a process whose kernel another process builds looks for the finished build (one stat)."""
+
+
+def lock_path() -> Path:
+    """The machine's build lock (beside torch's build folder): the one process holding it builds."""
+    return build_dir().parent / f"{NAME}.ampdoctor.lock"
+
+
+def _file_lock() -> Any:
+    from filelock import FileLock
+
+    p = lock_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(p))
+
+
+def _building_elsewhere() -> bool:
+    """Whether another process holds the build lock now (under torchrun: another rank's builder)."""
+    from filelock import Timeout
+
+    try:
+        lk = _file_lock()
+        lk.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:  # a read-only cache: the builder will say so
+        return False
+    lk.release()
+    return False
+
+
 def start_build() -> None:
-    """Start building the kernel in a separate process, if it is not built: training goes on meanwhile
-    (steps use the eager path), and the build finishes, and releases torch's build lock, even if this
-    process ends first. The Monitor calls it; one-off commands do not (they use a finished build)."""
+    """Start building the kernel in a separate process, if it is not built and no other process on this machine
+    is building it (the build lock: under torchrun one rank's builder builds, the other ranks look for the
+    finished build now and then, and every rank keeps training meanwhile, steps on the cheap path). The build
+    finishes, and releases the locks, even if this process ends first. The Monitor calls it; one-off commands
+    do not (they use a finished build; ``ampdoctor build-kernel`` builds one ahead)."""
     if not enabled() or _state["module"] is not None or _state["failed"] or _state["proc"] is not None:
         return
     with _lock:
         if _state["proc"] is not None or _load_built() is not None:
+            return
+        if _building_elsewhere():
+            _state["proc"] = "elsewhere"
+            _state["next_look"] = time.monotonic() + POLL_S
             return
         try:
             _state["proc"] = subprocess.Popen([sys.executable, "-m", "ampdoctor.watch.fused"], stdin=subprocess.DEVNULL,
@@ -138,6 +179,12 @@ def start_build() -> None:
             log.info("ampdoctor: could not start the kernel build (%s)", e)
 
 
+def pending() -> bool:
+    """Whether a build is under way (here or in another process) that this process may still load: the Monitor
+    keeps its cheap path until it is ready."""
+    return enabled() and kernel() is None and not _state["failed"] and _state["proc"] not in (None, False)
+
+
 def kernel() -> Any:
     """The kernel module if it is built and loaded (loading a finished build on first ask), else None."""
     if not enabled():
@@ -146,11 +193,26 @@ def kernel() -> Any:
     if mod is not None or _state["failed"]:
         return mod
     proc = _state["proc"]
-    if proc is not None:
-        if proc.poll() is None:
+    if proc == "elsewhere":
+        now = time.monotonic()
+        if now < _state.get("next_look", 0.0):
+            return None
+        _state["next_look"] = now + POLL_S
+        mod = _load_built()
+        if mod is None and not _building_elsewhere():  # the other builder is done and left nothing: build here
+            _state["proc"] = None
+            start_build()
+        return mod
+    if proc is not None and proc is not False:
+        code = proc.poll()
+        if code is None:
             return None  # still building
         _state["proc"] = False  # done (or failed): load once
         mod = _load_built()
+        if mod is None and code == BUSY:  # another process took the lock first: it builds, we look later
+            _state["proc"] = "elsewhere"
+            _state["next_look"] = time.monotonic() + POLL_S
+            return None
         if mod is None:
             _state["failed"] = True
         return mod
@@ -181,8 +243,28 @@ def fused_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return mod.norms(tensors, CHUNK)  # type: ignore[no-any-return]
 
 
-__all__ = ["CHUNK", "build_dir", "build_now", "enabled", "fused_norms", "fused_stats", "kernel", "start_build"]
+__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_norms", "fused_stats", "kernel", "pending",
+           "start_build"]
 
 
-if __name__ == "__main__":  # the background build started by start_build()
-    sys.exit(0 if build_now() is not None else 1)
+def build_locked(wait: bool = False) -> int:
+    """Build the kernel holding the machine's build lock: 0 built (or already there), 1 failed (no compiler),
+    ``BUSY`` another process holds the lock and builds it (``wait``: wait for it, then load its build)."""
+    from filelock import Timeout
+
+    try:
+        lk = _file_lock()
+        lk.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        return BUSY
+    except OSError:
+        lk = None
+    try:
+        return 0 if (_load_built() is not None or build_now() is not None) else 1
+    finally:
+        if lk is not None:
+            lk.release()
+
+
+if __name__ == "__main__":  # the background build started by start_build(), or a build ahead of the first Monitor
+    sys.exit(build_locked())
