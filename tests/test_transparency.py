@@ -240,3 +240,25 @@ def test_a_full_disk_under_the_log_and_the_capture_changes_nothing(tmp_path: Pat
     assert "rows of the step log" in said and "could not write the capture of step 3" in said  # said, not raised
     assert not (tmp_path / "cap").exists()
     _same(bare, seen)
+
+
+@pytest.mark.parametrize("driver", ["observe", "owned"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_warm_up_path_while_the_kernel_builds_changes_nothing(driver: str, fault: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full mode while the kernel builds runs sentinel checks only, then full statistics once it is ready (step 3)."""
+    from ampdoctor.watch import fused
+
+    monkeypatch.setenv("AMPDOCTOR_WARMUP", "sentinel")
+    seen_steps = {"n": 0}
+
+    def pending() -> bool:
+        seen_steps["n"] += 1
+        return seen_steps["n"] < 4
+
+    monkeypatch.setattr(fused, "pending", pending)
+    kw = dict(scaler_on=True, clip=False, accum=1, mode="full", fault=fault, fault_step=2)
+    bare = _run("adamw_fused", driver, capture=None, watched=False, **kw)  # type: ignore[arg-type]
+    seen = _run("adamw_fused", driver, capture=tmp_path / "cap", watched=True, **kw)  # type: ignore[arg-type]
+    _same(bare, seen)
+    assert seen_steps["n"] >= 4  # the warm-up ended inside the run

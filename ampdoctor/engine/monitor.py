@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.watch import fused
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, local, named_parameters, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
@@ -445,6 +447,8 @@ class Monitor:
             self.full_after = full_after
             self._full_until = -1
             """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
+            self._warming = False
+            """Full mode while the statistics kernel builds: sentinel checks only, until it is ready."""
             self._user_scaler = scaler
             self.window = window
             self.alert_rate = alert_rate
@@ -541,6 +545,7 @@ class Monitor:
             self.hooks.attach()
             self.hooks.begin_step(self.step_num)
             start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
+            self._warming = self._warm_start()
 
         try:
             setup()
@@ -925,7 +930,7 @@ class Monitor:
         trip = m.skip or (m.stats is None and m.tripped)
         if self.recipe.shards is not None and m.ranks is not None:  # the same on every rank: their collectives agree
             trip = bool(m.ranks.faults) or m.tripped
-        if self.mode == "sentinel" and trip:
+        if (self.mode == "sentinel" or self._warming) and trip:
             self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
             if m.stats is None:  # the tripping step passed unrecorded: take what is still there, in full
                 st = self._trip_stats(1.0 / m.scale if self.recipe.grads_scaled and m.scale else None)
@@ -955,6 +960,31 @@ class Monitor:
                         warn_user(msg, CaptureWarning)
             cap.before_update(self.step_num, b)
         return self._pending
+
+    # while the kernel builds ---------------------------------------------------------------------
+    def _warm_start(self) -> bool:
+        """Full mode on the CPU while the statistics kernel is being built: sentinel checks only (every step's loss
+        and gradient norms), full statistics from a step that trips them, and on every step once the kernel is
+        ready. The eager path would cost every step 1.7x meanwhile. ``AMPDOCTOR_WARMUP=full`` keeps full
+        statistics on the eager path instead."""
+        if self.mode != "full" or self.device.type != "cpu" or os.environ.get("AMPDOCTOR_WARMUP", "sentinel") == "full":
+            return False
+        if self.recipe.shards is not None and self.ranks is not None:
+            return False  # the ranks' kernels get ready at different steps: their recorded steps (collectives) must agree
+
+        if not fused.pending():
+            return False
+        self.hooks.record_if = self._warm_wants_full
+        self.recipe.sentinel = self.hooks.fmt.max
+        return True
+
+    def _warm_wants_full(self, step: int) -> bool:
+        if self._warming and fused.pending():
+            return step < self._full_until
+        self._warming = False  # the kernel is ready (or will not come): full statistics from now on
+        self.hooks.record_if = None
+        self.recipe.sentinel = None
+        return step % self.hooks.every == 0
 
     # sentinel mode -----------------------------------------------------------------------------
     def _scheduled(self, step: int) -> bool:
