@@ -40,7 +40,7 @@ pre{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:10px;over
 .plots{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:12px}
 figure{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
 figure img{width:100%;height:auto;display:block}figcaption{font-size:12px;color:#57606a;margin-top:4px}
-figure.wide{grid-column:1/-1}
+figure.wide{grid-column:1/-1}.plots.two{grid-template-columns:repeat(2,minmax(0,1fr))}
 .muted{color:#57606a}ol li,ul li{margin:3px 0}details{margin:6px 0}summary{cursor:pointer;color:#0969da}
 """
 

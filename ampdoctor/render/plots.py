@@ -45,10 +45,11 @@ def _plt() -> Any:
     return plt
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig: Any, tight: bool = True) -> bytes:
+    """PNG bytes; ``tight=False`` keeps the figure's own size (panels drawn to one size stay one size)."""
     buf = io.BytesIO()
     # no Software/date metadata: the same report gives the same bytes
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight" if tight else None, metadata={"Software": None})
     _plt().close(fig)
     return buf.getvalue()
 
