@@ -58,6 +58,8 @@ def scale_history(scales: Sequence[float | None], skipped: Sequence[int], first:
         return []
     cols, per = _bucket([p if math.isfinite(p) else min(finite) for p in pts], width)
     lo, hi = min(finite), max(finite)
+    if hi == lo:
+        height = 1  # one scale throughout: one row says it
     span = max(hi - lo, 1.0)
     levels = [round((c - lo) / span * (height * 8 - 1)) + 1 for c in cols]  # 1 .. height*8: a column is never empty
     rows = []
@@ -74,9 +76,10 @@ def scale_history(scales: Sequence[float | None], skipped: Sequence[int], first:
         else:
             marks.append(" ")
     last = first + len(scales) - 1
-    each = "one column per step" if per == 1 else f"one column per {per} steps (their lowest scale)"
-    head = (f"GradScaler scale, steps {first}-{last} ({each}): top {pow2(2.0 ** hi)}, bottom {pow2(2.0 ** lo)}"
-            if hi != lo else f"GradScaler scale, steps {first}-{last} ({each}): {pow2(2.0 ** hi)} throughout")
+    each = "one column per step" if per == 1 else f"one column per {per} steps, their lowest scale"
+    which = f"steps {first}-{last} ({each})" if last > first else f"step {first}"
+    head = (f"GradScaler scale, {which}: top {pow2(2.0 ** hi)}, bottom {pow2(2.0 ** lo)}"
+            if hi != lo else f"GradScaler scale, {which}: {pow2(2.0 ** hi)} throughout")
     legend = f"× skipped ({steps(sorted(skip))})" + (f", ▲ the verdict's step {verdict_step}" if verdict_step is not None else "")
     return [head, *(f"{lab} {row}".rstrip() for lab, row in zip(_axis(hi, lo, height), rows, strict=True)),
             f"{' ' * len(_axis(hi, lo, height)[0])} {''.join(marks).rstrip()}", legend]
