@@ -105,11 +105,28 @@ def test_cli_from_capture_without_a_dataloader(capture: tuple[Path, int], tmp_pa
     assert res.output.strip() == f"fp16_forward_overflow module=logits step={step} stage=amp"
 
 
+def _capture_step_one(folder: Path) -> int:
+    """A tiny AMP loop whose second step's loss overflows FP16 (x 1e5 squared): the captured step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Monitor(model, opt, torch.amp.GradScaler("cpu"), capture=folder, activations=False) as mon:
+        for step in range(3):
+            x = torch.ones(8, 4) * (1e5 if step == 1 else 1.0)
+            with mon.autocast():
+                loss = model(x).pow(2).mean()
+            if mon.step(loss, batch=(x,)).capture:
+                return step
+    return -1
+
+
 def test_an_existing_capture_is_never_overwritten(tmp_path: Path) -> None:
     first = tmp_path / "cap"
-    train_until_capture(first, steps=400)
-    again, _ = train_until_capture(first, steps=400)
-    assert (tmp_path / "cap-1" / "manifest.json").exists() and again > 0
+    assert _capture_step_one(first) == 1
+    before = (first / "manifest.json").read_bytes()
+    assert _capture_step_one(first) == 1  # the same failure again: a second folder beside the first
+    assert (first / "manifest.json").read_bytes() == before
+    assert json.loads((tmp_path / "cap-1" / "manifest.json").read_text())["step"] == 1
 
 
 def test_replay_of_a_transient_says_not_reproduced(capture: tuple[Path, int], tmp_path: Path) -> None:
