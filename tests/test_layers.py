@@ -234,8 +234,8 @@ class _ExpNorm(nn.Module):
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = torch.exp(12.0 * self.proj(x))  # noqa: AMP009 - the hand-written softmax is the point
-        return e / e.sum(-1, keepdim=True)
+        e = torch.exp(12.0 * self.proj(x))
+        return e / e.sum(-1, keepdim=True)  # noqa: AMP009 - the hand-written softmax is the point
 
 
 def test_layers_names_the_module_whose_inner_op_overflows_and_says_it_measures_outputs_only() -> None:
