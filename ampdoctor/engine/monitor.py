@@ -1088,7 +1088,8 @@ class Monitor:
         cap = self.capture
         assert cap is not None
         view = m.ranks
-        extra: dict[str, Any] = {"scaler_phase": self._failing.phase}
+        extra: dict[str, Any] = {"scaler_phase": self._failing.phase,
+                                 "step_log": str(self.log_path) if self.log_path is not None else None}
         if view is not None:
             first = view.first
             extra = {**extra, "ranks": view.column(), "first_rank": first.rank if first is not None else None,

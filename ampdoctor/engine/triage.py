@@ -606,10 +606,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         if first is not None:  # the captured scale, not the spec's default
             report.scaler.init_scale = first
         report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
-        report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
-                                     f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
-                                     "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
-                                                             else "steps.csv`"))
+        report.scaler.explanation = words.replay_scaler(report.scaler.init_scale, len(batches.items), rp.manifest)
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ampdoctor.fmt import pow2
+from ampdoctor.fmt import pow2, sentences
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
@@ -230,7 +230,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0, resumed: b
                        backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
     events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
     return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
-                       d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
+                       d.pattern, sentences([d.explanation, *d.recommendations]))
 
 
 
@@ -657,7 +657,8 @@ def diagnose(
     story = c.story
     # the history looks healthy only because the overflows never reached GradScaler
     note = "overflows_hidden" if out.cause == "amp_misuse" and story is not None and not story.skips else None
-    if out.facts.get("variant") == "forward_in_code" and out.stage == "amp" and story is not None and story.skips:
+    if (out.facts.get("variant") in ("forward_in_code", "forward_overflow") and out.stage == "amp" and story is not None
+            and story.skips):
         note = "forward_fault"  # the skips follow the non-finite forward values, not a search for the largest scale
     extra: list[Fix] = []
     if out.cause.startswith("fp16_") and "bf16" in results and cfg.target != "bf16":
