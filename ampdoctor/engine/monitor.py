@@ -948,8 +948,10 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
         # a fault no loss scale explains: injected, or a rank's own batch, forward or loss (seen through the exchange)
         known = bool(pend.injected) or (first is not None and first.kind in ("input", "forward", "loss"))
+        # the applied update's norm (none under a sharding engine, whose norms are a shard's; none when injected)
+        norm = pre if not sk and self.engine is None and not pend.injected else None
         trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False,
-                                   nonfinite=m.skip, step=rec.step, injected=known)
+                                   nonfinite=m.skip, step=rec.step, injected=known, norm=norm)
         counted = sk and self._failing.phase not in NORMAL_SKIPS
         if len(self._recent_counted) == self.window and self._recent_counted[0]:
             self._counted_skips -= 1
@@ -996,6 +998,11 @@ class Monitor:
         elif trig.reason == "nonfinite_grad":
             what = ("a gradient went non-finite" + (f", first in {module}" if module else "")
                     + (f" ({rec.nonfinite_count} parameter(s))" if rec.nonfinite_count else ""))
+        elif trig.reason == "nonfinite_update":
+            what = ("the update was applied with a non-finite gradient norm although GradScaler found no inf/NaN "
+                    "element (were overflowed values made finite, by a gradient hook's nan_to_num or a clamp?)")
+        elif trig.reason == "exploding_update":
+            what = f"the update exploded ({trig.detail})"
         else:
             what = f"the loss scale collapsed ({trig.detail})"
         done = "skipped" if rec.skipped else "applied"

@@ -164,6 +164,23 @@ def _amp_defeated(f: Facts) -> str:
             + (f" (hooks found: {_hooks_in(hooks)})" if hooks else "") + ".")
 
 
+def _hook_hid(f: Facts) -> str:
+    applied = (f"so GradScaler saw no inf and applied the update (gradient norm {_g4(f['norm'])}, FP32's "
+               f"{_g4(f['fp32_norm'])}, at loss scale {_g3(f['scale'])})")
+    if f["how"] == "probe":
+        whose = f"the gradient of {f['param']}" if f.get("param") else f"the gradient entering {f['module']}"
+        what = f"{whose} was already non-finite when {f['hook']} received it, and the hook made it finite, {applied}"
+    elif f["how"] == "module_hook_input":
+        what = (f"the gradient entering {f['module']} is non-finite, and {f['hook']} made it finite before "
+                f"GradScaler looked, {applied}")
+    else:
+        what = (f"replayed without the model's gradient hooks, {f['params']} parameter gradient(s) overflow FP16 times the "
+                f"loss scale (first {f['param']}); with them every gradient is finite, {applied}; the hook: {f['hook']}")
+    more = len(f.get("hooks") or []) - 1
+    return (f"A gradient hook hid an overflow from GradScaler at step {f['step']}: {what}"
+            + (f" ({more} more hook(s) in the finding)" if more > 0 else "") + ".")
+
+
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
@@ -293,6 +310,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"Step {f['step']} of the {f['stage']} stage fails on batch {f['batch']}, whose field {f['field']!r} is "
         f"{_g3(f['ratio'])}x larger than the median batch: the failure follows the data."),
     "amp_defeated": _amp_defeated,
+    "hook_hid_overflow": _hook_hid,
     "forward_in_code": lambda f: (
         f"In the {f['stage']} stage every {'module' if f.get('kind') == 'loss' else 'submodule'} output is finite at step "
         f"{f['step']} but {_CODE_WHAT[f['place']](f)} turns "
@@ -329,6 +347,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "target_raised": lambda f: f"{f['stage']} stage raised {f['type']} in {f.get('module') or 'user code'} at step {f['step']}",
     "target_outlier": lambda f: f"batch {f['batch']} is an outlier: {f['field']} is {_g3(f['ratio'])}x the median batch",
     "amp_defeated": lambda f: "AMP itself is defeated",
+    "hook_hid_overflow": lambda f: f"a gradient hook hid an overflow from GradScaler ({f['hook']})",
     "forward_in_code": _code_title,
     "forward_overflow": lambda f: f"{f.get('module') or 'the input'} overflows FP16 in the forward pass",
     "grad_overflow": lambda f: f"gradients overflow FP16 in backward ({f.get('module') or 'at the loss'})",
