@@ -300,7 +300,8 @@ class Trigger:
     """Why a step counts as the failing step."""
 
     reason: str
-    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed | nonfinite_update | exploding_update"""
+    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed | nonfinite_update | exploding_update |
+    hidden_overflow"""
     detail: str = ""
 
 
@@ -322,7 +323,9 @@ class FailingStep:
     that fell ``COLLAPSE_BINADES`` below the highest scale that carried an applied step; an update applied
     although its gradient norm is non-finite (every element finite, so GradScaler found no inf: something made
     the overflowed values finite, a gradient hook's ``nan_to_num`` or a clamp) or ``EXPLODE_RATIO`` times the
-    median of the last applied norms (an exploding update: the weights take it).
+    median of the last applied norms (an exploding update: the weights take it); an update applied although a
+    gradient recorded in its backward is non-finite, on a model carrying the user's gradient hooks
+    (``hidden``: the hooks, in words).
     ``every_skip=True``: every skip of non-finite gradients is a failure (``Monitor(capture_on="skip")``).
     """
 
@@ -336,7 +339,7 @@ class FailingStep:
     _norms: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
-              step: int = 0, injected: bool = False, norm: float | None = None) -> Trigger | None:
+              step: int = 0, injected: bool = False, norm: float | None = None, hidden: str = "") -> Trigger | None:
         """Whether this step is a failing one; updates the scale history (``phase`` says what it was).
         ``injected``: the fault is known not to come from the loss scale (injected, or another rank's batch,
         forward or loss): a skip of it is a failure whatever the scaler's phase."""
@@ -354,6 +357,10 @@ class FailingStep:
             self.phase = label
         elif nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
             trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
+        elif hidden:
+            # backward made a non-finite gradient, GradScaler found none in the parameters', and the model carries the
+            # user's gradient hooks: one of them made the overflow finite
+            trig = Trigger("hidden_overflow", hidden)
         elif norm is not None and not math.isfinite(norm) and not math.isnan(norm):
             # applied with every element finite (GradScaler found no inf) and yet a norm beyond FP32: values made
             # finite at the edge of the format (nan_to_num's float max), the overflow hidden from the scaler

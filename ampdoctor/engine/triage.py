@@ -299,7 +299,7 @@ def triage(
         fp32 = run.results.get("fp32")
         return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
                             optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
-                            rng=rng, rng_restored=run.rng_restored, probe_hooks=snapshot and bool(hooks_now),
+                            rng=rng, rng_restored=run.rng_restored, probe_hooks=name == cfg.target and bool(hooks_now),
                             ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
     for name in cfg.stage_list():
@@ -484,7 +484,10 @@ def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:
 
 
 def _failed(res: StageResult) -> bool:
-    return res.error is not None or res.first_nonfinite_step is not None
+    """The replay failed again: it raised, went non-finite, or a user's gradient hook was handed a non-finite gradient
+    on a step GradScaler then applied (the overflow it hid)."""
+    hidden = any(s < len(res.records) and not res.records[s].skipped for s in res.hook_inputs_nonfinite)
+    return res.error is not None or res.first_nonfinite_step is not None or hidden
 
 
 def _last(res: StageResult) -> dict[str, float | None]:
