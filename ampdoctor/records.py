@@ -202,6 +202,8 @@ class StageResult:
     it (``watch.userhooks.Probe``; target stage of a model with hooks)."""
     applied_rng: torch.Tensor | None = None
     """The torch RNG state as that step began (its replay draws the same dropout)."""
+    weight_decay: dict[str, float] = field(default_factory=dict)
+    """Parameter → its optimizer group's weight decay, where it is not 0 (decay moves a weight, learning or not)."""
     moved: dict[str, float] = field(default_factory=dict)
     """‖w_end − w_0‖ per parameter over the steps run (the weights the optimizer stepped)."""
 

@@ -116,6 +116,10 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
              if ctx.spec.build_scheduler is not None else None)
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
+    trained = model if master is not None or not low else run_model
+    pname = {id(p): n for n, p in trained.named_parameters()}
+    result.weight_decay = {pname[id(p)]: float(g.get("weight_decay") or 0.0) for g in opt.param_groups for p in g["params"]
+                           if id(p) in pname and float(g.get("weight_decay") or 0.0) > 0}
     result.master_weights = prec.master
     if name == "fp16":
         result.optimizer_underflow = fp16_underflowing_constants(opt)

@@ -714,13 +714,26 @@ def frozen(c: Ctx) -> Outcome | None:
     """Parameters frozen by underflow while the loss still falls: the underflow verdict, per parameter."""
     if c.tgt is None:
         return None
-    fz = frozen_params(c.tgt, c.fp32, c.uf)
+    fz = frozen_params(c.tgt, c.fp32, c.uf, underflowing_params(c.tgt, c.fp32, steps=len(c.tgt.stats))
+                       if c.tgt.weight_decay else None)
     if not fz:
         return None
     out = _underflow(c, [(f.param, f.flushed) for f in fz])
     f0 = fz[0]
     out.findings[0].evidence["weight_movement_vs_fp32"] = {f.param: round(f.moved, 4) for f in fz[:10]}
-    out.facts.update(variant="frozen", frozen=len(fz), moved=f0.moved, steps=len(c.tgt.records))
+    out.facts.update(variant="frozen", frozen=len(fz), moved=f0.moved, steps=len(c.tgt.records), decayed=f0.decayed,
+                     weight_decay=c.tgt.weight_decay.get(f0.param))
+    # the module named is the first backward reaches with more than half of its own parameter gradients flushed
+    # (c.uf is in backward order), frozen or not: upstream of it every gradient has passed through it
+    first, frac = c.uf[0] if c.uf else (f0.param, f0.flushed)
+    lead = first.rsplit(".", 1)[0] if "." in first else locate.MODEL
+    if lead != out.module:
+        out.facts.update(module=lead, first_flushed=first, first_flushed_frac=frac)
+        out.findings[0].module = lead
+        for fx in out.fixes:
+            if "module" in fx.facts:
+                fx.facts["module"] = lead
+        out = replace(out, module=lead)
     return out
 
 

@@ -243,9 +243,14 @@ def _underflow(f: Facts) -> str:
 
 def _frozen(f: Facts) -> str:
     prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    moves = (f"its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps" if not f.get("decayed")
+             else f"over all {f['steps']} steps: its weights move only by weight decay ({_g3(f['weight_decay'])}), "
+                  f"{pct0(f['moved'])} as far as in FP32, where decay moves them too")
     return (f"{pct0(f['flushed'])} of {f['param']}'s gradient (non-zero in FP32) flushes to zero in the {f['stage']} stage "
-            f"and its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps: "
-            f"{f['frozen']} parameter(s) are frozen{prog}.")
+            f"and {moves}: "
+            f"{f['frozen']} parameter(s) are frozen{prog}."
+            + (f" The first module backward reaches with more than half of its parameter gradients flushed is "
+               f"{f['module']} ({pct0(f['first_flushed_frac'])} of {f['first_flushed']})." if f.get("first_flushed") else ""))
 
 
 def _healthy(f: Facts) -> str:
