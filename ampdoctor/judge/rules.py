@@ -644,12 +644,18 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         pb = _first_bad_step(c.probe, amp=False)
         ps = _stats_at(c.probe, pb) if pb is not None else None
         module = locate.locate_backward(ps) if ps is not None else None
+    root_param = None
+    if module == locate.MODEL:
+        # the root's own code made it (a parameter of the root used in its forward, a loss computed there): no
+        # child to name; the first offending computation is the root's, named by its parameter
+        own = [p for p in locate.own_params(locate.MODEL, st.pgrad) if nonfinite(st.pgrad[p]) > 0] if st is not None else []
+        root_param, module = (own[0] if own else None), None
     ev = dict(c.rc_ev)
     if sd is not None:
         ev.update(min_scale=sd.min_scale, skipped_steps=len(sd.skips), pattern=sd.pattern)
     ev["grad_l2_fp32_step"] = c.fp32.records[min(bad, len(c.fp32.records) - 1)].grad_l2_pre_clip
     how = "collapsed" if c.collapsed and sd else "skips" if c.later_skips else "nonfinite"
-    facts = {"variant": "grad_overflow", "module": module, "step": bad, "how": how,
+    facts = {"variant": "grad_overflow", "module": module, "step": bad, "how": how, "root_param": root_param,
              "min_scale": sd.min_scale if sd else None, "skips_after_calibration": len(c.later_skips)}
     dev = c.device.split(":")[0]
     fixes = ([Fix("keep_fp32_backward", {"module": module, "device": dev})] if module else []) + [Fix("reduce_loss"), Fix("bf16_no_overflow")]
@@ -781,7 +787,7 @@ def diagnose(
     then add what every verdict carries: the layer table led by the verdict's module, the bf16
     stage's word on switching, and the data scan's findings."""
     c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check)
-    out = judge(c)
+    out = _not_the_root(judge(c))
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}
     if out.module and "op" in ev and "fp32_absmax" in ev:
@@ -796,8 +802,30 @@ def diagnose(
     extra: list[Fix] = []
     if out.cause.startswith("fp16_") and "bf16" in results and cfg.target != "bf16":
         extra.append(bf16_check(results["bf16"], c.fp32))
-    findings = [*out.findings, *data_findings(scan_batches(batches), out.findings, results, batches)]
+    issues = scan_batches(batches)
+    findings = [*out.findings, *data_findings(issues, out.findings, results, batches)]
+    beyond = [d for d in issues if _beyond_fp16(d)]
+    if beyond:  # a data-range finding, even when the target trained: FP16 cannot represent these values
+        out.facts["beyond_fp16"] = {"field": beyond[0].field, "value": beyond[0].value, "batch": beyond[0].batches[0],
+                                    "fields": len({d.field for d in beyond})}
     return Diagnosis(replace(out, findings=findings, fixes=[*out.fixes, *extra]), table, story, device, note)
+
+
+def _not_the_root(out: Outcome) -> Outcome:
+    """``<model>`` is never the verdict's module (a user cannot act on it): a fault of the root's own code (outside
+    every child) names no module; the facts and evidence keep what the rule found there (an op, a parameter)."""
+    if out.module != locate.MODEL:
+        return out
+    if out.facts.get("module") == locate.MODEL:
+        out.facts["module"] = None
+    out.facts["in_root"] = True
+    for f in out.findings:
+        if f.module == locate.MODEL:
+            f.module = None
+    for fx in out.fixes:
+        if fx.facts.get("module") == locate.MODEL:
+            fx.facts["module"] = None
+    return replace(out, module=None)
 
 
 def shift_diagnosis(d: Diagnosis, offset: int) -> Diagnosis:
@@ -1023,7 +1051,12 @@ def _issue_facts(d: DataIssue) -> dict[str, Any]:
     """What the words say about a data issue (``report.words.data_issue``)."""
     ratio = abs(d.value) / d.typical if d.kind == "sentinel" else d.value / d.typical if d.kind == "outlier" else None
     return {"kind": d.kind, "field": d.field, "batch": d.batches[0], "batches": len(d.batches), "samples": list(d.samples[:10]),
-            "count": d.count, "value": d.value, "typical": d.typical, "ratio": ratio}
+            "count": d.count, "value": d.value, "typical": d.typical, "ratio": ratio, "beyond_fp16": _beyond_fp16(d)}
+
+
+def _beyond_fp16(d: DataIssue) -> bool:
+    """A finite value that becomes inf when cast to FP16 (|x| >= 65520), whatever else the scan calls it."""
+    return d.kind != "nonfinite" and math.isfinite(d.value) and abs(d.value) >= FP16.overflow_threshold
 
 
 def _calibration_steps(res: StageResult) -> list[int]:

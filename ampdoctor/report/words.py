@@ -220,8 +220,10 @@ def _grad_overflow(f: Facts) -> str:
     how = {"collapsed": lambda: f"GradScaler's scale collapsed to {_g4(f['min_scale'])}",
            "skips": lambda: f"{f['skips_after_calibration']} steps skipped after calibration",
            "nonfinite": lambda: "gradients became non-finite"}[f["how"]]()
+    first = (f.get("module") or (f"the model's own parameter {f['root_param']} (its gradient, made by the root's own code "
+                                 "outside every submodule)" if f.get("root_param") else "the loss"))
     return (f"The forward pass is finite but gradients overflow FP16 in backward at step {f['step']} "
-            f"(first at {f.get('module') or 'the loss'}); {how}.")
+            f"(first at {first}); {how}.")
 
 
 def _swallowed(f: Facts) -> str:
@@ -262,6 +264,11 @@ def _healthy(f: Facts) -> str:
     s += "; no non-finite values reached the weights."
     if f.get("calibration_skips"):
         s += f" {f['calibration_skips']} GradScaler skip(s) while the scale calibrated are normal."
+    b = f.get("beyond_fp16")
+    if b:
+        s += (f" But the data holds values FP16 cannot represent: {b['field']} reaches {gen(b['value'])} (batch {b['batch']}), "
+              f"beyond FP16's max {gen(FP16.max)}: cast to FP16 it is inf, so an op that reads it in FP16 makes inf "
+              "(this run's did not; see the data finding).")
     return s
 
 
@@ -396,7 +403,14 @@ _DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", 
 
 
 def data_issue(d: Facts) -> str:
-    """One data-scan issue (``rules._issue_facts``) in words."""
+    """One data-scan issue (``rules._issue_facts``) in words (a value beyond FP16's range says so)."""
+    s = _data_issue(d)
+    if d.get("beyond_fp16") and d["kind"] != "beyond_fp16":
+        s += f"; beyond FP16's max {gen(FP16.max)}: FP16 cannot represent it (cast to FP16 it is inf)"
+    return s
+
+
+def _data_issue(d: Facts) -> str:
     b, field, samples = d["batch"], d["field"], d["samples"]
     if d["kind"] == "nonfinite":
         return f"batch {b} holds {d['count']} NaN/Inf value(s) in {field} (samples {samples})"
