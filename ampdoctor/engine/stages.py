@@ -116,8 +116,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
              if ctx.spec.build_scheduler is not None else None)
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
-    trained = model if master is not None or not low else run_model
-    pname = {id(p): n for n, p in trained.named_parameters()}
+    owner = model if master is not None or not low else run_model
+    pname = {id(p): n for n, p in owner.named_parameters()}
     result.weight_decay = {pname[id(p)]: float(g.get("weight_decay") or 0.0) for g in opt.param_groups for p in g["params"]
                            if id(p) in pname and float(g.get("weight_decay") or 0.0) > 0}
     result.master_weights = prec.master
@@ -221,7 +221,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                 result.applied_step, result.applied_rng = step, rng_before
             if ctx.snapshot and result.snapshot_step is None and (rec.skipped or not rec.params_finite or not loss_finite):
                 # (a copy while prev is still refreshed each step for the applied snapshot)
-                result.snapshot = prev if result.applied_step is not None else {k: v.clone() for k, v in prev.items()}
+                result.snapshot = (prev if result.applied_step is not None or prev is None
+                                   else {k: v.clone() for k, v in prev.items()})
                 result.snapshot_step = step
             if not rec.params_finite:
                 result.stopped = f"weights became non-finite at step {step}"

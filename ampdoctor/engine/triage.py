@@ -472,15 +472,7 @@ def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:
     have = {(h.kind, h.target, h.name) for h in now}
     kept = [h for h in run_hooks if (h.kind, h.target, h.name) in have]
     lost = [h for h in run_hooks if (h.kind, h.target, h.name) not in have]
-    out = []
-    if kept:
-        out.append(f"the run's model carried {len(run_hooks)} gradient hook(s); the replay keeps {len(kept)} (the spec's "
-                   f"model registers them): " + "; ".join(h.describe() for h in kept[:5]) + (" ..." if len(kept) > 5 else ""))
-    if lost:
-        out.append(f"{len(lost)} of the run's gradient hook(s) were not re-created in the replay (the spec's model does not "
-                   "register them; a hook is code, which a capture does not keep): " + "; ".join(h.describe() for h in lost[:5])
-                   + (" ..." if len(lost) > 5 else ""))
-    return out
+    return words.hooks_kept([h.describe() for h in kept], [h.describe() for h in lost], len(run_hooks))
 
 
 def _failed(res: StageResult) -> bool:

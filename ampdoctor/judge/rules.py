@@ -27,8 +27,19 @@ from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
 from ampdoctor.judge.rules_extra import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.scaler import diagnose_scale
-from ampdoctor.records import (Col, Finding, Fix, LayerRow, Outcome, ScaleEvent, ScalerStory, StageResult, StepStats, UserHook,
-                              nonfinite)
+from ampdoctor.records import (
+    Col,
+    Finding,
+    Fix,
+    LayerRow,
+    Outcome,
+    ScaleEvent,
+    ScalerStory,
+    StageResult,
+    StepStats,
+    UserHook,
+    nonfinite,
+)
 
 OUTLIER_RATIO = 1e3
 """A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""

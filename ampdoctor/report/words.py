@@ -476,6 +476,20 @@ SCALER_NOTES = {
 }
 
 
+def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
+    """The replay's notes on the run's gradient hooks (the capture's ``user_hooks``): those the spec's model registers
+    again are kept, the others are listed as not re-created (a capture keeps no code)."""
+    out = []
+    if kept:
+        out.append(f"the run's model carried {total} gradient hook(s); the replay keeps {len(kept)} (the spec's model "
+                   "registers them): " + "; ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+    if lost:
+        out.append(f"{len(lost)} of the run's gradient hook(s) were not re-created in the replay (the spec's model does not "
+                   "register them; a hook is code, which a capture does not keep): " + "; ".join(lost[:5])
+                   + (" ..." if len(lost) > 5 else ""))
+    return out
+
+
 # the whole diagnosis -------------------------------------------------------------------------------
 
 def summary(facts: Facts) -> str:

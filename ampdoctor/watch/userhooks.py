@@ -47,7 +47,9 @@ def describe_hook(fn: Any) -> tuple[str, str, str]:
     qual = f"{getattr(base, '__module__', '') or ''}.{getattr(base, '__qualname__', type(base).__name__)}".lstrip(".")
     where = line = ""
     try:
-        code = getattr(base, "__code__", None) or getattr(getattr(base, "__call__", None), "__code__", None)
+        code = getattr(base, "__code__", None)
+        if code is None and not isinstance(base, type):  # a callable object: its __call__'s code
+            code = getattr(type(base).__call__, "__code__", None)
         if code is not None:
             where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
             lines, _ = inspect.getsourcelines(base)

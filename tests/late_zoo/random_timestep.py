@@ -6,7 +6,6 @@ run's RNG state draws the same timestep."""
 import torch
 from torch import nn
 
-
 T = 192
 
 
