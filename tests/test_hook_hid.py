@@ -12,6 +12,7 @@ import math
 import runpy
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -200,6 +201,7 @@ def test_failing_step_applied_updates() -> None:
 
 # end to end ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_nan_to_num_hook_is_named_as_the_cause_of_a_late_failure(tmp_path: Path) -> None:
     spec = _write(tmp_path, "mlp_spec.py", MLP_SPEC)
     cap = tmp_path / "cap"
@@ -223,6 +225,7 @@ def test_a_nan_to_num_hook_is_named_as_the_cause_of_a_late_failure(tmp_path: Pat
     assert report2.verdict.cause != "model_bug"
 
 
+@pytest.mark.slow
 def test_a_huge_applied_update_replays_from_the_snapshot_before_it(tmp_path: Path) -> None:
     # nan_to_num makes the overflowed gradients float32's max: the update applied at step 25 has a non-finite norm;
     # triaged from the step after it (the ruined weights), FP32 fails too: that was model_bug
