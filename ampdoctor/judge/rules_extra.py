@@ -80,10 +80,9 @@ def frozen_params(target: StageResult, fp32: StageResult, underflowing: list[tup
             out.append(Frozen(p, module, flushed.get(p, whole.get(p, 0.0)), dt / d32))
         elif p in target.weight_decay and p in whole:
             out.append(Frozen(p, module, whole[p], dt / d32, decayed=True))
-    if throughout:  # backward order (``throughout`` is in it)
-        rank = {p: i for i, (p, _) in enumerate(throughout)}
-        first = {p: i for i, (p, _) in enumerate(underflowing)}
-        out.sort(key=lambda f: (first.get(f.param, rank.get(f.param, 1 << 30) + 0.5), ))
+    if throughout and target.stats:  # both lists are in backward order: keep it across them
+        rank = {m: i for i, m in enumerate(locate.backward_order(target.stats[0]))}
+        out.sort(key=lambda f: rank.get(f.module, 1 << 30))
     return out
 
 
