@@ -89,6 +89,22 @@ and the batches since; bounded by ``capture_hold_bytes``)."""
 RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
 """Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
 value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
+STEP_COLUMNS: tuple[str, ...] = ("step_convention",)
+"""Under a framework, after ``EXTRA_COLUMNS``: which number the ``step`` column is (``STEP_CONVENTIONS``)."""
+STEP_CONVENTIONS: dict[str, int] = {
+    "monitor": 0,
+    "trainer_global_step": 1,
+    "lightning_global_step": 0,
+}
+"""What a step log's ``step`` counts, and the number of a fresh run's first step:
+
+- ``monitor``: the monitor's own count of optimizer steps, from ``first_step`` (a loop of your own, accelerate);
+- ``trainer_global_step``: the transformers Trainer's ``state.global_step`` after the step, the ``step`` its
+  log history gives the step and the N of the ``checkpoint-N`` saved after it (a fresh run's first step is 1);
+- ``lightning_global_step``: Lightning's ``trainer.global_step`` while the step runs (before its optimizer
+  step), which is the ``step`` its loggers (CSVLogger's ``metrics.csv``) give what the step logged.
+
+A log without the ``step_convention`` column counts as ``monitor`` does."""
 STATE_VERSION = 1
 
 
@@ -148,6 +164,8 @@ class MonitorRecord:
     """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
     capture_held: int | None = None
     """With a capture armed: the host bytes it holds after this step."""
+    step_convention: str | None = None
+    """Under a framework: what ``step`` counts (``STEP_CONVENTIONS``)."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -160,6 +178,7 @@ class MonitorRecord:
             "skip_rate": round(self.skip_rate, 6),
             "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
             **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
+            **({"step_convention": self.step_convention} if self.step_convention is not None else {}),
             **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
                if self.rank is not None else {}),
         }
@@ -291,6 +310,9 @@ class Monitor:
             ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
+        step_convention: what the step numbers count (``STEP_CONVENTIONS``; the framework integrations set
+            it): the log gets a ``step_convention`` column and the capture's manifest says it. None: the
+            monitor's own count, no column.
     """
 
     def __init__(
@@ -330,6 +352,7 @@ class Monitor:
         capture_on: Literal["failure", "skip"] = "failure",
         capture_hold_bytes: int | None = None,
         quiet: bool = False,
+        step_convention: str | None = None,
     ) -> None:
         _check_types(model, optimizer, scaler)
         self.quiet = quiet
@@ -342,6 +365,7 @@ class Monitor:
         self.max_norm = max_norm
         self.step_num = first_step
         self.first_step = first_step
+        self.step_convention = step_convention
         self.first_fault: FirstFault | None = None
         """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         self.first_failure: tuple[int, str] | None = None
@@ -385,6 +409,9 @@ class Monitor:
             """Everything built once the setup is known to be one the monitor can watch (a closure: the
             arguments above, one signature)."""
             nonlocal log, capture, amp_dtype
+            if step_convention is not None and step_convention not in STEP_CONVENTIONS:
+                raise UsageError(f"step_convention must be one of {', '.join(STEP_CONVENTIONS)}, got {step_convention!r}")
+            fresh = STEP_CONVENTIONS.get(step_convention or "monitor", 0)
             if window < 1:
                 raise UsageError(f"window must be at least 1, got {window}")
             if max_norm is not None and not max_norm > 0:
@@ -445,7 +472,8 @@ class Monitor:
                 raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
             if capture is not None:
                 settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
-                            "every": every, "activations": activations, "snapshot_every": snapshot_every}
+                            "every": every, "activations": activations, "snapshot_every": snapshot_every,
+                            "step_convention": step_convention or "monitor"}
                 self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                        str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
                                        quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
@@ -466,15 +494,16 @@ class Monitor:
             self.log_path = Path(log) if log else None
             """The step log this process writes (per rank under torch.distributed)."""
             self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (CAPTURE_COLUMNS if self.capture is not None else ())
-                                         + (RANK_COLUMNS if self.rank is not None else ()),
-                                         mode=log_mode, fsync=fsync) if log else None)
+                                         + (RANK_COLUMNS if self.rank is not None else ())
+                                         + (STEP_COLUMNS if step_convention is not None else ()),
+                                         mode=log_mode, fsync=fsync, fresh_step=fresh) if log else None)
             # counters and history (state_dict)
             if first_step < 0:
                 raise UsageError(f"first_step must be at least 0, got {first_step}")
             if self.writer is not None:
                 # a wrong log path fails now, not after the first step (rows already there: judged at the
                 # first write, as a load_state_dict may yet continue the run)
-                self.writer.check(first_step if first_step > 0 else None)
+                self.writer.check(first_step if first_step > fresh else None)
             self._spiked = False
             self._asked = False
             """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
@@ -758,6 +787,20 @@ class Monitor:
         except Exception as e:
             self._fail("the loss check", e)
 
+    def note_clip(self, total_norm: Any) -> None:
+        """The total norm your loop's (or a framework's) ``clip_grad_norm_`` returned for this step, before
+        it clipped: the log's ``grad_l2_pre_clip`` is that value, and ``grad_l2_post_clip`` the norm the
+        monitor measures at ``after_backward`` (after the clip). Read only, in the step's one host copy; a
+        tensor is kept as it is (never written). Without it both are the norm ``after_backward`` sees."""
+        if self._off is not None or total_norm is None:
+            return
+        if not isinstance(total_norm, (torch.Tensor, int, float)) or isinstance(total_norm, bool):
+            raise UsageError(f"note_clip takes the norm clip_grad_norm_ returned (a tensor or a float), not "
+                             f"{type(total_norm).__name__}")
+        if isinstance(total_norm, torch.Tensor) and total_norm.numel() != 1:
+            raise UsageError(f"note_clip takes one total norm, not a tensor of {total_norm.numel()} values")
+        self.recipe.clip_norm = total_norm
+
     def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:
         """Your own loop: call after ``scaler.scale(loss).backward()`` (and after ``unscale_`` and your
         clipping, if you do them), before ``scaler.step``.
@@ -934,7 +977,7 @@ class Monitor:
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
             m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
-            capture_held=self.capture.held if self.capture is not None else None,
+            capture_held=self.capture.held if self.capture is not None else None, step_convention=self.step_convention,
         )
         if m.ranks is not None and m.ranks.faults and self.first_fault is None:
             first = m.ranks.first
@@ -1168,4 +1211,4 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
 
 
-__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
+__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "STEP_COLUMNS", "STEP_CONVENTIONS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]

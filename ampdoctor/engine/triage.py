@@ -16,8 +16,9 @@ from torch import nn
 from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
 from ampdoctor.engine.run import Replay, Run
+from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import get_loss, make_optimizer
+from ampdoctor.engine.step import batch_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
 from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
@@ -143,8 +144,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         lv, worst, worst_abs = 0.0, micro[0], -1.0
         try:
             for b in micro:  # an accumulated step: each micro-batch's loss divided by their number
-                args, kwargs, target = split(to_device(b, device))
-                loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn) / len(micro)
+                loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1] / len(micro)
                 loss.backward()
                 li = float(loss.detach())
                 lv += li
@@ -176,14 +176,12 @@ def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict
     b = to_device(batch, device)
     if stage == "fp16":
         b = cast_floating(b, torch.float16)
-    args, kwargs, target = split(b)
     dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
     info: dict[str, bool] = {}
 
     def run() -> None:
         with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
-            out = run_model(*args, **filter_kwargs(run_model, kwargs))
-            loss = get_loss(out, target, spec.loss_fn)
+            out, loss = batch_loss(run_model, b, spec.loss_fn)
         others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
         info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
 
@@ -434,7 +432,15 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
         spec = replace(spec, build_model=rb.build)
         said.append(rb.source)
     model = build_model(spec, cfg, device)
-    if spec.build_optimizer is None and spec.load_checkpoint is None:
+    if spec.loss_fn is None and rebuild.is_lightning(model):  # a LightningModule's loss is its own training_step
+        spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+        said.append(f"the loss is {type(model).__name__}.training_step, as the run computed it")
+    if spec.build_optimizer is None and spec.load_checkpoint is None and rebuild.is_lightning(model):
+        spec = replace(spec, build_optimizer=rebuild.lightning_optimizer)
+        groups = rebuild.lightning_optimizer(model).param_groups
+        said.append(f"the optimizer and its {len(groups)} parameter group(s) ({[len(g['params']) for g in groups]}) come "
+                    f"from {type(model).__name__}.configure_optimizers(), as Lightning made them")
+    elif spec.build_optimizer is None and spec.load_checkpoint is None:
         saved = read_checkpoint(path, model=model).optimizer
         if saved is not None:
             build_opt, how = rebuild.optimizer_from_state(model, saved, str(path))
@@ -447,7 +453,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
     lacks = load_checkpoint_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
-    step0 = state.step if state.step is not None else skip_batches
+    step0 = state.next_step if state.next_step is not None else skip_batches
     loader_note: list[str] = []
     if skip_batches:
         spec, loader_note = _skipping(spec, skip_batches)
@@ -456,7 +462,9 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
+    at = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
+          "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
+    note = (f"started from the {state.layout} checkpoint {path} ({at}"
             + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
             + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
@@ -495,18 +503,22 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
     the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
-    if cap.manifest.get("sharded"):
+    said: list[str] = []
+    if cap.manifest.get("sharded") == "deepspeed" and getattr(cap, "assembled", None) is None:  # every rank's pieces
+        cap, whole = reassemble(cap)
+        said.append(whole)
+    elif cap.manifest.get("sharded"):
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
                            "(the manifest, stats.json and the step logs still say which rank, step and module)")
-    said: list[str] = []
     if not spec.own_model:
         rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
-        if rb.lightning and spec.loss_fn is None:
-            raise SpecError(f"{cap.path}: the model is a LightningModule, whose loss is its training_step, which a replay "
-                            "does not call; give a spec with loss_fn(output, target) (build_model() may be left out)")
         spec = replace(spec, build_model=rb.build)
-        said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
+        if rb.lightning and spec.loss_fn is None:  # its loss is its own training_step, on the whole batch
+            spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+            said.append(rb.source + ", with its own training_step as the loss")
+        else:
+            said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
@@ -516,6 +528,9 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
             said.append(f"the optimizer is {lay.get('class')} over the run's {len(lay.get('groups') or [])} parameter "
                         "group(s), by parameter name, as the capture recorded them")
     model = build_model(spec, cfg, device)
+    if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
+        spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+        said.append(f"the loss is {type(model).__name__}.training_step (the spec has no loss_fn)")
     load_into(model, cap.model, cap.path)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
@@ -538,10 +553,9 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
         except Exception as e:
             raise CaptureError(f"{cap.path}: the captured GradScaler state cannot be loaded ({type(e).__name__}: {e})") from None
     batches = Batches(cap.batches, cycled=False)
-    args, kwargs, target = split(to_device(micro_batches(batches[0])[0], device))
     try:
         with torch.no_grad():
-            get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+            batch_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)
     except Exception as e:
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None

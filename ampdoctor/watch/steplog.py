@@ -15,8 +15,9 @@ also survives a power cut, at the cost of a disk flush a step.
 An existing log is never truncated without being asked (``mode``):
 
 - ``"append"`` (default): a missing or empty file gets a header; an existing one must have the
-  same header, and is appended to only by a run that resumes (its first step is not 0, e.g. after
-  ``Monitor.load_state_dict``); a fresh run (first step 0) onto a log that has rows is refused.
+  same header, and is appended to only by a run that resumes (its first step is not a fresh run's first,
+  0, or ``fresh_step``; e.g. after ``Monitor.load_state_dict``); a fresh run onto a log that has rows is
+  refused.
   An incomplete last line (a process killed mid-write) is cut off first: it is not a finished step.
 - ``"new"``: refuse if the file exists and is not empty.
 - ``"overwrite"``: start the file afresh (the user said so, e.g. ``--force``).
@@ -146,6 +147,7 @@ class StepLogWriter:
         mode: Mode = "append",
         fsync: bool = False,
         on_error: OnError = "warn",
+        fresh_step: int = 0,
     ) -> None:
         if mode not in ("append", "new", "overwrite"):
             raise StepLogError(f"mode must be 'append', 'new' or 'overwrite', not {mode!r}")
@@ -159,6 +161,9 @@ class StepLogWriter:
         self.mode: Mode = mode
         self.fsync = fsync
         self.on_error: OnError = on_error
+        self.fresh_step = fresh_step
+        """The number of a fresh run's first step (0; 1 where the framework numbers a step by the count after it,
+        as the Trainer's global_step does): a run starting there onto a log with rows is refused."""
         self._f: IO[bytes] | None = None
         self._good = 0
         """Bytes of the file that are whole rows (a failed write is cut back to here)."""
@@ -206,9 +211,9 @@ class StepLogWriter:
                 "write to another path, or overwrite it on purpose (mode='overwrite')"
             )
         rows = data.count(b"\n") - 1
-        if first_step == 0 and rows > 0:
+        if first_step == self.fresh_step and rows > 0:
             raise StepLogError(
-                f"{p} already holds {rows} step(s) and this run starts at step 0; write to another path, "
+                f"{p} already holds {rows} step(s) and this run starts at step {first_step}, a fresh run's first; write to another path, "
                 "overwrite it on purpose (mode='overwrite'), or load the monitor's state_dict to resume"
             )
         return data
