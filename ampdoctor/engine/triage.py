@@ -104,9 +104,8 @@ def hook_check(model: nn.Module, spec: Spec, batches: Batches, results: dict[str
                     stack.enter_context(userhooks.disabled(model))
                 try:
                     for b in micro:
-                        args, kwargs, target = split(to_device(b, device))
                         with torch.autocast(device.type, dtype=torch.float16):
-                            loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+                            loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1]
                         (loss.float() * (scale / len(micro))).backward()
                 except Exception:
                     return None
