@@ -23,7 +23,7 @@ EXPECTED = {
     "grad_overflow.py": ("fp16_grad_overflow", "head", 0, "amp", {}),
     "grad_underflow.py": ("fp16_grad_underflow", "head", None, "amp", {}),
     "update_swallowed.py": ("fp16_update_swallowed", None, 0, "fp16", {"target": "fp16"}),
-    "amp_misuse.py": ("amp_misuse", None, 0, "amp", {}),
+    "amp_misuse.py": ("amp_misuse", "2", 0, "amp", {}),
     "lstm_cpu.py": ("inconclusive", "encoder", 0, "amp", {"device": "cpu"}),
 }
 

@@ -55,6 +55,12 @@ COLLAPSE_BINADES = 8
 """A fall of this many binades from the first scale, ending at the minimum with most steps skipped, is a collapse."""
 DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_BACKOFF = 0.5
+EXPLODE_RATIO = 1e3
+"""An applied update whose gradient norm is this many times the typical one has exploded (three orders of
+magnitude, the data scan's outlier ratio): the median of the run's recent applied norms in the Monitor, FP32's
+norm of the same step from the same weights in triage."""
+EXPLODE_HISTORY = 8
+"""Applied norms the Monitor needs before it judges an explosion (fewer: no typical norm to compare with)."""
 
 
 @dataclass

@@ -164,6 +164,23 @@ def _amp_defeated(f: Facts) -> str:
             + (f" (hooks found: {_hooks_in(hooks)})" if hooks else "") + ".")
 
 
+def _hook_hid(f: Facts) -> str:
+    applied = (f"so GradScaler saw no inf and applied the update (gradient norm {_g4(f['norm'])}, FP32's "
+               f"{_g4(f['fp32_norm'])}, at loss scale {_g3(f['scale'])})")
+    if f["how"] == "probe":
+        whose = f"the gradient of {f['param']}" if f.get("param") else f"the gradient entering {f['module']}"
+        what = f"{whose} was already non-finite when {f['hook']} received it, and the hook made it finite, {applied}"
+    elif f["how"] == "module_hook_input":
+        what = (f"the gradient entering {f['module']} is non-finite, and {f['hook']} made it finite before "
+                f"GradScaler looked, {applied}")
+    else:
+        what = (f"replayed without the model's gradient hooks, {f['params']} parameter gradient(s) overflow FP16 times the "
+                f"loss scale (first {f['param']}); with them every gradient is finite, {applied}; the hook: {f['hook']}")
+    more = len(f.get("hooks") or []) - 1
+    return (f"A gradient hook hid an overflow from GradScaler at step {f['step']}: {what}"
+            + (f" ({more} more hook(s) in the finding)" if more > 0 else "") + ".")
+
+
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
@@ -203,8 +220,10 @@ def _grad_overflow(f: Facts) -> str:
     how = {"collapsed": lambda: f"GradScaler's scale collapsed to {_g4(f['min_scale'])}",
            "skips": lambda: f"{f['skips_after_calibration']} steps skipped after calibration",
            "nonfinite": lambda: "gradients became non-finite"}[f["how"]]()
+    first = (f.get("module") or (f"the model's own parameter {f['root_param']} (its gradient, made by the root's own code "
+                                 "outside every submodule)" if f.get("root_param") else "the loss"))
     return (f"The forward pass is finite but gradients overflow FP16 in backward at step {f['step']} "
-            f"(first at {f.get('module') or 'the loss'}); {how}.")
+            f"(first at {first}); {how}.")
 
 
 def _swallowed(f: Facts) -> str:
@@ -226,9 +245,14 @@ def _underflow(f: Facts) -> str:
 
 def _frozen(f: Facts) -> str:
     prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    moves = (f"its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps" if not f.get("decayed")
+             else f"over all {f['steps']} steps: its weights move only by weight decay ({_g3(f['weight_decay'])}), "
+                  f"{pct0(f['moved'])} as far as in FP32, where decay moves them too")
     return (f"{pct0(f['flushed'])} of {f['param']}'s gradient (non-zero in FP32) flushes to zero in the {f['stage']} stage "
-            f"and its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps: "
-            f"{f['frozen']} parameter(s) are frozen{prog}.")
+            f"and {moves}: "
+            f"{f['frozen']} parameter(s) are frozen{prog}."
+            + (f" The first module backward reaches with more than half of its parameter gradients flushed is "
+               f"{f['module']} ({pct0(f['first_flushed_frac'])} of {f['first_flushed']})." if f.get("first_flushed") else ""))
 
 
 def _healthy(f: Facts) -> str:
@@ -240,6 +264,11 @@ def _healthy(f: Facts) -> str:
     s += "; no non-finite values reached the weights."
     if f.get("calibration_skips"):
         s += f" {f['calibration_skips']} GradScaler skip(s) while the scale calibrated are normal."
+    b = f.get("beyond_fp16")
+    if b:
+        s += (f" But the data holds values FP16 cannot represent: {b['field']} reaches {gen(b['value'])} (batch {b['batch']}), "
+              f"beyond FP16's max {gen(FP16.max)}: cast to FP16 it is inf, so an op that reads it in FP16 makes inf "
+              "(this run's did not; see the data finding).")
     return s
 
 
@@ -293,6 +322,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"Step {f['step']} of the {f['stage']} stage fails on batch {f['batch']}, whose field {f['field']!r} is "
         f"{_g3(f['ratio'])}x larger than the median batch: the failure follows the data."),
     "amp_defeated": _amp_defeated,
+    "hook_hid_overflow": _hook_hid,
     "forward_in_code": lambda f: (
         f"In the {f['stage']} stage every {'module' if f.get('kind') == 'loss' else 'submodule'} output is finite at step "
         f"{f['step']} but {_CODE_WHAT[f['place']](f)} turns "
@@ -329,6 +359,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "target_raised": lambda f: f"{f['stage']} stage raised {f['type']} in {f.get('module') or 'user code'} at step {f['step']}",
     "target_outlier": lambda f: f"batch {f['batch']} is an outlier: {f['field']} is {_g3(f['ratio'])}x the median batch",
     "amp_defeated": lambda f: "AMP itself is defeated",
+    "hook_hid_overflow": lambda f: f"a gradient hook hid an overflow from GradScaler ({f['hook']})",
     "forward_in_code": _code_title,
     "forward_overflow": lambda f: f"{f.get('module') or 'the input'} overflows FP16 in the forward pass",
     "grad_overflow": lambda f: f"gradients overflow FP16 in backward ({f.get('module') or 'at the loss'})",
@@ -372,7 +403,14 @@ _DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", 
 
 
 def data_issue(d: Facts) -> str:
-    """One data-scan issue (``rules._issue_facts``) in words."""
+    """One data-scan issue (``rules._issue_facts``) in words (a value beyond FP16's range says so)."""
+    s = _data_issue(d)
+    if d.get("beyond_fp16") and d["kind"] != "beyond_fp16":
+        s += f"; beyond FP16's max {gen(FP16.max)}: FP16 cannot represent it (cast to FP16 it is inf)"
+    return s
+
+
+def _data_issue(d: Facts) -> str:
     b, field, samples = d["batch"], d["field"], d["samples"]
     if d["kind"] == "nonfinite":
         return f"batch {b} holds {d['count']} NaN/Inf value(s) in {field} (samples {samples})"
@@ -456,6 +494,20 @@ SCALER_NOTES: dict[str, Callable[[ScalerStory], str]] = {
     "forward_fault": _forward_fault,
 }
 """A note that replaces the scale history's own explanation, where the verdict knows better."""
+
+
+def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
+    """The replay's notes on the run's gradient hooks (the capture's ``user_hooks``): those the spec's model registers
+    again are kept, the others are listed as not re-created (a capture keeps no code)."""
+    out = []
+    if kept:
+        out.append(f"the run's model carried {total} gradient hook(s); the replay keeps {len(kept)} (the spec's model "
+                   "registers them): " + "; ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+    if lost:
+        out.append(f"{len(lost)} of the run's gradient hook(s) were not re-created in the replay (the spec's model does not "
+                   "register them; a hook is code, which a capture does not keep): " + "; ".join(lost[:5])
+                   + (" ..." if len(lost) > 5 else ""))
+    return out
 
 
 # the whole diagnosis -------------------------------------------------------------------------------
