@@ -251,7 +251,7 @@ def _print(path: Path, notes: list[str], dig: LogDigest, diag: ScaleDiagnosis | 
         for r in diag.recommendations:
             out.print(_indent(f"- {r}", 2, hang=2))
         if diag.settings:
-            args = ", ".join(f"{k}={pow2(v) if k == 'init_scale' else f'{v:g}'}" for k, v in diag.settings.items())
+            args = ", ".join(f"{k}={v:g}" for k, v in diag.settings.items())  # numbers, as Python reads them
             out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
 
 

@@ -75,7 +75,7 @@ from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
-from ampdoctor.watch import fused
+from ampdoctor.watch import fused, userhooks
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, local, named_parameters, unwrap
 from ampdoctor.watch.steplog import Mode, StepLogWriter
@@ -1101,8 +1101,11 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
         # a fault no loss scale explains: injected, or a rank's own batch, forward or loss (seen through the exchange)
         known = bool(pend.injected) or (first is not None and first.kind in ("input", "forward", "loss"))
+        # the applied update's norm (none under a sharding engine, whose norms are a shard's; none when injected)
+        norm = pre if not sk and self.engine is None and not pend.injected else None
         trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False,
-                                   nonfinite=m.skip, step=rec.step, injected=known)
+                                   nonfinite=m.skip, step=rec.step, injected=known, norm=norm,
+                                   hidden=self._hidden_overflow(m) if not sk and not pend.injected else "")
         counted = sk and self._failing.phase not in NORMAL_SKIPS
         if len(self._recent_counted) == self.window and self._recent_counted[0]:
             self._counted_skips -= 1
@@ -1130,6 +1133,15 @@ class Monitor:
         self._judge_rate(self.alert_rate_now, pend.step)
         return rec
 
+    def _hidden_overflow(self, m: Measured) -> str:
+        """An applied step whose backward recorded a non-finite gradient (at a module's output) on a model that carries
+        the user's gradient hooks: the hooks, in words (they made it finite before GradScaler looked); else ''."""
+        st = m.stats
+        if st is None or not any(nonfinite(r) > 0 for r in st.grad.values()):
+            return ""
+        hooks = userhooks.found(self.model)  # (only on such a step)
+        return "; ".join(h.describe() for h in hooks[:3]) + (f" (+{len(hooks) - 3})" if len(hooks) > 3 else "")
+
     @property
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
@@ -1149,6 +1161,14 @@ class Monitor:
         elif trig.reason == "nonfinite_grad":
             what = ("a gradient went non-finite" + (f", first in {module}" if module else "")
                     + (f" ({rec.nonfinite_count} parameter(s))" if rec.nonfinite_count else ""))
+        elif trig.reason == "nonfinite_update":
+            what = ("the update was applied with a non-finite gradient norm although GradScaler found no inf/NaN "
+                    "element (were overflowed values made finite, by a gradient hook's nan_to_num or a clamp?)")
+        elif trig.reason == "hidden_overflow":
+            what = (f"a gradient went non-finite in backward, yet GradScaler found every parameter's finite and applied "
+                    f"the update: a gradient hook of the model made it finite ({trig.detail})")
+        elif trig.reason == "exploding_update":
+            what = f"the update exploded ({trig.detail})"
         else:
             what = f"the loss scale collapsed ({trig.detail})"
         done = "skipped" if rec.skipped else "applied"
@@ -1172,7 +1192,8 @@ class Monitor:
         cap = self.capture
         assert cap is not None
         view = m.ranks
-        extra: dict[str, Any] = {"scaler_phase": self._failing.phase}
+        extra: dict[str, Any] = {"scaler_phase": self._failing.phase,
+                                 "step_log": str(self.log_path) if self.log_path is not None else None}
         if view is not None:
             first = view.first
             extra = {**extra, "ranks": view.column(), "first_rank": first.rank if first is not None else None,

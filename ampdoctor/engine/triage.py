@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -28,13 +29,14 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
-from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
+from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.lint import LintFinding
-from ampdoctor.records import StageResult
+from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import words
 from ampdoctor.report.build import code_findings, enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
 from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch import userhooks
 from ampdoctor.watch.steplog import StepLogWriter
 
 MAX_SKIP = 10**9
@@ -72,16 +74,52 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
 
 
 def user_hooks(model: nn.Module) -> list[str]:
-    """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
-    names = {m: n or "<model>" for n, m in model.named_modules()}
-    out = []
-    for m, n in names.items():
-        if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None):
-            out.append(f"backward hook on module {n}")
-    for n, p in model.named_parameters():
-        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
-            out.append(f"gradient hook on parameter {n}")
-    return out
+    """Gradient hooks the user's model carries (they can hide overflows from GradScaler), in words."""
+    return [h.describe() for h in userhooks.found(model)]
+
+
+def hook_check(model: nn.Module, spec: Spec, batches: Batches, results: dict[str, StageResult], device: torch.device,
+               hooks: list[UserHook]) -> HookCheckFn:
+    """``check(stage, step)``: the amp stage's step ``step`` (one applied with a non-finite or exploding gradient norm)
+    replayed from the weights before it, with the loss scale it ran at, once with the user's gradient hooks and once
+    without them: which parameters' scaled gradients GradScaler would have found non-finite only without them."""
+
+    def check(stage: str, step: int) -> HookCheck | None:
+        res = results.get(stage)
+        if (stage != "amp" or not hooks or res is None or res.applied_snapshot is None or res.applied_step != step
+                or step >= len(res.records) or res.records[step].scaler_scale is None):
+            return None
+        scale = float(res.records[step].scaler_scale or 1.0)
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def grads(strip: bool) -> list[str] | None:
+            model.load_state_dict(res.applied_snapshot)  # type: ignore[arg-type]
+            model.train()
+            model.zero_grad(set_to_none=True)
+            if res.applied_rng is not None:
+                torch.set_rng_state(res.applied_rng)
+            micro = micro_batches(batches[step])
+            with contextlib.ExitStack() as stack:
+                if strip:
+                    stack.enter_context(userhooks.disabled(model))
+                try:
+                    for b in micro:
+                        with torch.autocast(device.type, dtype=torch.float16):
+                            loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1]
+                        (loss.float() * (scale / len(micro))).backward()
+                except Exception:
+                    return None
+            bad = [names[id(p)] for p in model.parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            model.zero_grad(set_to_none=True)
+            return bad
+
+        kept, stripped = grads(strip=False), grads(strip=True)
+        if kept is None or stripped is None:
+            return None
+        return HookCheck(step, scale, kept, stripped)
+
+    return check
 
 
 def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[str, torch.Tensor],
@@ -243,7 +281,11 @@ def triage(
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
-    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)", user_hooks=user_hooks(model),
+    hooks_now = userhooks.found(model)
+    if cap is not None:
+        said.extend(_hooks_kept(cap.manifest, hooks_now))
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)",
+              user_hooks=[h.describe() for h in hooks_now], hook_list=hooks_now,
               start=start_note, step0=start.step0 if start is not None else skip_batches, said=said,
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
@@ -251,9 +293,11 @@ def triage(
     rng = start.rng if start is not None else None
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
+        fp32 = run.results.get("fp32")
         return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
                             optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
-                            rng=rng, rng_restored=run.rng_restored)
+                            rng=rng, rng_restored=run.rng_restored, probe_hooks=name == cfg.target and bool(hooks_now),
+                            ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
     for name in cfg.stage_list():
         log = (StepLogWriter(log_path, mode="overwrite", on_error="raise")  # a full disk: one line, exit 2
@@ -425,8 +469,24 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
 
 
+def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:
+    """What the report says of the run's gradient hooks (the capture's ``user_hooks``): kept in the replay when the
+    spec's model registers them too, else listed as not re-created."""
+    raw = manifest.get("user_hooks")
+    run_hooks = [h for h in (UserHook.from_json(d) for d in raw) if h is not None] if isinstance(raw, list) else []
+    if not run_hooks:
+        return []
+    have = {(h.kind, h.target, h.name) for h in now}
+    kept = [h for h in run_hooks if (h.kind, h.target, h.name) in have]
+    lost = [h for h in run_hooks if (h.kind, h.target, h.name) not in have]
+    return words.hooks_kept([h.describe() for h in kept], [h.describe() for h in lost], len(run_hooks))
+
+
 def _failed(res: StageResult) -> bool:
-    return res.error is not None or res.first_nonfinite_step is not None
+    """The replay failed again: it raised, went non-finite, or a user's gradient hook was handed a non-finite gradient
+    on a step GradScaler then applied (the overflow it hid)."""
+    hidden = any(s < len(res.records) and not res.records[s].skipped for s in res.hook_inputs_nonfinite)
+    return res.error is not None or res.first_nonfinite_step is not None or hidden
 
 
 def _last(res: StageResult) -> dict[str, float | None]:
@@ -560,7 +620,9 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device, run.replay.step0 if run.replay
                          is not None else run.step0, "initial" if run.start_kind == "init" else start_words)
     phase = run.replay.manifest.get("scaler_phase") if run.replay is not None else None  # (what GradScaler was doing)
+    hcheck = hook_check(run.model, run.spec, batches, results, device, run.hook_list)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
+                    hook_list=run.hook_list, hook_check=hcheck,
                     scaler_phase=phase if isinstance(phase, str) else None,
                     step0=run.replay.step0 if run.replay is not None else run.step0,  # the story in the run's steps
                     resumed=run.start_kind != "init")
@@ -608,10 +670,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         if first is not None:  # the captured scale, not the spec's default
             report.scaler.init_scale = first
         report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
-        report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
-                                     f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
-                                     "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
-                                                             else "steps.csv`"))
+        report.scaler.explanation = words.replay_scaler(report.scaler.init_scale, len(batches.items), rp.manifest)
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)

@@ -55,6 +55,12 @@ COLLAPSE_BINADES = 8
 """A fall of this many binades from the first scale, ending at the minimum with most steps skipped, is a collapse."""
 DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_BACKOFF = 0.5
+EXPLODE_RATIO = 1e3
+"""An applied update whose gradient norm is this many times the typical one has exploded (three orders of
+magnitude, the data scan's outlier ratio): the median of the run's recent applied norms in the Monitor, FP32's
+norm of the same step from the same weights in triage."""
+EXPLODE_HISTORY = 8
+"""Applied norms the Monitor needs before it judges an explosion (fewer: no typical norm to compare with)."""
 
 
 @dataclass
@@ -149,8 +155,14 @@ class ScaleDiagnosis:
 
 
 def pow2(x: float) -> str:
-    """2**k for exact powers of two, else the number (Python syntax, for settings)."""
-    return _fmt_pow2(x, "**")
+    """2^k for exact powers of two, else the number: the one notation every sentence uses."""
+    return _fmt_pow2(x, "^")
+
+
+def setting(x: float) -> str:
+    """A scale as a setting a user types: the number, with its power of two ('16384 (2^14)')."""
+    p = _fmt_pow2(x, "^")
+    return f"{x:g}" + (f" ({p})" if p.startswith("2^") and p != f"{x:g}" else "")
 
 
 def floor_pow2(x: float) -> float:
@@ -521,8 +533,8 @@ class ScaleTracker:
                 settings["backoff_factor"] = b
                 lost = bo**longest_skip_run
                 recs.append(
-                    f"backoff_factor={b:g}: {why}; runs of up to {longest_skip_run} consecutive skip(s) cut the scale "
-                    f"to {lost:.3g}x with {bo:g}, {b**longest_skip_run:.3g}x with {b:g}"
+                    f"backoff_factor={b:g}: {why}; a run of {longest_skip_run} consecutive skips cuts the scale "
+                    f"to {lost:.3g} times itself with {bo:g}, to {b**longest_skip_run:.3g} times with {b:g}"
                 )
 
         cycles = self.growths_at_last_later - self.growths_at_first_later if n_later >= 2 else 0
@@ -535,8 +547,9 @@ class ScaleTracker:
                 parts.append("and no step was ever applied")
             else:
                 parts.append(f"and {tail_rate:.0%} of the last {tail_n} steps were skipped")
-            expl = (", ".join(parts) + ": the gradients overflow FP16 even unscaled; only a scale below 1 fits them, "
-                    "so FP16 has no headroom for them and every growth overflows again")
+            expl = (", ".join(parts) + ": steps overflow whatever the scale, so either the gradients overflow FP16 "
+                    "even unscaled (only a scale below 1 fits them, and every growth overflows again) or the forward "
+                    "pass is non-finite, which no loss scale changes")
             recs.append("use bf16 autocast (no scaler needed) if the device supports it")
             recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
             if longest_skip_run >= 2:
@@ -565,7 +578,7 @@ class ScaleTracker:
             held = floor_pow2(min(recent) * bo)
             if abs(held - init) > 1e-9 * init:
                 settings["init_scale"] = held
-                recs.append(f"init_scale={pow2(held)}: the scale that held between the last {len(recent)} overflows")
+                recs.append(f"init_scale={setting(held)}: the scale that held between the last {len(recent)} overflows")
             backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
         elif final >= SATURATION and (n_later or (backoffs and not growths) or final >= CEILING):
             # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
@@ -574,12 +587,12 @@ class ScaleTracker:
             pattern = "saturated"
             expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
             if final >= CEILING:
-                expl += "; at 2**24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
+                expl += "; at 2^24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
             safe = self.max_safe_floor()
             plateau = safe if safe is not None else floor_pow2(final)
             if plateau > init * 1.0001:
                 settings["init_scale"] = plateau
-                recs.append(f"init_scale={pow2(plateau)} starts at the plateau this run reached at step "
+                recs.append(f"init_scale={setting(plateau)} starts at the plateau this run reached at step "
                             f"{self.first_step_at_least(plateau)}")
             if n_later:
                 med = int(_median_of(self.later_gaps)) if self.later_gaps else gi  # type: ignore[arg-type]
@@ -595,7 +608,7 @@ class ScaleTracker:
             )
             if floor_pow2(final) > init * 1.0001:
                 settings["init_scale"] = floor_pow2(final)
-                recs.append(f"init_scale={pow2(floor_pow2(final))} starts where this run got after {n} steps")
+                recs.append(f"init_scale={setting(floor_pow2(final))} starts where this run got after {n} steps")
             if k >= 2 and gi > 1:
                 new_gi = max(1, gi // 2)
                 settings["growth_interval"] = new_gi
@@ -618,7 +631,7 @@ class ScaleTracker:
 
         if self.calib_count and pattern != "collapsed" and "init_scale" not in settings:
             settings["init_scale"] = settled
-            recs.insert(0, f"init_scale={pow2(settled)} skips the {self.calib_count} calibration step(s)")
+            recs.insert(0, f"init_scale={setting(settled)} skips the {self.calib_count} calibration step(s)")
         if n_later and pattern in ("stable", "calibrating"):
             recs.append(f"isolated skips at steps {', '.join(str(s) for s in self.later_steps.first(10))}: check those batches")
         return ScaleDiagnosis(
