@@ -1,0 +1,247 @@
+"""The lookback ring: the last K steps of a run, per step and per layer, in a fixed host buffer.
+
+The Monitor fills it after each step from what that step's one host copy already brought back (the
+record's scalars, ``StepStats``' rows, and the per-parameter gradient norms and optimizer figures the
+recipe packs into the same copy): no tensor is read here, so the ring adds no host sync. The buffers
+are allocated once (``Ring(K, modules)``) and overwritten in place; ``memory_bytes`` says their size.
+
+Per step (``STEP_COLUMNS``): loss, the global gradient norm, the loss scale used, skipped, the learning
+rate, and the model input's element count and largest |x| (a new sequence length, a spiking batch).
+Per layer on the steps the hooks record (``LAYER_COLUMNS``): the module output's largest finite |x|,
+its headroom in binades below the format's max (0 once it overflowed), its overflow, flush and
+non-finite shares, its parameters' gradient norm and update norm, and the smallest of Adam's
+``exp_avg_sq`` over its parameters. A layer is a module; an output that is also its parent's output
+(the model returning its last layer's output) is counted once, for the innermost module.
+
+``tables()`` gives the two tables the capture writes (``ring_steps.csv``, ``ring_layers.csv``;
+docs/capture-format.md), in the run's own step numbers, oldest first.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from ampdoctor.formats import Format
+from ampdoctor.input.capture_schema import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
+from ampdoctor.records import Col, StepStats
+
+DEFAULT_STEPS = 256
+"""Steps the ring keeps (``Monitor(ring=...)``)."""
+
+STEP_COLUMNS: tuple[str, ...] = RING_STEP_COLUMNS[1:]
+LAYER_COLUMNS: tuple[str, ...] = RING_LAYER_COLUMNS[2:]
+STEPS_FILE = RING_STEPS_FILE
+LAYERS_FILE = RING_LAYERS_FILE
+
+MODEL = "<model>"
+"""The model's own name among the layers (as ``judge.locate.MODEL``)."""
+
+_ABSMAX, _HEADROOM, _OVER, _FLUSH, _NONFIN, _GNORM, _UNORM, _VMIN = range(len(LAYER_COLUMNS))
+_S = {n: i for i, n in enumerate(STEP_COLUMNS)}
+
+GRAD_NORM_KEY = "ring_gnorm"
+"""Prefix of the per-parameter gradient norms in ``StepStats.extra`` (``ring_gnorm:<i>``, i into the recipe's
+parameters with a gradient, in ``Ring.param_order``)."""
+UPDATE_KEY = "ring_unorm"
+VMIN_KEY = "ring_vmin"
+
+
+def module_of(param: str, modules: dict[str, int]) -> int | None:
+    """The index of the module that owns a parameter name ('blocks.0.attn.q.weight' → 'blocks.0.attn.q')."""
+    name = param
+    while True:
+        cut = name.rfind(".")
+        name = name[:cut] if cut >= 0 else ""
+        i = modules.get(name or MODEL)
+        if i is not None or not name:
+            return i
+
+
+class Ring:
+    """The last ``steps`` steps; ``modules``: the model's module names (``MODEL`` is the model itself)."""
+
+    def __init__(self, steps: int, modules: list[str], fmt: Format) -> None:
+        self.capacity = int(steps)
+        self.fmt = fmt
+        self.names = list(dict.fromkeys(modules))
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.steps = np.full(self.capacity, -1, dtype=np.int64)
+        self.scalars = np.full((self.capacity, len(STEP_COLUMNS)), np.nan, dtype=np.float64)
+        self.layers = np.full((self.capacity, len(self.names), len(LAYER_COLUMNS)), np.nan, dtype=np.float32)
+        self.count = 0
+        """Steps pushed so far (the newest is at ``(count - 1) % capacity``)."""
+        self.param_modules: list[int | None] = []
+        """Per parameter of the recipe (its order), the module index that owns it."""
+        self._log_max = math.log2(fmt.max)
+
+    # -- filling ---------------------------------------------------------------------------------
+    def set_params(self, names: list[str]) -> None:
+        """The recipe's parameters (in the order their per-parameter figures are packed)."""
+        self.param_modules = [module_of(n, self._index) for n in names]
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.steps.nbytes + self.scalars.nbytes + self.layers.nbytes)
+
+    def push(self, step: int, *, loss: float, grad_norm: float, scale: float | None, skipped: bool, lr: float | None,
+             stats: StepStats | None) -> None:
+        """One step, from its record and statistics (host values: nothing here reads a tensor)."""
+        i = self.count % self.capacity
+        self.count += 1
+        self.steps[i] = step
+        row = self.scalars[i]
+        row[:] = np.nan
+        row[_S["loss"]] = loss
+        row[_S["grad_norm"]] = grad_norm
+        row[_S["scale"]] = scale if scale is not None else np.nan
+        row[_S["skipped"]] = float(skipped)
+        row[_S["lr"]] = lr if lr is not None else np.nan
+        row[_S["recorded"]] = float(stats is not None)
+        lay = self.layers[i]
+        lay[:] = np.nan
+        if stats is None:
+            return
+        self._fill_layers(lay, row, stats)
+
+    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
+        act = st.act
+        if act:
+            seen: set[int] = set()
+            # (module, output tensor ids) in the order the calls ended: inner modules first
+            for name, outs in _calls(st):
+                m = self._index.get(name)
+                if m is None:
+                    continue
+                for t in outs:
+                    if t in seen:
+                        continue
+                    seen.add(t)
+                    r = act.get(t)
+                    if r is None:
+                        continue
+                    self._add_row(lay[m], r)
+            fin = lay[:, _NONFIN]
+            have = ~np.isnan(fin)
+            if have.any():
+                over = lay[have, _OVER]  # (summed counts held in the columns until here; see _add_row)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    n = np.maximum(lay[have, _HEADROOM], 1.0)  # numel, held in the headroom column until here
+                    lay[have, _OVER] = over / n
+                    lay[have, _FLUSH] = lay[have, _FLUSH] / n
+                    lay[have, _NONFIN] = lay[have, _NONFIN] / n
+                    a = lay[have, _ABSMAX].astype(np.float64)
+                    h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
+                    h = np.where(lay[have, _NONFIN] > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
+                    lay[have, _HEADROOM] = h
+            ins = [act[t] for t in st.model_inputs if t in act]
+            if ins:
+                row[_S["input_numel"]] = float(sum(r[Col.NUMEL] for r in ins))
+                row[_S["input_absmax"]] = float(max(r[Col.ABSMAX] for r in ins))
+        extra = st.extra
+        pm = self.param_modules
+        for key, col in ((GRAD_NORM_KEY, _GNORM), (UPDATE_KEY, _UNORM)):
+            if f"{key}:0" not in extra:
+                continue
+            sq = np.zeros(len(self.names))
+            got = np.zeros(len(self.names), dtype=bool)
+            for j, m in enumerate(pm):
+                v = extra.get(f"{key}:{j}")
+                if v is None or m is None:
+                    continue
+                sq[m] += v * v
+                got[m] = True
+            lay[got, col] = np.sqrt(sq[got])
+        if f"{VMIN_KEY}:0" in extra:
+            for j, m in enumerate(pm):
+                v = extra.get(f"{VMIN_KEY}:{j}")
+                if v is None or m is None:
+                    continue
+                cur = lay[m, _VMIN]
+                lay[m, _VMIN] = v if np.isnan(cur) else min(cur, v)
+
+    @staticmethod
+    def _add_row(cell: np.ndarray, r: np.ndarray) -> None:
+        """Sum one output's counts into a layer's cell (shares are made once every output is in)."""
+        if np.isnan(cell[_NONFIN]):
+            cell[_ABSMAX] = 0.0
+            cell[_HEADROOM] = 0.0
+            cell[_OVER] = cell[_FLUSH] = cell[_NONFIN] = 0.0
+        cell[_ABSMAX] = max(cell[_ABSMAX], r[Col.ABSMAX])
+        cell[_HEADROOM] += r[Col.NUMEL]
+        cell[_OVER] += r[Col.OVERFLOW]
+        cell[_FLUSH] += r[Col.UNDERFLOW]
+        cell[_NONFIN] += r[Col.POSINF] + r[Col.NEGINF] + r[Col.NAN]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def order(self) -> np.ndarray:
+        """Slot indices, oldest first."""
+        n = min(self.count, self.capacity)
+        start = self.count - n
+        return (np.arange(start, self.count) % self.capacity).astype(np.int64)
+
+    def layer_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(steps [n], values [n, layers]) of one layer column over the ring's recorded steps, oldest first."""
+        idx = self.order()
+        if last is not None:
+            idx = idx[-last:]
+        rec = self.scalars[idx, _S["recorded"]] == 1.0
+        idx = idx[rec]
+        return self.steps[idx], self.layers[idx, :, LAYER_COLUMNS.index(column)]
+
+    def step_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.order()
+        if last is not None:
+            idx = idx[-last:]
+        return self.steps[idx], self.scalars[idx, _S[column]]
+
+    def tables(self) -> tuple[str, str]:
+        """(steps CSV, layers CSV): every kept step, oldest first; a layers row per layer and recorded step
+        that has any figure."""
+        idx = self.order()
+        out = io.StringIO()
+        out.write("step," + ",".join(STEP_COLUMNS) + "\n")
+        for i in idx:
+            out.write(f"{int(self.steps[i])}," + ",".join(_cell(v) for v in self.scalars[i]) + "\n")
+        lay = io.StringIO()
+        lay.write("step,layer," + ",".join(LAYER_COLUMNS) + "\n")
+        for i in idx:
+            if self.scalars[i, _S["recorded"]] != 1.0:
+                continue
+            cells = self.layers[i]
+            keep = ~np.all(np.isnan(cells), axis=1)
+            for m in np.flatnonzero(keep):
+                name = self.names[m]
+                lay.write(f"{int(self.steps[i])},{_csv_name(name)}," + ",".join(_cell(v) for v in cells[m]) + "\n")
+        return out.getvalue(), lay.getvalue()
+
+
+def _cell(v: Any) -> str:
+    f = float(v)
+    if math.isnan(f):
+        return ""
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return repr(f) if not f.is_integer() else str(int(f)) if abs(f) < 1e15 else repr(f)
+
+
+def _csv_name(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"' if any(c in name for c in ',"\n') else name
+
+
+def _calls(st: StepStats) -> Any:
+    """(module name, output tensor ids) of each call, without making ``Call`` objects of the C++ recorder's."""
+    if st.flat_calls:
+        for names, mods, bounds, tids in st.flat_calls:
+            for k, m in enumerate(mods):
+                yield names[m], tids[bounds[2 * k + 1]: bounds[2 * k + 2]]
+    own = st.__dict__.get("_calls") or []
+    for c in own:
+        yield c.module, c.outputs
+
+
+__all__ = ["DEFAULT_STEPS", "GRAD_NORM_KEY", "LAYERS_FILE", "LAYER_COLUMNS", "STEPS_FILE", "STEP_COLUMNS", "UPDATE_KEY",
+           "VMIN_KEY", "Ring", "module_of"]
