@@ -12,12 +12,15 @@ The update norm, read from the state as the step begins (before this step's ``op
 - SGD with momentum: ``lr * |momentum_buffer|``; plain SGD: ``lr * |grad|``, this step's;
 - any other optimizer: not kept (NaN).
 
-Per-tensor work runs as ``torch._foreach_*`` calls over all parameters at once.
+Adam's figures are a few flat passes, each over pieces of the state of at most ``CHUNK`` elements (its
+temporaries: three float32 copies of a piece, whatever the model's size), reduced per tensor with
+``segment_reduce``; SGD's are one ``torch._foreach_norm``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,7 @@ from ampdoctor.judge.rules import forward_overflow_fixes
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import Finding, StepStats
 from ampdoctor.report.words import forecast_message, history_lines, history_title
-from ampdoctor.watch.ring import GRAD_NORM_KEY, UPDATE_KEY, VMIN_KEY, Ring
+from ampdoctor.watch.ring import Ring
 
 
 def _value(x: Any) -> float | None:
@@ -38,78 +41,205 @@ def _value(x: Any) -> float | None:
     return None
 
 
+CHUNK = 1 << 22
+"""Elements per piece of the Adam figures' flat pass: what its temporaries hold at most (three float32 copies)."""
+
+
+def _pieces(tensors: list[torch.Tensor], groups: list[int]) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """Chunks of at most ``CHUNK`` elements, one group each: ``(group, [(tensor index, start, stop), ...])``; a
+    tensor larger than a chunk is split across several."""
+    out: list[tuple[int, list[tuple[int, int, int]]]] = []
+    cur: list[tuple[int, int, int]] = []
+    size = 0
+    cur_g = None
+    for i, (t, g) in enumerate(zip(tensors, groups, strict=True)):
+        n = t.numel()
+        start = 0
+        while start < n:
+            if cur and (size >= CHUNK or g != cur_g):
+                out.append((cur_g, cur))  # type: ignore[arg-type]
+                cur, size = [], 0
+            cur_g = g
+            stop = min(n, start + CHUNK - size)
+            cur.append((i, start, stop))
+            size += stop - start
+            start = stop
+    if cur:
+        out.append((cur_g, cur))  # type: ignore[arg-type]
+    return out
+
+
+Chunk = tuple[int, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]
+"""(group, views of exp_avg, views of exp_avg_sq, lengths, owner tensor index): one flat pass."""
+
+
+def adam_chunks(m: list[torch.Tensor], v: list[torch.Tensor], groups: list[int], dev: torch.device) -> list[Chunk]:
+    """The flat passes over Adam's state: views into the state tensors (the optimizer updates them in place)."""
+    out = []
+    for g, parts in _pieces(v, groups):
+        out.append((g, [m[i].reshape(-1)[a:b] for i, a, b in parts], [v[i].reshape(-1)[a:b] for i, a, b in parts],
+                    torch.tensor([b - a for _, a, b in parts], device=v[parts[0][0]].device),
+                    torch.tensor([i for i, _, _ in parts], device=dev)))
+    return out
+
+
+def adam_figures(n: int, chunks: list[Chunk], eps: list[float], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor: |m / (sqrt(v) + eps)| and min(v), in a few flat passes (``chunks``), on the device."""
+    sq = torch.zeros(n, dtype=torch.float64, device=dev)
+    lo = torch.full((n,), math.inf, dtype=torch.float64, device=dev)
+    for g, ms, vs, lengths, owner in chunks:
+        mm = torch.cat(ms).float()
+        vv = torch.cat(vs).float()
+        u = vv.sqrt().add_(eps[g])
+        torch.div(mm, u, out=u)
+        u.mul_(u)
+        sums = torch.segment_reduce(u, "sum", lengths=lengths).to(dev, torch.float64)
+        mins = torch.segment_reduce(vv, "min", lengths=lengths).to(dev, torch.float64)
+        sq.index_add_(0, owner, sums)
+        lo.scatter_reduce_(0, owner, mins, "amin")
+    return sq.sqrt(), lo
+
+
+@dataclass
+class _Plan:
+    """What the figures read, for one set of parameters with gradients (rebuilt when that set or the state changes)."""
+
+    key: tuple[int, int, int]
+    grad_j: np.ndarray
+    adam_m: list[torch.Tensor]
+    adam_v: list[torch.Tensor]
+    adam_j: np.ndarray
+    adam_group: np.ndarray
+    """Per Adam tensor, its group's index (its bias correction and lr)."""
+    adam_eps: list[float]
+    """Per group, its eps."""
+    chunks: list[Chunk]
+    sgd: list[torch.Tensor]
+    sgd_j: np.ndarray
+    sgd_group: np.ndarray
+    plain_pos: np.ndarray
+    """Plain SGD (no momentum): positions among the parameters with gradients (the update is lr x the gradient)."""
+    plain_j: np.ndarray
+    plain_group: np.ndarray
+    first: dict[int, torch.nn.Parameter]
+    """Per group, its first parameter with Adam state (its step count gives the group's bias correction)."""
+    probe: tuple[torch.nn.Parameter, torch.Tensor] | None
+    """A parameter and its ``exp_avg``: a state loaded since (new tensors) makes a new plan."""
+
+
 class RingFigures:
-    """Per-parameter ring figures for ``params`` (the recipe's, in its order)."""
+    """Per-parameter ring figures for ``params`` (the recipe's, in its order).
+
+    Called with the parameters that have a gradient and their norms (on the device), it returns
+    ``(layout, values)``: ``layout`` is ``(grad_j, update_j, vmin_j)``, the indices into ``params`` of each part
+    of ``values`` (gradient norms, update norms, Adam's smallest ``exp_avg_sq``), which the recipe queues whole
+    into the step's host copy (``Hooks.add_tail``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]) -> None:
         self.optimizer = optimizer
         self.index = {id(p): j for j, p in enumerate(params)}
-        self.group: dict[int, dict[str, Any]] = {}
-        if optimizer is not None:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    self.group[id(p)] = g
-        self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
+        self._plan: _Plan | None = None
 
-    def __call__(self, with_grad: list[torch.nn.Parameter], norms: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
-        dev = norms.device
-        js = [self.index.get(id(p), -1) for p in with_grad]
-        parts = [norms.to(torch.float64)]
-        names = [f"{GRAD_NORM_KEY}:{j}" for j in js]
+    def _make_plan(self, with_grad: list[torch.nn.Parameter], key: tuple[int, int, int], norms_dev: torch.device) -> _Plan:
         opt = self.optimizer
+        js = np.array([self.index.get(id(p), -1) for p in with_grad], dtype=np.int64)
+        am: list[torch.Tensor] = []
+        av: list[torch.Tensor] = []
+        aj: list[int] = []
+        ag: list[int] = []
+        ae: list[float] = []
+        sg: list[torch.Tensor] = []
+        sj: list[int] = []
+        sgi: list[int] = []
+        pp: list[int] = []
+        pj: list[int] = []
+        pg: list[int] = []
+        first: dict[int, torch.nn.Parameter] = {}
+        probe = None
         if opt is not None:
-            adam_m: list[torch.Tensor] = []
-            adam_v: list[torch.Tensor] = []
-            adam_j: list[int] = []
-            factors: list[float] = []
-            eps: list[float] = []
-            sgd: list[tuple[int, float, torch.Tensor]] = []
-            state = opt.state
-            for p, j in zip(with_grad, js, strict=True):
-                g = self.group.get(id(p))
-                st = state.get(p) if g is not None else None
-                if g is None:
+            group_of = {id(p): (gi, g) for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+            for pos, (p, j) in enumerate(zip(with_grad, js.tolist(), strict=True)):
+                gg = group_of.get(id(p))
+                if gg is None:
                     continue
-                lr = _value(g.get("lr"))
-                if lr is None:
-                    continue
-                if st and "exp_avg" in st and "exp_avg_sq" in st:
-                    t = st.get("step")
-                    k = float(t) if isinstance(t, (int, float)) or (isinstance(t, torch.Tensor) and t.device.type == "cpu") else None
-                    b = g.get("betas", (0.9, 0.999))
-                    f = lr
-                    if k and k > 0:
-                        f = lr * (1.0 - float(b[1]) ** k) ** 0.5 / (1.0 - float(b[0]) ** k)
-                    adam_m.append(st["exp_avg"])
-                    adam_v.append(st["exp_avg_sq"])
-                    adam_j.append(j)
-                    factors.append(f)
-                    eps.append(float(g.get("eps", 1e-8)))
+                gi, g = gg
+                st = opt.state.get(p)
+                if st and isinstance(st.get("exp_avg"), torch.Tensor) and isinstance(st.get("exp_avg_sq"), torch.Tensor):
+                    am.append(st["exp_avg"])
+                    av.append(st["exp_avg_sq"])
+                    first.setdefault(gi, p)
+                    probe = probe or (p, st["exp_avg"])
+                    aj.append(j)
+                    ag.append(gi)
                 elif "momentum" in g:
                     buf = st.get("momentum_buffer") if st else None
                     if isinstance(buf, torch.Tensor):
-                        sgd.append((j, lr, buf))
-                    elif not g.get("momentum"):
-                        sgd.append((j, lr, p.grad if p.grad is not None else torch.zeros(())))
-            if adam_m:
-                denom = torch._foreach_sqrt(adam_v)
-                torch._foreach_add_(denom, eps)
-                u = torch._foreach_div(adam_m, denom)
-                un = torch.stack([n.to(dev, torch.float64) for n in torch._foreach_norm(u)])
-                parts.append(un * torch.tensor(factors, dtype=torch.float64, device=dev))
-                names += [f"{UPDATE_KEY}:{j}" for j in adam_j]
-                try:
-                    vmin = torch._foreach_norm(adam_v, float("-inf"))
-                except (RuntimeError, NotImplementedError):  # a device without the -inf foreach norm
-                    vmin = [torch.linalg.vector_norm(v, float("-inf")) for v in adam_v]
-                parts.append(torch.stack([n.to(dev, torch.float64) for n in vmin]))
-                names += [f"{VMIN_KEY}:{j}" for j in adam_j]
-            if sgd:
-                sn = torch._foreach_norm([b.float() for _, _, b in sgd])
-                parts.append(torch.stack([n.to(dev, torch.float64) for n in sn])
-                             * torch.tensor([lr for _, lr, _ in sgd], dtype=torch.float64, device=dev))
-                names += [f"{UPDATE_KEY}:{j}" for j, _, _ in sgd]
-        return tuple(names), torch.cat(parts)
+                        sg.append(buf)
+                        sj.append(j)
+                        sgi.append(gi)
+                    elif not g.get("momentum"):  # plain SGD: this step's update is lr x its gradient
+                        pp.append(pos)
+                        pj.append(j)
+                        pg.append(gi)
+        if opt is not None:
+            ae = [float(g.get("eps", 1e-8)) for g in opt.param_groups]
+        return _Plan(key, js, am, av, np.array(aj, dtype=np.int64), np.array(ag, dtype=np.int64), ae, adam_chunks(am, av, ag, norms_dev), sg,
+                     np.array(sj, dtype=np.int64), np.array(sgi, dtype=np.int64),
+                     np.array(pp, dtype=np.int64), np.array(pj, dtype=np.int64), np.array(pg, dtype=np.int64), first, probe)
+
+    def _factors(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+        """Per group: Adam's lr x bias correction (from its first Adam parameter's step count), and the lr."""
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.param_groups
+        adam = np.full(len(groups), np.nan)
+        lrs = np.full(len(groups), np.nan)
+        for gi, g in enumerate(groups):
+            lr = _value(g.get("lr"))
+            if lr is None:
+                continue
+            lrs[gi] = lr
+            p = plan.first.get(gi)
+            if p is not None:
+                st = opt.state.get(p) or {}
+                t = st.get("step")
+                k = float(t) if isinstance(t, (int, float)) or (isinstance(t, torch.Tensor) and t.device.type == "cpu") else None
+                b = g.get("betas", (0.9, 0.999))
+                adam[gi] = lr * (1.0 - float(b[1]) ** k) ** 0.5 / (1.0 - float(b[0]) ** k) if k else lr
+        return adam, lrs
+
+    def __call__(self, with_grad: list[torch.nn.Parameter], norms: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        dev = norms.device
+        opt = self.optimizer
+        key = (len(with_grad), id(with_grad[0]) if with_grad else 0, len(opt.state) if opt is not None else 0)
+        plan = self._plan
+        if plan is None or plan.key != key or (plan.probe is not None and opt is not None and
+                                                (opt.state.get(plan.probe[0]) or {}).get("exp_avg") is not plan.probe[1]):
+            plan = self._plan = self._make_plan(with_grad, key, dev)
+        parts = [norms.reshape(-1).to(torch.float64)]
+        upd_j: list[np.ndarray] = []
+        vmin_j = plan.adam_j
+        if opt is not None and (plan.adam_m or plan.sgd or len(plan.plain_j)):
+            adam_f, lrs = self._factors(plan)
+            vmin = None
+            if plan.adam_m:
+                un, vmin = adam_figures(len(plan.adam_m), plan.chunks, plan.adam_eps, dev)
+                parts.append(un * torch.from_numpy(adam_f[plan.adam_group]).to(dev))
+                upd_j.append(plan.adam_j)
+            if plan.sgd:
+                sn = torch.stack([n.to(dev) for n in torch._foreach_norm(plan.sgd)]).to(torch.float64)
+                parts.append(sn * torch.from_numpy(lrs[plan.sgd_group]).to(dev))
+                upd_j.append(plan.sgd_j)
+            if len(plan.plain_j):
+                flat = norms.reshape(-1).to(torch.float64)
+                parts.append(flat[torch.from_numpy(plan.plain_pos).to(dev)] * torch.from_numpy(lrs[plan.plain_group]).to(dev))
+                upd_j.append(plan.plain_j)
+            if vmin is not None:
+                parts.append(vmin)
+        else:
+            vmin_j = np.zeros(0, dtype=np.int64)
+        layout = (plan.grad_j, np.concatenate(upd_j) if upd_j else np.zeros(0, dtype=np.int64), vmin_j)
+        return layout, torch.cat(parts)
 
 
 class ForecastWarning(UserWarning):
@@ -117,6 +247,9 @@ class ForecastWarning(UserWarning):
 
 
 SPIKE_WINDOW = 100
+FORECAST_EVERY = 4
+"""The forecast is judged on every this-many-th recorded step (a warning at most that many steps late, against
+a horizon of a thousand)."""
 
 
 class Lookback:
@@ -141,6 +274,7 @@ class Lookback:
         self.warned: Forecast | None = None
         """The forecast the monitor warned of (once a run)."""
         self.last_spike: Spike | None = None
+        self._recorded = 0
         """The run's first spike (with ``spike_sigmas``)."""
 
     def push(self, step: int, *, loss: float, grad_norm: float, scale: float | None, skipped: bool, lr: float | None,
@@ -150,7 +284,10 @@ class Lookback:
         spike = (self._spike(step, loss, grad_norm, skipped) if self.spike_sigmas is not None and self.last_spike is None
                  else None)
         self.ring.push(step, loss=loss, grad_norm=grad_norm, scale=scale, skipped=skipped, lr=lr, stats=stats)
-        if stats is not None and self.horizon is not None and self.warned is None:
+        if stats is not None:
+            self._recorded += 1
+        if (stats is not None and self.horizon is not None and self.warned is None
+                and self._recorded % FORECAST_EVERY == 0):
             fcs = self.forecast()
             if fcs:
                 self._warn(fcs)

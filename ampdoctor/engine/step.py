@@ -258,9 +258,9 @@ class TrainStep:
         before the first step, GradScaler's ``init_scale`` or loaded state)."""
         self.ranks: RankExchange | None = None
         """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
-        self.ring_figures: Callable[[list[torch.nn.Parameter], torch.Tensor], tuple[tuple[str, ...], torch.Tensor]] | None = None
-        """On recorded steps: per-parameter figures (names, values on the device) packed into the one host copy
-        (the Monitor's lookback ring, ``engine.ring.RingFigures``)."""
+        self.ring_figures: Callable[[list[torch.nn.Parameter], torch.Tensor], tuple[Any, torch.Tensor]] | None = None
+        """On recorded steps: per-parameter figures (a layout, values on the device) queued into the one host copy
+        (``Hooks.add_tail``; the Monitor's lookback ring, ``engine.ring.RingFigures``)."""
 
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -419,11 +419,9 @@ class TrainStep:
             hooks.after_backward(self.grad_inv_scale)  # parameter gradients, as the optimizer will see them
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
             hooks.after_step()
+            hooks.add_scalars(_PACKED, packed)
             if self.ring_figures is not None and per is not None:
-                more, vals_d = self.ring_figures(gparams, per)
-                hooks.add_scalars(_PACKED + more, torch.cat([packed, vals_d.to(packed.device)]))
-            else:
-                hooks.add_scalars(_PACKED, packed)
+                hooks.add_tail(*self.ring_figures(gparams, per))
             cur = hooks.current
             st: StepStats | None = hooks.end_step(  # the one host copy (with the ranks' all-reduce in it)
                 None if rx is None else

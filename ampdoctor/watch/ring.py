@@ -43,11 +43,6 @@ MODEL = "<model>"
 _ABSMAX, _HEADROOM, _OVER, _FLUSH, _NONFIN, _GNORM, _UNORM, _VMIN = range(len(LAYER_COLUMNS))
 _S = {n: i for i, n in enumerate(STEP_COLUMNS)}
 
-GRAD_NORM_KEY = "ring_gnorm"
-"""Prefix of the per-parameter gradient norms in ``StepStats.extra`` (``ring_gnorm:<i>``, i into the recipe's
-parameters with a gradient, in ``Ring.param_order``)."""
-UPDATE_KEY = "ring_unorm"
-VMIN_KEY = "ring_vmin"
 
 
 def module_of(param: str, modules: dict[str, int]) -> int | None:
@@ -76,12 +71,14 @@ class Ring:
         """Steps pushed so far (the newest is at ``(count - 1) % capacity``)."""
         self.param_modules: list[int | None] = []
         """Per parameter of the recipe (its order), the module index that owns it."""
+        self._param_modules: np.ndarray | None = None
         self._log_max = math.log2(fmt.max)
 
     # -- filling ---------------------------------------------------------------------------------
     def set_params(self, names: list[str]) -> None:
         """The recipe's parameters (in the order their per-parameter figures are packed)."""
         self.param_modules = [module_of(n, self._index) for n in names]
+        self._param_modules = np.array([-1 if m is None else m for m in self.param_modules] or [-1], dtype=np.int64)
 
     @property
     def memory_bytes(self) -> int:
@@ -110,10 +107,14 @@ class Ring:
     def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
         act = st.act
         if act:
+            index = self._index
+            mods: list[int] = []
+            rows: list[np.ndarray] = []
             seen: set[int] = set()
-            # (module, output tensor ids) in the order the calls ended: inner modules first
+            # (module, output tensor ids) in the order the calls ended: inner modules first, so an output that is
+            # also its parent's (the model returning its last layer's) is the inner module's
             for name, outs in _calls(st):
-                m = self._index.get(name)
+                m = index.get(name)
                 if m is None:
                     continue
                 for t in outs:
@@ -121,60 +122,58 @@ class Ring:
                         continue
                     seen.add(t)
                     r = act.get(t)
-                    if r is None:
-                        continue
-                    self._add_row(lay[m], r)
-            fin = lay[:, _NONFIN]
-            have = ~np.isnan(fin)
-            if have.any():
-                over = lay[have, _OVER]  # (summed counts held in the columns until here; see _add_row)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    n = np.maximum(lay[have, _HEADROOM], 1.0)  # numel, held in the headroom column until here
-                    lay[have, _OVER] = over / n
-                    lay[have, _FLUSH] = lay[have, _FLUSH] / n
-                    lay[have, _NONFIN] = lay[have, _NONFIN] / n
-                    a = lay[have, _ABSMAX].astype(np.float64)
+                    if r is not None:
+                        mods.append(m)
+                        rows.append(r)
+            if rows:
+                r = np.stack(rows)
+                mi = np.asarray(mods, dtype=np.int64)
+                n = len(self.names)
+                absmax = np.zeros(n)
+                np.maximum.at(absmax, mi, r[:, Col.ABSMAX])
+                sums = np.zeros((n, 4))
+                np.add.at(sums, mi, np.stack([r[:, Col.NUMEL], r[:, Col.OVERFLOW], r[:, Col.UNDERFLOW],
+                                              r[:, Col.POSINF] + r[:, Col.NEGINF] + r[:, Col.NAN]], axis=1))
+                have = np.zeros(n, dtype=bool)
+                have[mi] = True
+                numel = np.maximum(sums[have, 0], 1.0)
+                a = absmax[have]
+                bad = sums[have, 3] / numel
+                with np.errstate(divide="ignore"):
                     h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
-                    h = np.where(lay[have, _NONFIN] > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
-                    lay[have, _HEADROOM] = h
+                h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
+                lay[have, _ABSMAX] = a
+                lay[have, _HEADROOM] = h
+                lay[have, _OVER] = sums[have, 1] / numel
+                lay[have, _FLUSH] = sums[have, 2] / numel
+                lay[have, _NONFIN] = bad
             ins = [act[t] for t in st.model_inputs if t in act]
             if ins:
                 row[_S["input_numel"]] = float(sum(r[Col.NUMEL] for r in ins))
                 row[_S["input_absmax"]] = float(max(r[Col.ABSMAX] for r in ins))
-        extra = st.extra
-        pm = self.param_modules
-        for key, col in ((GRAD_NORM_KEY, _GNORM), (UPDATE_KEY, _UNORM)):
-            if f"{key}:0" not in extra:
-                continue
-            sq = np.zeros(len(self.names))
-            got = np.zeros(len(self.names), dtype=bool)
-            for j, m in enumerate(pm):
-                v = extra.get(f"{key}:{j}")
-                if v is None or m is None:
-                    continue
-                sq[m] += v * v
-                got[m] = True
-            lay[got, col] = np.sqrt(sq[got])
-        if f"{VMIN_KEY}:0" in extra:
-            for j, m in enumerate(pm):
-                v = extra.get(f"{VMIN_KEY}:{j}")
-                if v is None or m is None:
-                    continue
-                cur = lay[m, _VMIN]
-                lay[m, _VMIN] = v if np.isnan(cur) else min(cur, v)
-
-    @staticmethod
-    def _add_row(cell: np.ndarray, r: np.ndarray) -> None:
-        """Sum one output's counts into a layer's cell (shares are made once every output is in)."""
-        if np.isnan(cell[_NONFIN]):
-            cell[_ABSMAX] = 0.0
-            cell[_HEADROOM] = 0.0
-            cell[_OVER] = cell[_FLUSH] = cell[_NONFIN] = 0.0
-        cell[_ABSMAX] = max(cell[_ABSMAX], r[Col.ABSMAX])
-        cell[_HEADROOM] += r[Col.NUMEL]
-        cell[_OVER] += r[Col.OVERFLOW]
-        cell[_FLUSH] += r[Col.UNDERFLOW]
-        cell[_NONFIN] += r[Col.POSINF] + r[Col.NEGINF] + r[Col.NAN]
+        if st.tail is not None and self._param_modules is not None:
+            (grad_j, upd_j, vmin_j), vals = st.tail
+            pm = self._param_modules
+            k = 0
+            for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
+                v = vals[k: k + len(js)]
+                k += len(js)
+                m = np.where(js >= 0, pm[js], -1) if len(js) else js
+                ok = m >= 0
+                if ok.any():
+                    sq = np.zeros(len(self.names))
+                    np.add.at(sq, m[ok], v[ok] * v[ok])
+                    got = np.zeros(len(self.names), dtype=bool)
+                    got[m[ok]] = True
+                    lay[got, col] = np.sqrt(sq[got])
+            v = vals[k: k + len(vmin_j)]
+            m = np.where(vmin_j >= 0, pm[vmin_j], -1) if len(vmin_j) else vmin_j
+            ok = m >= 0
+            if ok.any():
+                lo = np.full(len(self.names), np.inf)
+                np.minimum.at(lo, m[ok], v[ok])
+                got = np.isfinite(lo)
+                lay[got, _VMIN] = lo[got]
 
     # -- reading ---------------------------------------------------------------------------------
     def order(self) -> np.ndarray:
@@ -243,5 +242,4 @@ def _calls(st: StepStats) -> Any:
         yield c.module, c.outputs
 
 
-__all__ = ["DEFAULT_STEPS", "GRAD_NORM_KEY", "LAYERS_FILE", "LAYER_COLUMNS", "STEPS_FILE", "STEP_COLUMNS", "UPDATE_KEY",
-           "VMIN_KEY", "Ring", "module_of"]
+__all__ = ["DEFAULT_STEPS", "LAYERS_FILE", "LAYER_COLUMNS", "MODEL", "STEPS_FILE", "STEP_COLUMNS", "Ring", "module_of"]
