@@ -40,6 +40,7 @@ def test_the_ring_keeps_the_last_k_steps_with_the_layers_figures_from_the_one_ho
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = Monitor(model, opt, None, ring=8, quiet=True)
+    mon.recipe.ring_figures.every = 1  # (the optimizer's figures on every recorded step, as with spike_sigmas)
     seen: dict[int, float] = {}
     for s in range(20):
         x = torch.randn(6, 4)
@@ -76,6 +77,7 @@ def test_adams_figures_are_read_from_its_state() -> None:
     model = nn.Sequential(nn.Linear(4, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     mon = Monitor(model, opt, None, ring=4, quiet=True)
+    mon.recipe.ring_figures.every = 1  # (the optimizer's figures on every recorded step, as with spike_sigmas)
     for _ in range(3):
         loss = model(torch.randn(5, 4)).pow(2).mean()
         loss.backward()

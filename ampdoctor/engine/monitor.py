@@ -65,8 +65,8 @@ from ampdoctor.engine.capture import (
     Trigger,
     sharded_engine,
 )
-from ampdoctor.engine.ring import SPIKE_WINDOW, Lookback, RingFigures
 from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
+from ampdoctor.engine.ring import OPTIMIZER_EVERY, SPIKE_WINDOW, Lookback, RingFigures
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
@@ -74,8 +74,8 @@ from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.notify import say, warn_user
-from ampdoctor.report.words import spike_message
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.report.words import spike_message
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, unwrap
 from ampdoctor.watch.ring import DEFAULT_STEPS, LAYERS_FILE, STEPS_FILE
@@ -895,7 +895,7 @@ class Monitor:
         params = [self._names[id(p)] for p in self._params]
         lb = Lookback(steps, self.recipe.modules, params, self.hooks.fmt, horizon=horizon, spike_sigmas=sigmas,
                       spike_window=window, quiet=self.quiet, speaks=self.rank in (None, 0), device=self.device.type)
-        self.recipe.ring_figures = RingFigures(self.optimizer, self._params)
+        self.recipe.ring_figures = RingFigures(self.optimizer, self._params, every=1 if sigmas is not None else OPTIMIZER_EVERY)
         return lb
 
     def forecast(self) -> list[Any]:

@@ -135,10 +135,14 @@ class RingFigures:
     of ``values`` (gradient norms, update norms, Adam's smallest ``exp_avg_sq``), which the recipe queues whole
     into the step's host copy (``Hooks.add_tail``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter], every: int = 1) -> None:
         self.optimizer = optimizer
         self.index = {id(p): j for j, p in enumerate(params)}
         self._plan: _Plan | None = None
+        self.every = every
+        """The optimizer's figures (update norms, Adam's smallest exp_avg_sq: a pass over its state) on every
+        this-many-th call; the gradient norms on every call."""
+        self._calls = 0
 
     def _make_plan(self, with_grad: list[torch.nn.Parameter], key: tuple[int, int, int], norms_dev: torch.device) -> _Plan:
         opt = self.optimizer
@@ -219,7 +223,8 @@ class RingFigures:
         parts = [norms.reshape(-1).to(torch.float64)]
         upd_j: list[np.ndarray] = []
         vmin_j = plan.adam_j
-        if opt is not None and (plan.adam_m or plan.sgd or len(plan.plain_j)):
+        self._calls += 1
+        if opt is not None and (plan.adam_m or plan.sgd or len(plan.plain_j)) and (self._calls - 1) % self.every == 0:
             adam_f, lrs = self._factors(plan)
             vmin = None
             if plan.adam_m:
@@ -247,6 +252,9 @@ class ForecastWarning(UserWarning):
 
 
 SPIKE_WINDOW = 100
+OPTIMIZER_EVERY = 16
+"""Without the spike trigger, the optimizer's figures are read on every this-many-th recorded step (a pass over
+its state costs about as much as the statistics of the gradients); with it, on every recorded step."""
 FORECAST_EVERY = 4
 """The forecast is judged on every this-many-th recorded step (a warning at most that many steps late, against
 a horizon of a thousand)."""

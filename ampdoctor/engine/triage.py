@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
+from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import get_loss, make_optimizer

@@ -235,7 +235,7 @@ def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fm
     if len(sd) < 2:
         return None
     out: dict[str, Any] = {"steps_kept": int(len(sd)), "first_step": int(sd["step"].iloc[0]), "fail_step": int(fail_step)}
-    series = {"step": [int(s) for s in sd["step"]]}
+    series: dict[str, list[Any]] = {"step": [int(s) for s in sd["step"]]}
     for c in ("loss", "grad_norm", "scale", "skipped", "lr"):
         series[c] = [_num(v) for v in sd[c]]
     out["series"] = series

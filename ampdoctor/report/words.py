@@ -11,6 +11,7 @@ Evidence keys that start with ``_`` are facts for these words only; ``write`` dr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -531,10 +532,10 @@ def history_title(ev: Mapping[str, Any]) -> str:
     layer = ev.get("layer")
     if not layer:
         return f"Before the failure: {kept} kept by the lookback ring"
-    h0, h1 = ev.get("headroom_first"), ev.get("headroom_last")
+    h0, h1 = ev.get("headroom_first", math.nan), ev.get("headroom_last", math.nan)
     cross = (f", and reached 0 at step {ev['crossed_step']}" if ev.get("crossed_step") is not None
              else ", and never reached 0 in the kept steps")
-    return (f"Before the failure, over {kept}: {layer}'s FP16 headroom went from {fixed(h0, 1)} to {fixed(h1, 1)} "
+    return (f"Before the failure, over {kept}: {layer}'s FP16 headroom went from {fixed(float(h0), 1)} to {fixed(float(h1), 1)} "
             f"binade(s){cross}")
 
 

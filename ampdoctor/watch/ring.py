@@ -158,20 +158,20 @@ class Ring:
             for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
                 v = vals[k: k + len(js)]
                 k += len(js)
-                m = np.where(js >= 0, pm[js], -1) if len(js) else js
-                ok = m >= 0
+                owner = np.where(js >= 0, pm[js], -1) if len(js) else js
+                ok = owner >= 0
                 if ok.any():
                     sq = np.zeros(len(self.names))
-                    np.add.at(sq, m[ok], v[ok] * v[ok])
+                    np.add.at(sq, owner[ok], v[ok] * v[ok])
                     got = np.zeros(len(self.names), dtype=bool)
-                    got[m[ok]] = True
+                    got[owner[ok]] = True
                     lay[got, col] = np.sqrt(sq[got])
             v = vals[k: k + len(vmin_j)]
-            m = np.where(vmin_j >= 0, pm[vmin_j], -1) if len(vmin_j) else vmin_j
-            ok = m >= 0
+            owner = np.where(vmin_j >= 0, pm[vmin_j], -1) if len(vmin_j) else vmin_j
+            ok = owner >= 0
             if ok.any():
                 lo = np.full(len(self.names), np.inf)
-                np.minimum.at(lo, m[ok], v[ok])
+                np.minimum.at(lo, owner[ok], v[ok])
                 got = np.isfinite(lo)
                 lay[got, _VMIN] = lo[got]
 
