@@ -317,7 +317,7 @@ class Lookback:
         msg = forecast_message(fc, forward_overflow_fixes(fc.layer, self.device), more=len(fcs) - 1)
         say(msg, quiet=self.quiet, warned=not self.quiet)
         if not self.quiet:
-            warn_user(msg.split("\n")[0], ForecastWarning)
+            warn_user(msg, ForecastWarning)
 
     def _spike(self, step: int, loss: float, grad_norm: float, skipped: bool) -> Spike | None:
         """A finite loss or gradient norm far above the window of applied steps before it (skips are GradScaler's)."""

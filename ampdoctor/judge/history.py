@@ -242,13 +242,14 @@ def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fm
     ld = layers_df[layers_df["step"] <= fail_step] if layers_df is not None and len(layers_df) else None
     if ld is not None and len(ld):
         head = ld.pivot_table(index="step", columns="layer", values="headroom", aggfunc="min").sort_index()
+        head = head.dropna(axis=1, how="all")  # (no activations recorded: no headroom, the other figures still tell)
         layer = culprit if culprit in head.columns else None
         if layer is None and culprit:
             # the verdict may name an op inside the layer ('logits > matmul op') or a parent: the closest layer
             base = culprit.split(" > ")[0]
             cands = [c for c in head.columns if c == base or base.startswith(c + ".") or c.startswith(base + ".")]
             layer = max(cands, key=len) if cands else None
-        if layer is None:
+        if layer is None and len(head) and len(head.columns):
             last = head.iloc[-1].replace([np.inf], np.nan)
             layer = str(last.idxmin()) if last.notna().any() else None
         if layer is not None:
