@@ -121,6 +121,8 @@ class _Plan:
     """Plain SGD (no momentum): positions among the parameters with gradients (the update is lr x the gradient)."""
     plain_j: np.ndarray
     plain_group: np.ndarray
+    plain_dev: torch.Tensor | None
+    """``plain_pos`` on the device (made once)."""
     first: dict[int, torch.nn.Parameter]
     """Per group, its first parameter with Adam state (its step count gives the group's bias correction)."""
     probe: tuple[torch.nn.Parameter, torch.Tensor] | None
@@ -131,9 +133,10 @@ class RingFigures:
     """Per-parameter ring figures for ``params`` (the recipe's, in its order).
 
     Called with the parameters that have a gradient and their norms (on the device), it returns
-    ``(layout, values)``: ``layout`` is ``(grad_j, update_j, vmin_j)``, the indices into ``params`` of each part
-    of ``values`` (gradient norms, update norms, Adam's smallest ``exp_avg_sq``), which the recipe queues whole
-    into the step's host copy (``Hooks.add_tail``)."""
+    ``(layout, values)``: ``layout`` is ``(grad_j, update_j, vmin_j, update_factor)``, the indices into ``params``
+    of each part of ``values`` (gradient norms, update norms before their learning rate and bias correction,
+    Adam's smallest ``exp_avg_sq``) and the host factors of the update norms; the recipe queues ``values``
+    whole into the step's host copy (``Hooks.add_tail``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter], every: int = 1) -> None:
         self.optimizer = optimizer
@@ -189,7 +192,8 @@ class RingFigures:
             ae = [float(g.get("eps", 1e-8)) for g in opt.param_groups]
         return _Plan(key, js, am, av, np.array(aj, dtype=np.int64), np.array(ag, dtype=np.int64), ae, adam_chunks(am, av, ag, norms_dev), sg,
                      np.array(sj, dtype=np.int64), np.array(sgi, dtype=np.int64),
-                     np.array(pp, dtype=np.int64), np.array(pj, dtype=np.int64), np.array(pg, dtype=np.int64), first, probe)
+                     np.array(pp, dtype=np.int64), np.array(pj, dtype=np.int64), np.array(pg, dtype=np.int64),
+                     torch.tensor(pp, dtype=torch.int64, device=norms_dev) if pp else None, first, probe)
 
     def _factors(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
         """Per group: Adam's lr x bias correction (from its first Adam parameter's step count), and the lr."""
@@ -222,28 +226,34 @@ class RingFigures:
             plan = self._plan = self._make_plan(with_grad, key, dev)
         parts = [norms.reshape(-1).to(torch.float64)]
         upd_j: list[np.ndarray] = []
+        factor: list[np.ndarray] = []
         vmin_j = plan.adam_j
         self._calls += 1
         if opt is not None and (plan.adam_m or plan.sgd or len(plan.plain_j)) and (self._calls - 1) % self.every == 0:
+            # the learning rates and bias corrections are host numbers: they multiply the norms on the host, after
+            # the copy (a host tensor sent to the device would be a copy that waits for the stream)
             adam_f, lrs = self._factors(plan)
             vmin = None
             if plan.adam_m:
                 un, vmin = adam_figures(len(plan.adam_m), plan.chunks, plan.adam_eps, dev)
-                parts.append(un * torch.from_numpy(adam_f[plan.adam_group]).to(dev))
+                parts.append(un)
                 upd_j.append(plan.adam_j)
+                factor.append(adam_f[plan.adam_group])
             if plan.sgd:
-                sn = torch.stack([n.to(dev) for n in torch._foreach_norm(plan.sgd)]).to(torch.float64)
-                parts.append(sn * torch.from_numpy(lrs[plan.sgd_group]).to(dev))
+                parts.append(torch.stack([n.to(dev) for n in torch._foreach_norm(plan.sgd)]).to(torch.float64))
                 upd_j.append(plan.sgd_j)
-            if len(plan.plain_j):
-                flat = norms.reshape(-1).to(torch.float64)
-                parts.append(flat[torch.from_numpy(plan.plain_pos).to(dev)] * torch.from_numpy(lrs[plan.plain_group]).to(dev))
+                factor.append(lrs[plan.sgd_group])
+            if plan.plain_dev is not None:
+                parts.append(norms.reshape(-1).to(torch.float64)[plan.plain_dev])
                 upd_j.append(plan.plain_j)
+                factor.append(lrs[plan.plain_group])
             if vmin is not None:
                 parts.append(vmin)
         else:
             vmin_j = np.zeros(0, dtype=np.int64)
-        layout = (plan.grad_j, np.concatenate(upd_j) if upd_j else np.zeros(0, dtype=np.int64), vmin_j)
+        empty = np.zeros(0, dtype=np.int64)
+        layout = (plan.grad_j, np.concatenate(upd_j) if upd_j else empty, vmin_j,
+                  np.concatenate(factor) if factor else np.zeros(0))
         return layout, torch.cat(parts)
 
 

@@ -152,11 +152,13 @@ class Ring:
                 row[_S["input_numel"]] = float(sum(r[Col.NUMEL] for r in ins))
                 row[_S["input_absmax"]] = float(max(r[Col.ABSMAX] for r in ins))
         if st.tail is not None and self._param_modules is not None:
-            (grad_j, upd_j, vmin_j), vals = st.tail
+            (grad_j, upd_j, vmin_j, factor), vals = st.tail
             pm = self._param_modules
             k = 0
             for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
                 v = vals[k: k + len(js)]
+                if col == _UNORM and len(js):
+                    v = v * factor  # the learning rate and bias correction, host numbers (engine.ring.RingFigures)
                 k += len(js)
                 owner = np.where(js >= 0, pm[js], -1) if len(js) else js
                 ok = owner >= 0
