@@ -112,3 +112,18 @@ def gen(x: float) -> str:
 def fixed(x: float, digits: int = 2) -> str:
     """A number with a fixed number of decimals: 0.73."""
     return f"{x:.{digits}f}"
+
+
+def sentences(parts: list[str]) -> str:
+    """Clauses as sentences: each starts with a capital and ends with a full stop ('the scale fell' →
+    'The scale fell.'); a clause that starts with code or a name (``init_scale=``) keeps its case."""
+    out = []
+    for p in parts:
+        p = p.strip()
+        if not p:
+            continue
+        head = p.split(" ", 1)[0]
+        if head.isalpha() and head.islower():
+            p = p[0].upper() + p[1:]
+        out.append(p if p.endswith((".", "!", "?")) else p + ".")
+    return " ".join(out)

@@ -147,6 +147,42 @@ class StageError:
 
 
 @dataclass
+class UserHook:
+    """A gradient or tensor hook the user's code put on the model (``watch.userhooks.found``), by name."""
+
+    kind: str
+    """'gradient hook' | 'post-accumulate-grad hook' | 'full backward hook' | 'backward pre-hook'"""
+    target: str
+    """'parameter' | 'module'"""
+    name: str
+    """The parameter's or module's qualified name."""
+    hook: str
+    """The hook function's qualified name ('spec.build_model.<locals>.<lambda>')."""
+    where: str = ""
+    """'file.py:line' of its definition, when known."""
+    ops: list[str] = field(default_factory=list)
+    """Operations its source names that rewrite values (nan_to_num, clamp...)."""
+
+    def describe(self) -> str:
+        """'gradient hook <lambda> (spec.py:12, nan_to_num) on parameter fc1.weight'."""
+        short = self.hook.rsplit(".", 1)[-1] if self.hook else "?"
+        detail = ", ".join([x for x in [self.where, *self.ops] if x])
+        return f"{self.kind} {short}" + (f" ({detail})" if detail else "") + f" on {self.target} {self.name}"
+
+    def as_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "target": self.target, "name": self.name, "hook": self.hook, "where": self.where,
+                "ops": list(self.ops)}
+
+    @classmethod
+    def from_json(cls, d: object) -> UserHook | None:
+        if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("kind", "target", "name", "hook")):
+            return None
+        ops = d.get("ops")
+        return cls(d["kind"], d["target"], d["name"], d["hook"], str(d.get("where") or ""),
+                   [str(o) for o in ops] if isinstance(ops, list) else [])
+
+
+@dataclass
 class StageResult:
     name: str
     records: list[StepRecord] = field(default_factory=list)
@@ -159,6 +195,17 @@ class StageResult:
     snapshot: dict[str, torch.Tensor] | None = None
     """FP32 weights before the first faulty step (target stage only), for the FP32 re-check."""
     snapshot_step: int | None = None
+    applied_snapshot: dict[str, torch.Tensor] | None = None
+    """FP32 weights before the first step applied with a non-finite or exploding gradient norm (target stage only):
+    a replay of that step without the user's gradient hooks tells whether they hid an overflow from GradScaler."""
+    applied_step: int | None = None
+    hook_inputs_nonfinite: dict[int, list[str]] = field(default_factory=dict)
+    """Step → the parameters / modules whose gradient was already non-finite when a user's gradient hook was handed
+    it (``watch.userhooks.Probe``; target stage of a model with hooks)."""
+    applied_rng: torch.Tensor | None = None
+    """The torch RNG state as that step began (its replay draws the same dropout)."""
+    weight_decay: dict[str, float] = field(default_factory=dict)
+    """Parameter → its optimizer group's weight decay, where it is not 0 (decay moves a weight, learning or not)."""
     moved: dict[str, float] = field(default_factory=dict)
     """‖w_end − w_0‖ per parameter over the steps run (the weights the optimizer stepped)."""
 

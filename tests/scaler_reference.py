@@ -137,11 +137,17 @@ class ScaleDiagnosis:
 
 
 def pow2(x: float) -> str:
-    """2**k for exact powers of two, else the number."""
+    """2^k for exact powers of two, else the number."""
     if x <= 0 or not math.isfinite(x):
         return repr(x)
     k = math.log2(x)
-    return f"2**{int(k)}" if k == int(k) else f"{x:g}"
+    return f"2^{int(k)}" if k == int(k) else f"{x:g}"
+
+
+def setting(x: float) -> str:
+    """A scale as a setting: the number, with its power of two."""
+    p = pow2(x)
+    return f"{x:g}" + (f" ({p})" if p.startswith("2^") and p != f"{x:g}" else "")
 
 
 _pow2 = pow2  # older name
@@ -254,8 +260,8 @@ def diagnose_scale(
             settings["backoff_factor"] = b
             lost = bo**longest_skip_run
             recs.append(
-                f"backoff_factor={b:g}: {why}; runs of up to {longest_skip_run} consecutive skip(s) cut the scale "
-                f"to {lost:.3g}x with {bo:g}, {b**longest_skip_run:.3g}x with {b:g}"
+                f"backoff_factor={b:g}: {why}; a run of {longest_skip_run} consecutive skips cuts the scale "
+                f"to {lost:.3g} times itself with {bo:g}, to {b**longest_skip_run:.3g} times with {b:g}"
             )
 
     if smin < 1.0 or not applied or (sc[-1] <= smin and fell >= COLLAPSE_BINADES and tail_rate >= 0.5):
@@ -267,8 +273,9 @@ def diagnose_scale(
             parts.append("and no step was ever applied")
         else:
             parts.append(f"and {tail_rate:.0%} of the last {len(tail)} steps were skipped")
-        expl = (", ".join(parts) + ": the gradients overflow FP16 even unscaled; only a scale below 1 fits them, "
-                "so FP16 has no headroom for them and every growth overflows again")
+        expl = (", ".join(parts) + ": steps overflow whatever the scale, so either the gradients overflow FP16 even "
+                "unscaled (only a scale below 1 fits them, and every growth overflows again) or the forward pass is "
+                "non-finite, which no loss scale changes")
         recs.append("use bf16 autocast (no scaler needed) if the device supports it")
         recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
         if longest_skip_run >= 2:
@@ -299,18 +306,18 @@ def diagnose_scale(
         held = floor_pow2(min(sc[i] for i in recent) * bo)
         if abs(held - init) > 1e-9 * init:
             settings["init_scale"] = held
-            recs.append(f"init_scale={pow2(held)}: the scale that held between the last {len(recent)} overflows")
+            recs.append(f"init_scale={setting(held)}: the scale that held between the last {len(recent)} overflows")
         backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
     elif final >= SATURATION and (later_i or not growth_i or final >= CEILING):
         pattern = "saturated"
         expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
         if final >= CEILING:
-            expl += "; at 2**24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
+            expl += "; at 2^24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
         plateau = floor_pow2(max(safe) if safe else final)
         if plateau > init * 1.0001:
             first = next(i for i in range(n) if sc[i] >= plateau)
             settings["init_scale"] = plateau
-            recs.append(f"init_scale={pow2(plateau)} starts at the plateau this run reached at step {st[first]}")
+            recs.append(f"init_scale={setting(plateau)} starts at the plateau this run reached at step {st[first]}")
         if later_i:
             gaps = _clean_runs_between(later_i, n, sk) or [gi]
             new_gi = _nice(2 * max(gi, int(statistics.median(gaps))))
@@ -325,7 +332,7 @@ def diagnose_scale(
         )
         if floor_pow2(final) > init * 1.0001:
             settings["init_scale"] = floor_pow2(final)
-            recs.append(f"init_scale={pow2(floor_pow2(final))} starts where this run got after {n} steps")
+            recs.append(f"init_scale={setting(floor_pow2(final))} starts where this run got after {n} steps")
         if k >= 2 and gi > 1:
             new_gi = max(1, gi // 2)
             settings["growth_interval"] = new_gi
@@ -344,7 +351,7 @@ def diagnose_scale(
 
     if calib_i and pattern != "collapsed" and "init_scale" not in settings:
         settings["init_scale"] = settled
-        recs.insert(0, f"init_scale={pow2(settled)} skips the {len(calib_i)} calibration step(s)")
+        recs.insert(0, f"init_scale={setting(settled)} skips the {len(calib_i)} calibration step(s)")
     if later_i and pattern in ("stable", "calibrating"):
         recs.append(f"isolated skips at steps {', '.join(str(st[i]) for i in later_i[:10])}: check those batches")
     return ScaleDiagnosis(

@@ -22,14 +22,15 @@ sys.path.insert(0, str(ROOT / "sample_models"))
 import late_overflow  # noqa: E402
 
 
-def train_until_capture(folder: Path, steps: int = 400, snapshot_every: int = 100) -> tuple[int, list[int]]:
+def train_until_capture(folder: Path, steps: int = 400, snapshot_every: int = 100,
+                        log: Path | None = None) -> tuple[int, list[int]]:
     """The sample's own loop; returns the captured step and every step the Monitor skipped."""
     model = late_overflow.build_model()
     opt = late_overflow.build_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu")
     data = late_overflow.build_dataloader()
     captured, skipped = -1, []
-    with Monitor(model, opt, scaler, capture=folder, snapshot_every=snapshot_every, activations=False) as mon:
+    with Monitor(model, opt, scaler, capture=folder, snapshot_every=snapshot_every, activations=False, log=log) as mon:
         for step in range(steps):
             x, y = data[step % len(data)]
             with mon.autocast():
@@ -46,7 +47,7 @@ def train_until_capture(folder: Path, steps: int = 400, snapshot_every: int = 10
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     folder = tmp_path_factory.mktemp("run") / "cap"
-    step, skipped = train_until_capture(folder)
+    step, skipped = train_until_capture(folder, log=folder.parent / "steps.csv")
     assert step > 100, f"the sample must train cleanly for over 100 steps (failed at {step})"
     assert skipped == [step], "the first skip is the failing step: nothing before it"
     return folder, step
@@ -58,6 +59,7 @@ def test_capture_holds_the_state_before_the_failing_step(capture: tuple[Path, in
     assert (m["step"], m["reason"], m["skipped"], m["precision"]) == (step, "nonfinite_loss", True, "amp")
     assert m["scale"] == 65536.0 and m["snapshot_step"] == 100 and m["batch_steps"][-1] == step
     assert m["batch_steps"] == list(range(100, step + 1))
+    assert m["step_log"] == str(folder.parent / "steps.csv")  # where `ampdoctor scaler` reads the run's history
     for name in ("state.pt", "snapshot.pt", "batches.pt", "rng.pt"):
         torch.load(folder / name, weights_only=True)  # loads without trusting pickles
     cap = read_capture(folder)
@@ -81,6 +83,8 @@ def test_triage_from_the_capture_names_cause_module_and_the_runs_step(capture: t
     amp = next(s for s in report.stages if s.name == "amp")
     assert amp.skipped_steps == [step] and amp.scales == [65536.0]
     assert report.layers[0].module == "logits > matmul" and report.layers[0].absmax_fp32 > 65504
+    # the scale history of the run is in the step log it kept, named as the Monitor was given it
+    assert report.scaler is not None and f"`ampdoctor scaler {folder.parent / 'steps.csv'}`" in report.scaler.explanation
 
 
 def test_the_replay_says_the_runs_own_step_in_every_sentence(capture: tuple[Path, int]) -> None:
@@ -101,11 +105,28 @@ def test_cli_from_capture_without_a_dataloader(capture: tuple[Path, int], tmp_pa
     assert res.output.strip() == f"fp16_forward_overflow module=logits step={step} stage=amp"
 
 
+def _capture_step_one(folder: Path) -> int:
+    """A tiny AMP loop whose second step's loss overflows FP16 (x 1e5 squared): the captured step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Monitor(model, opt, torch.amp.GradScaler("cpu"), capture=folder, activations=False) as mon:
+        for step in range(3):
+            x = torch.ones(8, 4) * (1e5 if step == 1 else 1.0)
+            with mon.autocast():
+                loss = model(x).pow(2).mean()
+            if mon.step(loss, batch=(x,)).capture:
+                return step
+    return -1
+
+
 def test_an_existing_capture_is_never_overwritten(tmp_path: Path) -> None:
     first = tmp_path / "cap"
-    train_until_capture(first, steps=400)
-    again, _ = train_until_capture(first, steps=400)
-    assert (tmp_path / "cap-1" / "manifest.json").exists() and again > 0
+    assert _capture_step_one(first) == 1
+    before = (first / "manifest.json").read_bytes()
+    assert _capture_step_one(first) == 1  # the same failure again: a second folder beside the first
+    assert (first / "manifest.json").read_bytes() == before
+    assert json.loads((tmp_path / "cap-1" / "manifest.json").read_text())["step"] == 1
 
 
 def test_replay_of_a_transient_says_not_reproduced(capture: tuple[Path, int], tmp_path: Path) -> None:

@@ -131,3 +131,23 @@ def test_the_capture_holds_no_more_than_its_budget_and_still_re_reaches_the_step
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
     rep = json.loads(r.stdout)
     assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 57), r.output[-2000:]
+
+
+def test_every_micro_batch_is_the_models_input(tmp_path: Path) -> None:
+    """Accumulated micro-batches are each the model's input: a NaN in the first one (not the last) is an input
+    the rank exchange names ``input``, read first by the module that reads the batch."""
+    from ampdoctor.judge import locate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt, log=None)
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    x1[0, 0] = float("nan")
+    for x in (x1, x2):
+        mon.backward(model(x).pow(2).mean() / 2)
+    rec = mon.step()
+    mon.close()
+    st = rec.stats
+    assert st is not None and len(st.model_inputs) == 2
+    assert locate.first_consumer_of_inputs(st) == "0"

@@ -142,7 +142,7 @@ def test_trainer_under_torchrun_names_the_rank_with_the_bad_sample(tmp_path: Pat
     firsts = set()
     for rank in (0, 1):
         f = read_step_log(out / f"steps.rank{rank}.csv").frame
-        assert f["step"].tolist() == list(range(12))  # one row per Trainer optimizer step
+        assert f["step"].tolist() == list(range(1, 13))  # one row per Trainer optimizer step, numbered as the Trainer does
         bad = f[f["ranks"].fillna("").astype(str) != ""]
         step = int(bad["step"].iloc[0])
         seen = parse_column(str(bad["ranks"].iloc[0]))

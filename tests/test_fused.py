@@ -138,3 +138,14 @@ def test_fused_with_a_power_of_two_scale_equals_eager(data: st.DataObject) -> No
         t = torch.where((t.abs() * scale < 2.0 ** -126) & (t != 0), torch.zeros_like(t), t)
         ts.append(t)
     _same(scaled_stats(ts, fmt, scale), eager_stats(ts, fmt, scale))
+
+
+def test_the_kernel_is_built_from_its_shipped_source() -> None:
+    from pathlib import Path
+
+    import tomllib
+
+    assert fused.SOURCE.is_file() and fused.SOURCE.parent.name == "csrc"
+    assert "PYBIND11_MODULE" in fused.SOURCE.read_text(encoding="utf-8")
+    data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "watch/csrc/*.cpp" in data["tool"]["setuptools"]["package-data"]["ampdoctor"]

@@ -58,3 +58,66 @@ def test_output_loss_and_inner_optimizer() -> None:
             self.optimizer = inner
 
     assert inner_optimizer(Wrapper(opt)) is opt and inner_optimizer(opt) is opt and inner_optimizer(None) is None
+
+
+def test_clip_observer_reads_the_return_value_and_leaves_the_call_alone(tmp_path: object) -> None:
+    import warnings
+
+    from ampdoctor.integrations._attach import Attached, ClipObserver
+
+    original = torch.nn.utils.clip_grad_norm_
+    torch.manual_seed(0)
+    model, other = nn.Linear(4, 3), nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = Attached(model, opt, None, amp_dtype=None, first_step=0, log=None, capture=None, loss_from_output=False,
+                 monitor_kwargs={"quiet": True})
+    assert torch.nn.utils.clip_grad_norm_ is not original and torch.nn.utils.clip_grad_norm_.__wrapped__ is original  # type: ignore[attr-defined]
+    recs, norms = [], []
+    for k in range(3):
+        loss = (model(torch.ones(2, 4) * (1 + 10 * k))).pow(2).sum()
+        loss.backward()
+        other(torch.ones(2, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)  # another model's clip: not this step's
+        want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        got = torch.nn.utils.clip_grad_norm_((p for p in model.parameters()), float("inf"))  # a generator, as Lightning passes
+        assert torch.equal(got, want)  # the caller's own result, untouched
+        norms.append(float(got))
+        a.monitor.note_loss(loss.detach())
+        a.before_optimizer_step()
+        opt.step()
+        recs.append(a.after_optimizer_step(applied=True))
+        opt.zero_grad()
+        other.zero_grad()
+    for r, want_norm in zip(recs, norms, strict=True):  # a clip to inf (the Trainer's with max_grad_norm=0): the same norm twice
+        assert r is not None and r.grad_l2_pre_clip == want_norm and abs(r.grad_l2_post_clip - want_norm) < 1e-5 * want_norm
+    loss = model(torch.ones(2, 4) * 50).pow(2).sum()
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+    a.monitor.note_loss(loss.detach())
+    a.before_optimizer_step()
+    r = a.after_optimizer_step(applied=True)
+    assert r is not None and r.grad_l2_pre_clip == float(total) > 1.0 and abs(r.grad_l2_post_clip - 1.0) < 1e-5
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)  # an empty generator still warns, as torch does
+    assert any("empty generator" in str(x.message) for x in w)
+    a.close()
+    assert torch.nn.utils.clip_grad_norm_ is original  # restored with the last monitor
+    ClipObserver.remove(lambda p, t: None)  # removing what was never added is nothing
+    assert torch.nn.utils.clip_grad_norm_ is original
+
+
+def test_clip_grad_norm_signature_errors_are_the_callers() -> None:
+    from ampdoctor.integrations._attach import ClipObserver
+
+    seen: list[object] = []
+    ClipObserver.add(lambda p, t: seen.append(t))
+    try:
+        import pytest
+
+        with pytest.raises(TypeError):
+            torch.nn.utils.clip_grad_norm_(nn.Linear(2, 2).parameters())  # max_norm missing: torch's own error
+        assert seen == []
+    finally:
+        ClipObserver._listeners.clear()
+        ClipObserver.remove(lambda p, t: None)

@@ -70,8 +70,8 @@ def _data(bad_step: int | None = None, n: int = 64) -> torch.utils.data.DataLoad
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8)
 
 
-def _trainer(cb: AmpDoctorCallback, **kw: object) -> L.Trainer:
-    args: dict[str, object] = dict(accelerator="cpu", max_steps=8, callbacks=[cb], logger=False, enable_checkpointing=False,
+def _trainer(cb: AmpDoctorCallback | None, **kw: object) -> L.Trainer:
+    args: dict[str, object] = dict(accelerator="cpu", max_steps=8, callbacks=[cb] if cb is not None else [], logger=False, enable_checkpointing=False,
                                    enable_progress_bar=False, enable_model_summary=False)
     args.update(kw)
     return L.Trainer(**args)
@@ -156,3 +156,118 @@ def test_fused_adamw_with_and_without_the_callback_ends_bit_identical(tmp_path: 
     assert all(torch.equal(a, b) for a, b in zip(bare, seen, strict=True))
     log = read_step_log(tmp_path / "steps1.csv").frame.set_index("step")
     assert log["skipped"].sum() == 1 and log.loc[3, "skip_reason"] == "nonfinite_loss"
+
+
+def _logged(net: object) -> object:
+    """The module, its training_step also logging the loss (what a CSVLogger writes, at Lightning's step)."""
+    plain = net.training_step  # type: ignore[attr-defined]
+
+    def training_step(batch: object, batch_idx: int) -> torch.Tensor:
+        loss = plain(batch, batch_idx)
+        net.log("train_loss", loss, on_step=True, on_epoch=False)  # type: ignore[attr-defined]
+        return loss  # type: ignore[no-any-return]
+
+    net.training_step = training_step  # type: ignore[attr-defined]
+    return net
+
+
+def _big_data(n: int = 64) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+    xs[n // 2:] *= 6.0  # gradient norms of 3 to 5 in the last four batches, below 1 in the first four
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8)
+
+
+def test_gradient_clip_val_logs_the_norm_before_and_after_lightnings_clip_at_csvloggers_steps(tmp_path: Path) -> None:
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger
+
+    net = _logged(_module(tmp_path)[0])
+    before: dict[int, float] = {}
+
+    class Probe(L.Callback):  # type: ignore[misc]
+        """Lightning's own hook before its clip: the norm its clip_grad_norm_ is about to compute."""
+
+        def on_before_optimizer_step(self, trainer: object, pl_module: object, optimizer: torch.optim.Optimizer) -> None:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            before[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))  # type: ignore[attr-defined]
+
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    tr = _trainer(cb, plugins=[plugin], gradient_clip_val=1.0, callbacks=[Probe(), cb], log_every_n_steps=1,
+                  logger=CSVLogger(str(tmp_path), name="csv", version=0))
+    tr.fit(net, _big_data())
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    theirs = pd.read_csv(tmp_path / "csv" / "version_0" / "metrics.csv").dropna(subset=["train_loss"]).set_index("step")
+    # the step numbers are the CSVLogger's, step for step, and so are the losses
+    assert log.index.tolist() == theirs.index.tolist() == sorted(before) == list(range(8))
+    assert set(log["step_convention"]) == {"lightning_global_step"}
+    assert np.allclose(log["loss"].to_numpy(), theirs["train_loss"].to_numpy(), rtol=1e-6)
+    # pre-clip: the norm Lightning's clip_grad_norm_ returned (bit for bit the norm before it); post-clip: after it
+    pre, post = log["grad_l2_pre_clip"].to_numpy(), log["grad_l2_post_clip"].to_numpy()
+    assert pre.tolist() == [before[s] for s in log.index]
+    assert (pre > 1.0).sum() >= 2 and (pre < 1.0).sum() >= 1, pre  # clipped steps and an unclipped one
+    assert np.allclose(post, np.minimum(pre, 1.0), rtol=1e-5) and (post < pre).sum() == (pre > 1.0).sum()
+    assert "_clip_gradients" not in vars(tr.precision_plugin)  # unwrapped at the end of training
+
+
+def test_clipping_with_and_without_the_callback_ends_bit_identical(tmp_path: Path) -> None:
+    """gradient_clip_val: the callback measures after Lightning's clip and reads its clip_grad_norm_'s return value;
+    the weights and the scaler end as without it (a NaN step included)."""
+
+    def run(with_cb: bool) -> tuple[list[torch.Tensor], dict[str, object]]:
+        net, _ = _module(tmp_path)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        cbs = [AmpDoctorCallback(log=tmp_path / f"clip{int(with_cb)}.csv", capture=tmp_path / "clipcap")] if with_cb else []
+        L.seed_everything(0, verbose=False)
+        _trainer(None, callbacks=cbs, plugins=[plugin], gradient_clip_val=0.5).fit(net, _data(bad_step=3))  # type: ignore[arg-type]
+        return [p.detach().clone() for p in net.parameters()], dict(plugin.scaler.state_dict())  # type: ignore[attr-defined,union-attr]
+
+    (bare, s0), (seen, s1) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(bare, seen, strict=True)) and s0 == s1
+    log = read_step_log(tmp_path / "clip1.csv").frame.set_index("step")
+    assert log.loc[3, "skip_reason"] == "nonfinite_loss" and log["skipped"].sum() == 1
+    ok = log[~log["skipped"].astype(bool)]
+    assert (ok["grad_l2_post_clip"] < ok["grad_l2_pre_clip"]).any() and (ok["grad_l2_post_clip"] <= 0.5 + 1e-5).all()
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # the observer is gone with the monitor
+
+
+DATA_SPEC = '''
+from tests.test_integration_lightning import _data
+
+def build_dataloader():
+    return _data(bad_step=5)
+'''
+
+
+def test_a_lightning_run_replays_without_a_spec_from_its_capture_and_its_ckpt(tmp_path: Path) -> None:
+    """No build_model, no loss_fn, no build_optimizer: the LightningModule from its import path and hparams, its
+    training_step as the loss, and (from the .ckpt) its configure_optimizers' two groups."""
+    from tests.lightning_models import LitNet
+
+    class Save(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            if trainer.global_step == 5:  # after the steps 0-4: the next step is the CSVLogger's step 5
+                trainer.save_checkpoint(tmp_path / "step5.ckpt")
+
+    cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", quiet=True)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    _trainer(cb, plugins=[plugin], callbacks=[cb, Save()]).fit(LitNet(hidden=24), _data(bad_step=5))
+    r = CliRunner().invoke(app, ["triage", "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 5), r.output
+    assert any("LightningModule LitNet(hidden, lr) from tests.lightning_models.LitNet" in n and "training_step" in n
+               for n in rep["notes"]), rep["notes"]
+    # the .ckpt: AmpDoctorCallback's state names the class; the hparams are Lightning's own hyper_parameters
+    ck = torch.load(tmp_path / "step5.ckpt", weights_only=True)
+    assert ck["callbacks"]["AmpDoctorCallback"]["model_identity"]["class"] == "tests.lightning_models.LitNet"
+    spec = tmp_path / "data.py"
+    spec.write_text(DATA_SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--checkpoint", str(tmp_path / "step5.ckpt"), "--skip-batches", "5",
+                                 "--steps", "2", "--json", "-", "-q"])
+    rep = json.loads(r.stdout)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 5), r.output
+    notes = " | ".join(rep["notes"])
+    assert "LitNet(hidden, lr)" in notes and "hparams step5.ckpt (AmpDoctorCallback's state) recorded" in notes, notes
+    assert "2 parameter group(s) ([3, 3]) come from LitNet.configure_optimizers()" in notes, notes
+    assert "LitNet.training_step" in notes, notes

@@ -77,13 +77,23 @@ def _trainer(tmp: Path, cb: AmpDoctorCallback, **args: object) -> Trainer:
 
 def test_fp16_gradscaler_skip_is_logged_with_its_module_and_captured(tmp_path: Path) -> None:
     cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=5, inject_param=f"{QUERY}.weight")
-    tr = _trainer(tmp_path, cb, fp16=True, eval_strategy="steps", eval_steps=3)  # an evaluation mid-run stays out
+    tr = _trainer(tmp_path, cb, fp16=True, eval_strategy="steps", eval_steps=3,  # an evaluation mid-run stays out
+                  max_grad_norm=0.25)  # (its norms are 0.17 to 0.46: some steps are clipped)
     tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what accelerate makes on a GPU
     tr.accelerator.native_amp = True
     tr.train()
     log = read_step_log(tmp_path / "steps.csv").frame
-    # one row per optimizer step of the Trainer, numbered as its global_step counts them
-    assert log["step"].tolist() == list(range(tr.state.global_step)) == list(range(8))
+    # one row per optimizer step of the Trainer, numbered as it numbers them: its global_step after the step
+    assert log["step"].tolist() == list(range(1, tr.state.global_step + 1)) == list(range(1, 9))
+    assert set(log["step_convention"]) == {"trainer_global_step"}
+    theirs_at = {h["step"]: h for h in tr.state.log_history if "loss" in h}
+    assert sorted(theirs_at) == log["step"].tolist()
+    # pre-clip: the very norm the Trainer's clip returned and logged as grad_norm; post-clip: after its clip to 1.0
+    ok = log[~log["skipped"].astype(bool)].set_index("step")
+    assert [ok.loc[s, "grad_l2_pre_clip"] for s in ok.index] == [theirs_at[s]["grad_norm"] for s in ok.index]
+    assert (ok["grad_l2_pre_clip"] > 0.25).any() and (ok["grad_l2_pre_clip"] < 0.25).any()  # the Trainer clipped some ...
+    pre, post = ok["grad_l2_pre_clip"].to_numpy(), ok["grad_l2_post_clip"].to_numpy()
+    assert np.allclose(post, np.minimum(pre, 0.25), rtol=1e-5)  # ... to min(norm, 0.25): torch's clip_coef
     row = log.set_index("step").loc[5]
     assert bool(row["skipped"]) and row["skip_reason"] == f"nonfinite_grad:{QUERY}"
     assert (row["scaler_scale"], float(row["scale_after"])) == (1024.0, 512.0)
@@ -128,7 +138,7 @@ def test_callback_leaves_nothing_on_the_model(tmp_path: Path) -> None:
     cb = AmpDoctorCallback(log=None)
     tr = _trainer(tmp_path, cb, max_steps=2)
     tr.train()
-    assert cb.monitor is not None and cb.monitor.step_num == 2
+    assert cb.monitor is not None and cb.monitor.step_num == 3  # the next row would be the Trainer's step 3
     assert not torch.nn.modules.module._global_forward_hooks  # the monitor's and the tap's hooks are gone
 
 
@@ -153,7 +163,7 @@ def test_gradient_accumulation_rows_are_optimizer_steps_and_the_capture_replays(
     tr.accelerator.native_amp = True
     tr.train()
     log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
-    assert log.index.tolist() == [0, 1, 2, 3] and log.loc[2, "skip_reason"] == f"nonfinite_grad:{QUERY}"
+    assert log.index.tolist() == [1, 2, 3, 4] and log.loc[2, "skip_reason"] == f"nonfinite_grad:{QUERY}"
     theirs = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert np.allclose(log["loss"].to_numpy(), theirs, rtol=1e-3)  # the loss the Trainer logs for the step
     batches = torch.load(tmp_path / "cap" / "batches.pt", weights_only=True)
@@ -218,6 +228,10 @@ def test_fused_adamw_nan_loss_step_is_skipped_and_the_run_is_the_run_without_the
     m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert m["step"] == skipped[0] and m["skipped"] is True
     assert tr.optimizer.optimizer.defaults.get("fused") is True  # it ran fused
+    # the pre-clip norm was read from the Trainer's own clip (max_grad_norm=1.0) while the run stayed the same
+    theirs = {h["step"]: h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h}
+    ok = log[~log["skipped"].astype(bool)]
+    assert len(ok) == 5 and all(ok.loc[s, "grad_l2_pre_clip"] == theirs[s] for s in ok.index)
 
 
 def test_a_trainer_run_prints_its_first_failure_without_logging_setup(tmp_path: Path) -> None:
@@ -237,7 +251,7 @@ Trainer(model=t._Reg(), args=args, train_dataset=t._RegData(), callbacks=[AmpDoc
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     # bf16 on the CPU, no GradScaler: the Trainer applies the NaN step, and the callback says so, once
-    assert r.stderr.count("ampdoctor: step 0 failed: the loss is nan; the step was applied") == 1, r.stderr[-3000:]
+    assert r.stderr.count("ampdoctor: step 1 failed: the loss is nan; the step was applied") == 1, r.stderr[-3000:]
     assert r.stderr.count("the Trainer's own log hides it") == 1
 
 

@@ -109,7 +109,7 @@ def test_markdown_reader_can_tell_what_is_unsafe_where_and_what_to_do() -> None:
     assert "| [bf16](#bf16) | ✅ safe for this model as is | none needed | - |" in head
     fp16 = text.split("## fp16")[1].split("## bf16")[0]
     assert "- keep in higher precision (FP32, or autocast(enabled=False)):" in fp16
-    assert "  - blocks.1.attn: output overflow fp16" in fp16 and "GradScaler(init_scale=2\\*\\*9)" in fp16  # Markdown-escaped
+    assert "  - blocks.1.attn: output overflow fp16" in fp16 and "GradScaler(init_scale=512), 2^9," in fp16
     top = fp16.split("<details>")[0]
     assert top.index("❌ `blocks.1.attn`") < top.index("`blocks.0.mlp`"), "the top table is by severity"
     assert "<details><summary>All 14 tensors (fp16, worst first)</summary>" in fp16
@@ -167,7 +167,8 @@ def test_markdown_report_with_pngs_beside_it(spec: Path, tmp_path: Path) -> None
     md = tmp_path / "bug.md"
     code, text = invoke(str(spec), "--dtype", "fp16,bf16", "--steps", "2", "--report", str(md))
     assert code == 0, text
-    assert "fp16: not safe as is" in text and "big: output overflow fp16" in text and f"report written to {md}" in text
+    assert "fp16: not safe as is" in text and "big: output overflow fp16" in text
+    assert f"report written to {md}" in " ".join(text.split())  # (a long temporary path may wrap)
     assert max(len(line) for line in text.splitlines()) <= 100
     report = md.read_text()
     assert "| [fp16](#fp16) | ❌ not safe as is |" in report and "`big`" in report and "--steps 2" in report

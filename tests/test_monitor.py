@@ -303,3 +303,27 @@ def test_demo_runs_as_a_script(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "SKIP   5" in r.stdout
     assert read_step_log(tmp_path / "s.csv").skipped[5]
+
+
+def test_note_clip_logs_the_loops_own_pre_clip_norm_and_the_norm_after_its_clip() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, quiet=True)
+    loss = model(torch.full((3, 4), 30.0)).pow(2).mean()
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    mon.note_clip(total)
+    mon.after_backward(loss)
+    opt.step()
+    r = mon.after_step()
+    assert r.grad_l2_pre_clip == float(total) > 0.5 and r.grad_l2_post_clip == pytest.approx(0.5, rel=1e-5)
+    opt.zero_grad()
+    loss = model(torch.ones(3, 4)).pow(2).mean()  # no note this step: both are the norm after_backward sees
+    loss.backward()
+    mon.after_backward(loss)
+    r = mon.after_step()
+    assert r.grad_l2_pre_clip == r.grad_l2_post_clip
+    with pytest.raises(UsageError, match="one total norm"):
+        mon.note_clip(torch.ones(3))
+    mon.close()

@@ -3,9 +3,10 @@ optimizer groups, its RNG states restored, ``--skip-batches`` through epochs, an
 
 The Trainer test trains a tiny BERT (eager attention, the Trainer's default optimizer, fp16 with the
 ``torch.amp.GradScaler("cpu")`` accelerate would make on a GPU, as tests/test_integration_trainer.py does),
-injects an attention overflow by scaling layer 1's query and key weights by 1000 before step 120 (q·k then
-reaches about 2.4e5 in FP32, past FP16's 65504), and replays its capture and its checkpoint-130 with no
-``build_model``.
+injects an attention overflow by scaling layer 1's query and key weights by 1000 before the step the Trainer
+numbers 120 (its global_step after the step; q·k then reaches about 2.4e5 in FP32, past FP16's 65504), and
+replays its capture and its checkpoint-130 with no ``build_model``. checkpoint-130 is saved after the Trainer's
+step 130, so its replay's first step is the Trainer's step 131, which the step log numbers 131 too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ampdoctor.errors import SpecError
 from ampdoctor.input import rebuild
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore
+from ampdoctor.watch.steplog import read_step_log
 from tests.replay_models import Diffusion
 
 runner = CliRunner()
@@ -230,7 +232,7 @@ def test_a_trainer_runs_capture_and_checkpoint_replay_without_a_spec(tmp_path: P
 
     class Inject(TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
-            if state.global_step == 120:
+            if state.global_step == 119:  # the step the Trainer logs as 120
                 att = model.bert.encoder.layer[1].attention.self
                 with torch.no_grad():
                     att.query.weight.mul_(1000.0)
@@ -249,7 +251,10 @@ def test_a_trainer_runs_capture_and_checkpoint_replay_without_a_spec(tmp_path: P
     tr.accelerator.native_amp = True
     tr.train()
     m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
-    assert (m["step"], m["reason"]) == (120, "nonfinite_loss")
+    assert (m["step"], m["reason"], m["monitor"]["step_convention"]) == (120, "nonfinite_loss", "trainer_global_step")
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert log.index[0] == 1 and log.index[-1] == 131 and log.loc[120, "skip_reason"] == "nonfinite_loss"
+    assert bool(log.loc[119:, "skipped"].iloc[1:].all()) and not bool(log.loc[119, "skipped"])
     # the capture, no spec: the model from its config, the Trainer's two groups from the captured layout
     r = runner.invoke(app, ["triage", "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
     rep = json.loads(r.stdout)
@@ -266,7 +271,8 @@ def test_a_trainer_runs_capture_and_checkpoint_replay_without_a_spec(tmp_path: P
                             "--attn-implementation", "eager", "--json", "-", "-q"])
     rep = json.loads(r.stdout)
     v = rep["verdict"]
-    assert (v["cause"], v["first_module"], v["first_step"]) == ("fp16_forward_overflow", ATT, 130), r.output
+    assert (v["cause"], v["first_module"], v["first_step"]) == ("fp16_forward_overflow", ATT, 131), r.output
     assert any("weight-decay and no-decay groups" in n and "[17, 24]" in n for n in rep["notes"]), rep["notes"]
+    assert any("saved after the run's step 130, so the replay's first step is its step 131" in n for n in rep["notes"])
     assert rep["scaler"]["init_scale"] == float(torch.load(ck / "scaler.pt", weights_only=True)["scale"])  # not 2^16
     assert rep["config"]["rng_restored"] == ["torch", "numpy", "python"]

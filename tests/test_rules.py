@@ -17,7 +17,7 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import rules
 from ampdoctor.judge.opscan import NonfiniteOp
 from ampdoctor.judge.rules import Ctx, Recheck, diagnose, shift_diagnosis
-from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats
+from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats, UserHook
 from ampdoctor.report import words
 from ampdoctor.report.model import CAUSES
 
@@ -90,8 +90,10 @@ def no_recheck(stage: str, step: int) -> Recheck | None:
 
 
 def ctx(results: dict[str, StageResult], *, target: str = "amp", data: Batches | None = None,
-        recheck: Callable[[str, int], Recheck | None] = no_recheck, hooks: list[str] | None = None) -> Ctx:
-    return Ctx(results, data or batches(), TriageConfig(steps=N, target=target), recheck, "cpu", hooks)
+        recheck: Callable[[str, int], Recheck | None] = no_recheck, hooks: list[str] | None = None,
+        hook_list: list[UserHook] | None = None, hook_check: rules.HookCheckFn | None = None) -> Ctx:
+    return Ctx(results, data or batches(), TriageConfig(steps=N, target=target), recheck, "cpu", hooks,
+               hook_list=hook_list, hook_check=hook_check)
 
 
 def three(amp: StageResult | None = None, fp16: StageResult | None = None, fp32: StageResult | None = None) -> dict[str, StageResult]:
@@ -224,6 +226,34 @@ def _masked_overflow() -> Scenario:
             ("amp_misuse", None, 0, "amp"), {"why": "masked", "parameter": "enc.weight", "scaled": 65536.0})
 
 
+NAN_TO_NUM = UserHook("gradient hook", "parameter", "head.weight", "spec.build_model.<locals>.<lambda>", "spec.py:9",
+                      ["nan_to_num"])
+
+
+def _hook_hid_overflow() -> Scenario:
+    # the hook on head.weight was handed a non-finite gradient at step 3, GradScaler applied the step, and from the
+    # ruined weights FP32 fails too at step 4: the hook is the cause, not a model bug
+    amp = stage("amp", FALLING, hook_inputs_nonfinite={3: ["head.weight"]})
+    fp32 = with_record(stage("fp32", FALLING), 4, loss=INF)
+    c = ctx(three(amp=amp, fp32=fp32), hooks=[NAN_TO_NUM.describe()], hook_list=[NAN_TO_NUM])
+    return (rules.hook_hid_overflow, c, ("amp_misuse", "head", 3, "amp"),
+            {"variant": "hook_hid_overflow", "how": "probe", "param": "head.weight", "ops": ["nan_to_num"]})
+
+
+def _hook_hid_overflow_replay() -> Scenario:
+    # step 2 applied with a non-finite norm; replayed without the hooks, enc.weight's scaled gradient overflows
+    amp = stage("amp", FALLING, applied_step=2)
+    amp.records[2].grad_l2_pre_clip = INF
+    hook = UserHook("gradient hook", "parameter", "enc.weight", "spec.clamp_hook", "spec.py:4", ["clamp"])
+
+    def check(stage_name: str, step: int) -> rules.HookCheck | None:
+        return rules.HookCheck(step, 65536.0, [], ["enc.weight"]) if (stage_name, step) == ("amp", 2) else None
+
+    c = ctx(three(amp=amp), hooks=[hook.describe()], hook_list=[hook], hook_check=check)
+    return (rules.hook_hid_overflow, c, ("amp_misuse", "enc", 2, "amp"),
+            {"how": "replay_without_hooks", "param": "enc.weight", "hook": hook.describe()})
+
+
 def _stall() -> Scenario:
     return (rules.stall, ctx(three(fp16=stage("fp16", FLAT)), target="fp16"), ("fp16_grad_underflow", None, None, "fp16"),
             {"variant": "stall", "ratio": pytest.approx((9.5 - 10.0) / (9.5 - 3.5))})  # head/tail means of 2 steps
@@ -272,7 +302,8 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__[1:]: f for f in (
         _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _no_target, _custom_function,
         _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
-        _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _stall, _stall_underflow,
+        _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _hook_hid_overflow,
+        _hook_hid_overflow_replay, _stall, _stall_underflow,
         _stall_amp, _optimizer_underflow, _frozen, _healthy)
 }
 
@@ -318,7 +349,7 @@ def test_words_of_every_scenario() -> None:
     seen_causes, seen_variants, seen_fixes = set(), set(), set()
     for name, make in SCENARIOS.items():
         _, c, *_ = make()
-        d = diagnose(c.results, c.batches, c.cfg, c.recheck, "cpu", c.hooks)
+        d = diagnose(c.results, c.batches, c.cfg, c.recheck, "cpu", c.hooks, hook_list=c.hook_list, hook_check=c.hook_check)
         seen_causes.add(d.outcome.cause)
         seen_variants.add(d.outcome.facts["variant"])
         seen_fixes |= {f.code for f in d.outcome.fixes}

@@ -42,7 +42,7 @@ def test_calibrating() -> None:
     assert d.calibration_skips == 2 and d.later_skips == []
     assert d.settings["init_scale"] == 16384.0
     assert d.final_scale == 16384.0
-    assert "init_scale=2**14 skips the 2 calibration step(s)" in d.recommendations[0]
+    assert "init_scale=16384 (2^14) skips the 2 calibration step(s)" in d.recommendations[0]
 
 
 def test_climbing_infers_interval_and_recommends_from_history() -> None:
@@ -80,10 +80,10 @@ def test_saturated() -> None:
     # came down from 2^20 only to 2^16: the gradients fit 2^16, they are small
     scales, skipped = simulate(200, ceiling=2.0**16, init=2.0**20)
     d = diagnose_scale(scales, skipped)
-    assert d.pattern == "saturated" and "2**16" in d.explanation
+    assert d.pattern == "saturated" and "2^16" in d.explanation
     high, hs = simulate(60, ceiling=1e30, init=2.0**22, gi=10)
     d2 = diagnose_scale(high, hs)
-    assert d2.pattern == "saturated" and "2**24" in d2.explanation
+    assert d2.pattern == "saturated" and "2^24" in d2.explanation
     # bouncing off the top at 2^17: saturated, the plateau as init_scale
     top, ts = simulate(400, ceiling=2.0**17, init=2.0**10, gi=10)
     d3 = diagnose_scale(top, ts)
@@ -115,7 +115,7 @@ def test_stable_and_empty() -> None:
     # 2^16 that never moved in 50 steps (growth_interval 2000) is no evidence that the gradients are small
     d = diagnose_scale([2.0**16] * 50, [False] * 50, growth_interval=2000)
     assert d.pattern == "stable" and "small" not in d.explanation
-    assert "stayed at 2**16 for all 50 step(s)" in d.explanation and "growth_interval=2000" in d.explanation
+    assert "stayed at 2^16 for all 50 step(s)" in d.explanation and "growth_interval=2000" in d.explanation
     assert diagnose_scale([], []).pattern == "empty"
 
 

@@ -66,6 +66,9 @@ def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int,
     np.random.seed(1)
     random.seed(1)
     model = _model()
+    if fault == "hooked_overflow":  # the user's "guard against NaN": it hides the overflow below from GradScaler
+        for p in model.parameters():
+            p.register_hook(lambda g: torch.nan_to_num(g))
     opt = OPTIMIZERS[opt_name](model.parameters())
     sc = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaler_on else None
     mon = None
@@ -84,6 +87,8 @@ def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int,
                 loss = nn.functional.mse_loss(model(x).float(), y) / accum
             if fault == "nan_loss" and step == fault_step and micro == accum - 1:
                 loss = loss + float("nan")  # the loss is NaN, its gradients stay finite
+            if fault == "hooked_overflow" and step == fault_step:
+                loss = loss * 1e30  # its scaled FP16 gradients overflow; the hooks make them finite
             loss_sum = loss_sum + loss.detach()
             last = micro == accum - 1
             if driver == "owned" and mon is not None:
@@ -203,6 +208,26 @@ def test_every_fault_kind_with_fused_adamw_and_a_scaler(fault: str, tmp_path: Pa
         assert all(torch.isfinite(v).all() for v in seen["model"].values())  # the skip was real
 
 
+@pytest.mark.parametrize("driver", ["observe", "owned"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_foreach"])
+def test_a_capture_of_an_applied_step_a_hook_hid_changes_nothing(opt_name: str, driver: str, tmp_path: Path) -> None:
+    """The capture taken at an applied step (a gradient hook made the overflow finite, GradScaler applied it). Where
+    the loop steps itself (observe) the monitor reads the gradients before unscale_ and takes the non-finite norm
+    of finite float32-max gradients for GradScaler's skip (a capture later, or none), still changing nothing."""
+    import json
+
+    kw = dict(scaler_on=True, clip=False, accum=1, mode="full", fault="hooked_overflow", fault_step=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = _run(opt_name, driver, capture=None, watched=False, **kw)  # type: ignore[arg-type]
+        seen = _run(opt_name, driver, capture=tmp_path / "cap", watched=True, **kw)  # type: ignore[arg-type]
+    _same(bare, seen)
+    if driver == "owned":
+        m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+        assert (m["step"], m["skipped"]) == (3, False) and m["reason"] in ("hidden_overflow", "nonfinite_update")
+        assert len(m["user_hooks"]) == 6  # one per parameter
+
+
 def test_owned_clipping_matches_the_recipe_within_rounding() -> None:
     for opt_name in ("adamw_fused", "sgd_momentum"):
         kw = dict(scaler_on=True, clip=True, accum=1, mode="full", fault="nan_batch", fault_step=2)
@@ -242,6 +267,28 @@ def test_a_full_disk_under_the_log_and_the_capture_changes_nothing(tmp_path: Pat
     assert "rows of the step log" in said and "could not write the capture of step 3" in said  # said, not raised
     assert not (tmp_path / "cap").exists()
     _same(bare, seen)
+
+
+@pytest.mark.parametrize("driver", ["observe", "owned"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_warm_up_path_while_the_kernel_builds_changes_nothing(driver: str, fault: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full mode while the kernel builds runs sentinel checks only, then full statistics once it is ready (step 3)."""
+    from ampdoctor.watch import fused
+
+    monkeypatch.setenv("AMPDOCTOR_WARMUP", "sentinel")
+    seen_steps = {"n": 0}
+
+    def pending() -> bool:
+        seen_steps["n"] += 1
+        return seen_steps["n"] < 4
+
+    monkeypatch.setattr(fused, "pending", pending)
+    kw = dict(scaler_on=True, clip=False, accum=1, mode="full", fault=fault, fault_step=2)
+    bare = _run("adamw_fused", driver, capture=None, watched=False, **kw)  # type: ignore[arg-type]
+    seen = _run("adamw_fused", driver, capture=tmp_path / "cap", watched=True, **kw)  # type: ignore[arg-type]
+    _same(bare, seen)
+    assert seen_steps["n"] >= 4  # the warm-up ended inside the run
 
 
 @pytest.mark.parametrize("driver", ["observe", "owned"])

@@ -31,7 +31,7 @@ FAMILIES = {
     "convnext": ("vision", "loss_bce", ("fp16_forward_overflow", None, 0, "amp"), {}),
     "wav2vec2": ("audio", "custom_fn", ("amp_misuse", "projector", 0, "amp"), {}),
     "whisper": ("audio", "model_bug", ("model_bug", "projector.1", 0, "fp32"), {}),
-    "unet": ("diffusion", "amp_misuse", ("amp_misuse", None, 0, "amp"), {}),
+    "unet": ("diffusion", "amp_misuse", ("amp_misuse", "conv_out", 0, "amp"), {}),  # the hooked layer first reached in backward
 }
 NEEDS = {"unet": "diffusers"}
 

@@ -171,6 +171,7 @@ def triage(
 
 
 # Commands that live in their own modules (one job each) register here.
+from ampdoctor.cli.kernel import build_kernel as _build_kernel  # noqa: E402
 from ampdoctor.cli.layers import layers as _layers  # noqa: E402
 from ampdoctor.cli.lint import lint as _lint  # noqa: E402
 from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
@@ -178,6 +179,7 @@ from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
 app.command("layers")(_layers)
 app.command("scaler")(_scaler)
 app.command("lint")(_lint)
+app.command("build-kernel")(_build_kernel)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import numpy as np
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -16,8 +17,8 @@ from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, pow2, rolling_skip_rate, skip_ledger
-from ampdoctor.watch.steplog import COLUMNS, StepLog, read_step_log
+from ampdoctor.judge.scaler import Envelope, LogDigest, ScaleDiagnosis, pow2
+from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStream, read_step_log
 
 MAX_LEDGER_ROWS = 20
 
@@ -40,28 +41,54 @@ def scaler(
     if plot is not None:
         check_writable(plot, force)
         _need_matplotlib()
-    logs = [read_step_log(c) for c in csvs]
-    if len(logs) > 1:
-        _print_ranks(logs)
+    if len(csvs) > 1:
+        _print_ranks([read_step_log(c) for c in csvs])
         out.print()
-    log = logs[0]
     csv = csvs[0]
-    skipped = log.skipped
-    scales = log.scales
-    steps = log.steps
-    bad = _first_bad_scale(scales)
-    if bad is not None:
-        fail(f"{csv}: column scaler_scale, step {steps[bad]}: {scales[bad]:g} is not a loss scale "  # type: ignore[index]
+    dig, notes = _digest(csv, window, alert_rate, plot is not None)
+    if dig.bad is not None:
+        step, value = dig.bad
+        fail(f"{csv}: column scaler_scale, step {step}: {value:g} is not a loss scale "
              "(GradScaler's scale is a positive number); fix that row or leave the column empty")
         return
-    ledger = skip_ledger(skipped, log.reasons, scales, steps)
-    rates = rolling_skip_rate(skipped, window)
-    diag = diagnose_scale(scales, skipped, growth_interval=growth_interval, backoff_factor=backoff_factor,
-                          steps=steps) if scales is not None else None
-    _print(log, diag, ledger, rates, window, alert_rate)
+    diag = dig.scale.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor) if dig.scale else None
+    _print(csv, notes, dig, diag, window, alert_rate)
     if plot is not None:
-        write_atomic(plot, _plot_png(log, diag))
+        write_atomic(plot, _plot_png(dig, diag))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
+
+
+BLOCK_BYTES = 512 << 10
+"""Bytes of the log read at a time: memory stays about the same for a log of any length."""
+
+
+def _digest(csv: Path, window: int, alert_rate: float, plot: bool) -> tuple[LogDigest, list[str]]:
+    """The log's digest, read a block at a time; a log the fast path cannot stream (a bad row to name, repeated or
+    unsorted steps) is read whole by the validating reader, which names the row or de-duplicates and sorts."""
+    stream = StepLogStream(csv, BLOCK_BYTES)
+    try:
+        first = _first_scale(stream)
+        dig = LogDigest(window, alert_rate, first, keep_runs=MAX_LEDGER_ROWS, plot=plot)
+        for frame in stream:
+            if not dig.feed(frame):
+                break
+        return dig, stream.notes
+    except NotStreamable:
+        log = read_step_log(csv)
+        scales = log.scales
+        dig = LogDigest(window, alert_rate, None if scales is None else scales[0], keep_runs=MAX_LEDGER_ROWS, plot=plot)
+        dig.feed(log.frame)
+        return dig, log.notes
+
+
+def _first_scale(stream: StepLogStream) -> float | None:
+    """The first non-empty scaler_scale of the log (None: the column is empty throughout). Reads the log until it."""
+    for frame in stream:
+        col = frame["scaler_scale"].to_numpy(dtype="float64")
+        ok = np.flatnonzero(~np.isnan(col))
+        if ok.size:
+            return float(col[ok[0]])
+    return None
 
 
 MAX_WINDOW = 10**9
@@ -163,17 +190,6 @@ def _indent(text: str, indent: int, hang: int = 0) -> Table:
     return g
 
 
-def _first_bad_scale(scales: list[float] | None) -> int | None:
-    """Index of the first scale that is zero, negative or infinite (None when all are positive and finite)."""
-    if scales is None:
-        return None
-    import numpy as np
-
-    a = np.asarray(scales, dtype=np.float64)
-    bad = np.flatnonzero(~((a > 0) & np.isfinite(a)))
-    return int(bad[0]) if bad.size else None
-
-
 def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -181,12 +197,12 @@ def _need_matplotlib() -> None:
         raise AmpDoctorError("--plot needs matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib") from None
 
 
-def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates: list[float], window: int,
+def _print(path: Path, notes: list[str], dig: LogDigest, diag: ScaleDiagnosis | None, window: int,
            alert_rate: float) -> None:
-    steps = log.steps
-    out.print(f"[bold]{escape(str(log.path))}[/]: {len(steps)} steps ({steps[0]}..{steps[-1]}), {ledger.count} skipped", highlight=False,
-              soft_wrap=True)
-    for note in log.notes:
+    ledger = dig.ledger
+    out.print(f"[bold]{escape(str(path))}[/]: {dig.n} steps ({dig.first_step}..{dig.last_step}), {ledger.count} skipped",
+              highlight=False, soft_wrap=True)
+    for note in notes:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     out.print()
     if diag is None:
@@ -201,40 +217,32 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
             f"{len(diag.growths)} growth(s), {len(diag.backoffs)} back-off(s); growth_interval {gi}, backoff_factor {bo}",
             2))
     out.print()
-    out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total_steps} steps ({ledger.rate:.2%}), "
-              f"{len(ledger.runs)} run(s), longest {ledger.longest_run}", highlight=False)
-    applied = [(st, r) for st, r, k in zip(steps, log.reasons, log.skipped, strict=True) if not k and r.startswith("applied:")]
-    if applied:
-        out.print(_indent(f"{len(applied)} step(s) applied a non-finite update (nothing skipped them: no GradScaler, "
-                          f"or the loop did not check), the first at step {applied[0][0]} ({applied[0][1]}): "
+    out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total} steps ({ledger.rate:.2%}), "
+              f"{ledger.n_runs} run(s), longest {ledger.longest}", highlight=False)
+    if dig.first_applied is not None:
+        step, reason = dig.first_applied
+        out.print(_indent(f"{dig.applied} step(s) applied a non-finite update (nothing skipped them: no GradScaler, "
+                          f"or the loop did not check), the first at step {step} ({reason}): "
                           "the weights took it", 2), style="red")
     if ledger.count:
-        for reason, n in ledger.by_reason().items():
+        for reason, n in ledger.reasons_by_count().items():
             out.print(f"  {n:6d}  {reason}", highlight=False, markup=False)
         t = Table(show_edge=False, pad_edge=False, box=None)
         for col in ("steps", "skips", "reason(s)", "scale"):
             t.add_column(col)
-        by_step = dict(zip(ledger.steps, ledger.scales, strict=True))
         for run in ledger.runs[:MAX_LEDGER_ROWS]:
             span = f"{run.start}" if run.start == run.end else f"{run.start}-{run.end}"
             reasons = ", ".join(dict.fromkeys(r or "(none)" for r in run.reasons))
-            s = by_step.get(run.start)
-            t.add_row(span, str(run.length), escape(reasons), "" if s is None else pow2(s))
+            t.add_row(span, str(run.length), escape(reasons), "" if run.scale is None else pow2(run.scale))
         out.print(t)
-        if len(ledger.runs) > MAX_LEDGER_ROWS:
-            out.print(f"  ... {len(ledger.runs) - MAX_LEDGER_ROWS} more run(s)", style="dim")
+        if ledger.n_runs > MAX_LEDGER_ROWS:
+            out.print(f"  ... {ledger.n_runs - MAX_LEDGER_ROWS} more run(s)", style="dim")
     out.print()
     # the first steps' rate is over a handful of steps (100% after one calibration skip): judge from a full-ish window
-    start = min(window, 100)
-    start = start if len(rates) > start else 0
-    judged = rates[start:]
-    peak = max(judged) if judged else 0.0
-    at = steps[start + judged.index(peak)] if judged else 0
-    final = rates[-1] if rates else 0.0
-    over = sum(1 for r in judged if r > alert_rate)
+    final, from_step, peak, at, over = dig.rates.summary()
     style = "red" if final > alert_rate else "green"
     out.print(
-        f"[bold]Rolling skip rate[/] (window {window}): final [{style}]{final:.2%}[/]; from step {steps[start]}: "
+        f"[bold]Rolling skip rate[/] (window {window}): final [{style}]{final:.2%}[/]; from step {from_step}: "
         f"peak {peak:.2%} at step {at}, above {alert_rate:.0%} on {over} step(s)", highlight=False,
     )
     if diag is not None and diag.recommendations:
@@ -243,41 +251,46 @@ def _print(log: StepLog, diag: ScaleDiagnosis | None, ledger: SkipLedger, rates:
         for r in diag.recommendations:
             out.print(_indent(f"- {r}", 2, hang=2))
         if diag.settings:
-            args = ", ".join(f"{k}={pow2(v) if k == 'init_scale' else f'{v:g}'}" for k, v in diag.settings.items())
+            args = ", ".join(f"{k}={v:g}" for k, v in diag.settings.items())  # numbers, as Python reads them
             out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
 
 
-def _plot_png(log: StepLog, diag: ScaleDiagnosis | None) -> bytes:
+def _series(env: Envelope) -> tuple[list[float], list[float]]:
+    """An envelope as one line: each bucket's minimum then its maximum at its first step (the series itself
+    when nothing was merged)."""
+    if env.width == 1:
+        return env.x.tolist(), env.lo.tolist()
+    return np.repeat(env.x, 2).tolist(), np.stack([env.lo, env.hi], axis=1).ravel().tolist()
+
+
+def _plot_png(dig: LogDigest, diag: ScaleDiagnosis | None) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    steps = log.steps
-    skipped = log.skipped
-    sk_steps = [s for s, k in zip(steps, skipped, strict=True) if k]
+    sk_steps, sk_scales = _series(dig.skip_env)
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
     try:
-        scales = log.scales
-        if scales is not None:
-            ax1.step(steps, scales, where="post", color="tab:blue", label="scaler_scale")
+        if dig.has_scale:
+            xs, ys = _series(dig.scale_env)
+            ax1.step(xs, ys, where="post", color="tab:blue", label="scaler_scale")
             ax1.set_yscale("log", base=2)
-            sk_scales = [s for s, k in zip(scales, skipped, strict=True) if k]
             ax1.scatter(sk_steps, sk_scales, color="tab:red", marker="x", zorder=3, label="skipped")
             ax1.set_title(f"GradScaler scale: {diag.pattern}" if diag else "GradScaler scale")
         else:
             ax1.text(0.5, 0.5, "no GradScaler in this run", ha="center", va="center", transform=ax1.transAxes)
         ax1.set_ylabel("scale (log2)")
         ax1.legend(loc="best")
-        losses = log.losses
-        finite = [(s, v) for s, v in zip(steps, losses, strict=True) if v == v and abs(v) != float("inf")]
-        if finite:
-            ax2.plot([s for s, _ in finite], [v for _, v in finite], color="tab:green", label="loss")
-            pos = all(v > 0 for _, v in finite)
-            if pos and max(v for _, v in finite) / max(min(v for _, v in finite), 1e-300) > 1e3:
+        env = dig.loss_env
+        if env.x.size:
+            xs, ys = _series(env)
+            ax2.plot(xs, ys, color="tab:green", label="loss")
+            lo, hi = float(env.lo.min()), float(env.hi.max())
+            if lo > 0 and hi / max(lo, 1e-300) > 1e3:
                 ax2.set_yscale("log")
-        for s in sk_steps:
+        for s in dict.fromkeys(dig.skip_env.x.tolist()):
             ax2.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
         ax2.set_xlabel("step")
         ax2.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -41,6 +41,7 @@ import os
 import random
 import shutil
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +54,10 @@ from torch import nn
 from ampdoctor._version import __version__
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import CAPTURE_VERSION, validate_batches, validate_manifest, validate_state
-from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL
+from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
+from ampdoctor.watch import userhooks
 from ampdoctor.watch.hooks import unwrap
 
 log = logging.getLogger("ampdoctor")
@@ -300,7 +302,8 @@ class Trigger:
     """Why a step counts as the failing step."""
 
     reason: str
-    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed"""
+    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed | nonfinite_update | exploding_update |
+    hidden_overflow"""
     detail: str = ""
 
 
@@ -319,7 +322,12 @@ class FailingStep:
     these is a failure. A failure is a non-finite loss; a skip at an established scale (one at or below a
     scale that carried an applied step) that is neither a growth probe nor isolated; a non-finite step
     applied (no GradScaler); the skip-rate alert (which counts only the skips that are not normal); a scale
-    that fell ``COLLAPSE_BINADES`` below the highest scale that carried an applied step.
+    that fell ``COLLAPSE_BINADES`` below the highest scale that carried an applied step; an update applied
+    although its gradient norm is non-finite (every element finite, so GradScaler found no inf: something made
+    the overflowed values finite, a gradient hook's ``nan_to_num`` or a clamp) or ``EXPLODE_RATIO`` times the
+    median of the last applied norms (an exploding update: the weights take it); an update applied although a
+    gradient recorded in its backward is non-finite, on a model carrying the user's gradient hooks
+    (``hidden``: the hooks, in words).
     ``every_skip=True``: every skip of non-finite gradients is a failure (``Monitor(capture_on="skip")``).
     """
 
@@ -330,9 +338,10 @@ class FailingStep:
     _peak_applied: float = 0.0
     _prev_scale: float | None = None
     _last_isolated: int | None = None
+    _norms: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
-              step: int = 0, injected: bool = False) -> Trigger | None:
+              step: int = 0, injected: bool = False, norm: float | None = None, hidden: str = "") -> Trigger | None:
         """Whether this step is a failing one; updates the scale history (``phase`` says what it was).
         ``injected``: the fault is known not to come from the loss scale (injected, or another rank's batch,
         forward or loss): a skip of it is a failure whatever the scaler's phase."""
@@ -350,6 +359,17 @@ class FailingStep:
             self.phase = label
         elif nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
             trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
+        elif hidden:
+            # backward made a non-finite gradient, GradScaler found none in the parameters', and the model carries the
+            # user's gradient hooks: one of them made the overflow finite
+            trig = Trigger("hidden_overflow", hidden)
+        elif norm is not None and not math.isfinite(norm) and not math.isnan(norm):
+            # applied with every element finite (GradScaler found no inf) and yet a norm beyond FP32: values made
+            # finite at the edge of the format (nan_to_num's float max), the overflow hidden from the scaler
+            trig = Trigger("nonfinite_update", f"gradient norm {norm:g} applied")
+        elif norm is not None and self._exploded(norm):
+            trig = Trigger("exploding_update", f"gradient norm {norm:.4g} applied, {norm / self._typical():.3g}x the median "
+                                               f"of the last {len(self._norms)} applied")
         elif alert:
             trig = Trigger("skip_rate_alert")
         elif (scale is not None and self._peak_applied > 0 and scale > 0
@@ -357,9 +377,20 @@ class FailingStep:
             trig = Trigger("scale_collapsed", f"{self._peak_applied:g} -> {scale:g}")
         if not skipped and scale is not None and math.isfinite(scale):
             self._peak_applied = max(self._peak_applied, scale)
+        if not skipped and norm is not None and math.isfinite(norm):
+            self._norms.append(norm)
         if trig is not None and not self.phase:
             self.phase = "failure"  # (every_skip keeps the label of a normal skip it captures anyway)
         return trig
+
+    def _typical(self) -> float:
+        return float(np.median(np.asarray(self._norms)))
+
+    def _exploded(self, norm: float) -> bool:
+        if len(self._norms) < EXPLODE_HISTORY:
+            return False
+        typical = self._typical()
+        return typical > 0 and norm >= EXPLODE_RATIO * typical
 
     def _skip_phase(self, scale: float | None, grew: bool, step: int) -> str:
         if scale is None:  # no GradScaler: the loop skipped a non-finite step itself
@@ -522,7 +553,9 @@ class Capture:
             st["scaler"] = scaler_before
             files["state.pt"] = st
         batches, steps = list(self._batches), list(self._batch_steps)
-        snap = self._snapshot if self._snapshot_step is not None and self._snapshot_step < step else None
+        # a snapshot taken at this very step precedes its update: it starts an applied failing step's replay
+        snap = (self._snapshot if self._snapshot_step is not None
+                and (self._snapshot_step < step or (self._snapshot_step == step and not skipped)) else None)
         if snap is not None and steps and steps[0] != self._snapshot_step:
             left_out.append(f"snapshot.pt (the batches since step {self._snapshot_step} passed capture_hold_bytes="
                             f"{self.hold_bytes}, so it cannot re-reach the step)")
@@ -578,6 +611,8 @@ class Capture:
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "model_identity": model_identity(self.model),
+            # the user's gradient / tensor hooks on the model, by name (a replay keeps them if the spec's model has them)
+            "user_hooks": [h.as_json() for h in userhooks.found(self.model)],
             # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
             "rng_after_step": step - 1 if at_start else step,
             "state_step": step if "state.pt" in files else None,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from ampdoctor.engine.step import FP32, TrainStep, default_optimizer
 from ampdoctor.errors import BatchError, SpecError, UsageError
 from ampdoctor.formats import Format, get_format
 from ampdoctor.input.batches import Batches, materialise, to_device
+from ampdoctor.judge.opscan import InnerOp, InnerOps
 from ampdoctor.judge.ranges import (  # noqa: F401 - re-exported: the layers API reads as one module
     COLUMNS,
     DEFAULT_TOLERANCE,
@@ -249,8 +250,10 @@ def _param_owner(model: nn.Module) -> dict[str, tuple[str, str]]:
 def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Sequence[float], steps: int,
          flags: dict[str, bool], loss_fn: Callable[..., Any] | None, optimizer: torch.optim.Optimizer | None,
          device: torch.device, tolerance: float, seed: int,
-         progress: Callable[[int], None] | None = None, max_norm: float | None = None) -> list[dict[str, Any]]:
-    """FP32 reference steps from the model's current state; the state (and optimizer's) is restored after."""
+         progress: Callable[[int], None] | None = None, max_norm: float | None = None,
+         inner: list[InnerOp] | None = None) -> list[dict[str, Any]]:
+    """FP32 reference steps from the model's current state; the state (and optimizer's) is restored after.
+    ``inner``: filled with the ops inside modules of step 0's forward (``opscan.InnerOps``), largest first."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     opt = optimizer if optimizer is not None else default_optimizer(model.parameters())
@@ -268,7 +271,12 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
                     progress(step)
                 hooks.begin_step(step)
                 try:
-                    loss = recipe.forward(to_device(batches[step], device), loss_fn)
+                    if inner is not None and step == 0:
+                        with InnerOps(model) as scan:
+                            loss = recipe.forward(to_device(batches[step], device), loss_fn)
+                        inner.extend(scan.ops)
+                    else:
+                        loss = recipe.forward(to_device(batches[step], device), loss_fn)
                     recipe.backward(loss)
                 except Exception as e:  # user code: say where, keep the original as the cause
                     raise SpecError(f"the FP32 reference step {step} raised {type(e).__name__}: {str(e).strip()[:200]}") from e
@@ -282,6 +290,10 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
         if optimizer is not None and opt_state is not None:
             optimizer.load_state_dict(opt_state)
     return records
+
+
+INNER_OPS = 64
+"""The largest ops inside modules that ``layer_stats`` keeps (``df.attrs["inner_ops"]``)."""
 
 
 # public API ---------------------------------------------------------------------------------------
@@ -364,8 +376,9 @@ def layer_stats(
         except BatchError as e:
             raise UsageError(str(e)) from None
     flags = {"activations": "activations" in flags_what, "grads": "grads" in flags_what, "params": "weights" in flags_what}
+    inner: list[InnerOp] = []
     records = _run(model, batches, fmts, [base_scale] * len(fmts), steps, flags, loss_fn, optimizer, dev,
-                   underflow_tolerance, seed, progress, max_norm=max_norm)
+                   underflow_tolerance, seed, progress, max_norm=max_norm, inner=inner if flags["activations"] else None)
     df = pd.DataFrame.from_records(records, columns=COLUMNS)
     if auto and flags["grads"]:
         chosen = [choose_scale(df, f.name) for f in fmts]
@@ -375,6 +388,9 @@ def layer_stats(
             more = _run(model, batches, [f for f, _ in redo], [s for _, s in redo], steps, grad_flags, loss_fn,
                         optimizer, dev, underflow_tolerance, seed, progress, max_norm=max_norm)
             df = pd.concat([df, pd.DataFrame.from_records(more, columns=COLUMNS)], ignore_index=True)
-    return df.sort_values(["step", "order", "kind"], kind="stable", key=_kind_key).reset_index(drop=True)
+    df = df.sort_values(["step", "order", "kind"], kind="stable", key=_kind_key).reset_index(drop=True)
+    # what module hooks cannot see: the ops inside modules (step 0), for the advice to name (ranges.inner_overflows)
+    df.attrs["inner_ops"] = [asdict(o) for o in inner[:INNER_OPS]]
+    return df
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, s
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.report.words import spike_message
+from ampdoctor.watch import fused, userhooks
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, unwrap
 from ampdoctor.watch.ring import DEFAULT_STEPS, LAYERS_FILE, STEPS_FILE
@@ -92,6 +94,22 @@ and the batches since; bounded by ``capture_hold_bytes``)."""
 RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
 """Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
 value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
+STEP_COLUMNS: tuple[str, ...] = ("step_convention",)
+"""Under a framework, after ``EXTRA_COLUMNS``: which number the ``step`` column is (``STEP_CONVENTIONS``)."""
+STEP_CONVENTIONS: dict[str, int] = {
+    "monitor": 0,
+    "trainer_global_step": 1,
+    "lightning_global_step": 0,
+}
+"""What a step log's ``step`` counts, and the number of a fresh run's first step:
+
+- ``monitor``: the monitor's own count of optimizer steps, from ``first_step`` (a loop of your own, accelerate);
+- ``trainer_global_step``: the transformers Trainer's ``state.global_step`` after the step, the ``step`` its
+  log history gives the step and the N of the ``checkpoint-N`` saved after it (a fresh run's first step is 1);
+- ``lightning_global_step``: Lightning's ``trainer.global_step`` while the step runs (before its optimizer
+  step), which is the ``step`` its loggers (CSVLogger's ``metrics.csv``) give what the step logged.
+
+A log without the ``step_convention`` column counts as ``monitor`` does."""
 STATE_VERSION = 1
 
 
@@ -151,6 +169,8 @@ class MonitorRecord:
     """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
     capture_held: int | None = None
     """With a capture armed: the host bytes it holds after this step."""
+    step_convention: str | None = None
+    """Under a framework: what ``step`` counts (``STEP_CONVENTIONS``)."""
 
     def row(self) -> dict[str, Any]:
         """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
@@ -163,6 +183,7 @@ class MonitorRecord:
             "skip_rate": round(self.skip_rate, 6),
             "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
             **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
+            **({"step_convention": self.step_convention} if self.step_convention is not None else {}),
             **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
                if self.rank is not None else {}),
         }
@@ -294,6 +315,9 @@ class Monitor:
             ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
+        step_convention: what the step numbers count (``STEP_CONVENTIONS``; the framework integrations set
+            it): the log gets a ``step_convention`` column and the capture's manifest says it. None: the
+            monitor's own count, no column.
         ring: steps the lookback ring keeps (``engine.ring``: per-step scalars, and per-layer figures of the
             recorded steps, in a fixed host buffer filled from the step's one host copy); the capture writes
             it and the report tells the steps before the failure from it. 0: no ring (and no forecast or spike).
@@ -342,6 +366,7 @@ class Monitor:
         capture_on: Literal["failure", "skip"] = "failure",
         capture_hold_bytes: int | None = None,
         quiet: bool = False,
+        step_convention: str | None = None,
         ring: int = DEFAULT_STEPS,
         forecast_horizon: int | None = DEFAULT_HORIZON,
         spike_sigmas: float | None = None,
@@ -358,6 +383,7 @@ class Monitor:
         self.max_norm = max_norm
         self.step_num = first_step
         self.first_step = first_step
+        self.step_convention = step_convention
         self.first_fault: FirstFault | None = None
         """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         self.first_failure: tuple[int, str] | None = None
@@ -403,6 +429,9 @@ class Monitor:
             """Everything built once the setup is known to be one the monitor can watch (a closure: the
             arguments above, one signature)."""
             nonlocal log, capture, amp_dtype
+            if step_convention is not None and step_convention not in STEP_CONVENTIONS:
+                raise UsageError(f"step_convention must be one of {', '.join(STEP_CONVENTIONS)}, got {step_convention!r}")
+            fresh = STEP_CONVENTIONS.get(step_convention or "monitor", 0)
             if window < 1:
                 raise UsageError(f"window must be at least 1, got {window}")
             if max_norm is not None and not max_norm > 0:
@@ -418,6 +447,8 @@ class Monitor:
             self.full_after = full_after
             self._full_until = -1
             """Sentinel mode: steps before this one are recorded in full (set when the sentinel trips)."""
+            self._warming = False
+            """Full mode while the statistics kernel builds: sentinel checks only, until it is ready."""
             self._user_scaler = scaler
             self.window = window
             self.alert_rate = alert_rate
@@ -463,7 +494,8 @@ class Monitor:
                 raise UsageError(f"snapshot_every must be at least 1, got {snapshot_every}")
             if capture is not None:
                 settings = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "alert_min_steps": alert_min_steps,
-                            "every": every, "activations": activations, "snapshot_every": snapshot_every}
+                            "every": every, "activations": activations, "snapshot_every": snapshot_every,
+                            "step_convention": step_convention or "monitor"}
                 self.capture = Capture(Path(capture), model, optimizer, self.scaler, snapshot_every, capture_max_bytes, settings,
                                        str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
                                        quiet=quiet, sharded=self.engine, hold_bytes=capture_hold_bytes or 0)
@@ -484,15 +516,16 @@ class Monitor:
             self.log_path = Path(log) if log else None
             """The step log this process writes (per rank under torch.distributed)."""
             self.writer = (StepLogWriter(log, extra_columns=EXTRA_COLUMNS + (CAPTURE_COLUMNS if self.capture is not None else ())
-                                         + (RANK_COLUMNS if self.rank is not None else ()),
-                                         mode=log_mode, fsync=fsync) if log else None)
+                                         + (RANK_COLUMNS if self.rank is not None else ())
+                                         + (STEP_COLUMNS if step_convention is not None else ()),
+                                         mode=log_mode, fsync=fsync, fresh_step=fresh) if log else None)
             # counters and history (state_dict)
             if first_step < 0:
                 raise UsageError(f"first_step must be at least 0, got {first_step}")
             if self.writer is not None:
                 # a wrong log path fails now, not after the first step (rows already there: judged at the
                 # first write, as a load_state_dict may yet continue the run)
-                self.writer.check(first_step if first_step > 0 else None)
+                self.writer.check(first_step if first_step > fresh else None)
             self._spiked = False
             self._asked = False
             """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
@@ -505,6 +538,7 @@ class Monitor:
             self.hooks.attach()
             self.hooks.begin_step(self.step_num)
             start_build()  # the one-pass statistics kernel, built by another process if not cached (watch.fused)
+            self._warming = self._warm_start()
 
         try:
             setup()
@@ -777,6 +811,20 @@ class Monitor:
         except Exception as e:
             self._fail("the loss check", e)
 
+    def note_clip(self, total_norm: Any) -> None:
+        """The total norm your loop's (or a framework's) ``clip_grad_norm_`` returned for this step, before
+        it clipped: the log's ``grad_l2_pre_clip`` is that value, and ``grad_l2_post_clip`` the norm the
+        monitor measures at ``after_backward`` (after the clip). Read only, in the step's one host copy; a
+        tensor is kept as it is (never written). Without it both are the norm ``after_backward`` sees."""
+        if self._off is not None or total_norm is None:
+            return
+        if not isinstance(total_norm, (torch.Tensor, int, float)) or isinstance(total_norm, bool):
+            raise UsageError(f"note_clip takes the norm clip_grad_norm_ returned (a tensor or a float), not "
+                             f"{type(total_norm).__name__}")
+        if isinstance(total_norm, torch.Tensor) and total_norm.numel() != 1:
+            raise UsageError(f"note_clip takes one total norm, not a tensor of {total_norm.numel()} values")
+        self.recipe.clip_norm = total_norm
+
     def after_backward(self, loss: torch.Tensor | None = None, batch: Any = None) -> None:
         """Your own loop: call after ``scaler.scale(loss).backward()`` (and after ``unscale_`` and your
         clipping, if you do them), before ``scaler.step``.
@@ -845,7 +893,7 @@ class Monitor:
         if self._spiked:
             injected = (injected + ";" if injected else "") + "spike"
             self._spiked = False
-        if self.mode == "sentinel" and (m.skip or (m.stats is None and m.tripped)):
+        if (self.mode == "sentinel" or self._warming) and (m.skip or (m.stats is None and m.tripped)):
             self._full_until = max(self._full_until, self.step_num + 1 + self.full_after)
             if m.stats is None:  # the tripping step passed unrecorded: take what is still there, in full
                 st = self._trip_stats(1.0 / m.scale if self.recipe.grads_scaled and m.scale else None)
@@ -902,6 +950,28 @@ class Monitor:
         """The layers the ring says are on course to leave the format's range within ``forecast_horizon``
         steps, soonest first, as of now (``judge.history.Forecast``); [] without a ring."""
         return self.lookback.forecast() if self.lookback is not None else []
+
+    # while the kernel builds ---------------------------------------------------------------------
+    def _warm_start(self) -> bool:
+        """Full mode on the CPU while the statistics kernel is being built: sentinel checks only (every step's loss
+        and gradient norms), full statistics from a step that trips them, and on every step once the kernel is
+        ready. The eager path would cost every step 1.7x meanwhile. ``AMPDOCTOR_WARMUP=full`` keeps full
+        statistics on the eager path instead."""
+        if self.mode != "full" or self.device.type != "cpu" or os.environ.get("AMPDOCTOR_WARMUP", "sentinel") == "full":
+            return False
+        if not fused.pending():
+            return False
+        self.hooks.record_if = self._warm_wants_full
+        self.recipe.sentinel = self.hooks.fmt.max
+        return True
+
+    def _warm_wants_full(self, step: int) -> bool:
+        if self._warming and fused.pending():
+            return step < self._full_until
+        self._warming = False  # the kernel is ready (or will not come): full statistics from now on
+        self.hooks.record_if = None
+        self.recipe.sentinel = None
+        return step % self.hooks.every == 0
 
     # sentinel mode -----------------------------------------------------------------------------
     def _wants_full(self, step: int) -> bool:
@@ -980,7 +1050,7 @@ class Monitor:
             m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
             m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
             m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
-            capture_held=self.capture.held if self.capture is not None else None,
+            capture_held=self.capture.held if self.capture is not None else None, step_convention=self.step_convention,
         )
         if m.ranks is not None and m.ranks.faults and self.first_fault is None:
             first = m.ranks.first
@@ -997,8 +1067,11 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
         # a fault no loss scale explains: injected, or a rank's own batch, forward or loss (seen through the exchange)
         known = bool(pend.injected) or (first is not None and first.kind in ("input", "forward", "loss"))
+        # the applied update's norm (none under a sharding engine, whose norms are a shard's; none when injected)
+        norm = pre if not sk and self.engine is None and not pend.injected else None
         trig = self._failing.judge(skipped=rec.skipped, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False,
-                                   nonfinite=m.skip, step=rec.step, injected=known)
+                                   nonfinite=m.skip, step=rec.step, injected=known, norm=norm,
+                                   hidden=self._hidden_overflow(m) if not sk and not pend.injected else "")
         counted = sk and self._failing.phase not in NORMAL_SKIPS
         if len(self._recent_counted) == self.window and self._recent_counted[0]:
             self._counted_skips -= 1
@@ -1028,6 +1101,15 @@ class Monitor:
         self._judge_rate(self.alert_rate_now, pend.step)
         return rec
 
+    def _hidden_overflow(self, m: Measured) -> str:
+        """An applied step whose backward recorded a non-finite gradient (at a module's output) on a model that carries
+        the user's gradient hooks: the hooks, in words (they made it finite before GradScaler looked); else ''."""
+        st = m.stats
+        if st is None or not any(nonfinite(r) > 0 for r in st.grad.values()):
+            return ""
+        hooks = userhooks.found(self.model)  # (only on such a step)
+        return "; ".join(h.describe() for h in hooks[:3]) + (f" (+{len(hooks) - 3})" if len(hooks) > 3 else "")
+
     @property
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
@@ -1047,6 +1129,14 @@ class Monitor:
         elif trig.reason == "nonfinite_grad":
             what = ("a gradient went non-finite" + (f", first in {module}" if module else "")
                     + (f" ({rec.nonfinite_count} parameter(s))" if rec.nonfinite_count else ""))
+        elif trig.reason == "nonfinite_update":
+            what = ("the update was applied with a non-finite gradient norm although GradScaler found no inf/NaN "
+                    "element (were overflowed values made finite, by a gradient hook's nan_to_num or a clamp?)")
+        elif trig.reason == "hidden_overflow":
+            what = (f"a gradient went non-finite in backward, yet GradScaler found every parameter's finite and applied "
+                    f"the update: a gradient hook of the model made it finite ({trig.detail})")
+        elif trig.reason == "exploding_update":
+            what = f"the update exploded ({trig.detail})"
         elif trig.reason.endswith("_spike") and self.lookback is not None and self.lookback.last_spike is not None:
             words = spike_message(self.lookback.last_spike)
             done = "skipped" if rec.skipped else "applied"
@@ -1073,7 +1163,8 @@ class Monitor:
         cap = self.capture
         assert cap is not None
         view = m.ranks
-        extra: dict[str, Any] = {"scaler_phase": self._failing.phase}
+        extra: dict[str, Any] = {"scaler_phase": self._failing.phase,
+                                 "step_log": str(self.log_path) if self.log_path is not None else None}
         if view is not None:
             first = view.first
             extra = {**extra, "ranks": view.column(), "first_rank": first.rank if first is not None else None,
@@ -1209,4 +1300,4 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
 
 
-__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
+__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "STEP_COLUMNS", "STEP_CONVENTIONS", "FirstFault", "Monitor", "MonitorRecord", "SkipRateError", "SkipRateWarning"]

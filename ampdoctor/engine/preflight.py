@@ -14,6 +14,7 @@ from torch import nn
 
 from ampdoctor.errors import SpecError
 from ampdoctor.input.batches import Batches, describe_layout, filter_kwargs, layout, split, to_device
+from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.input.spec import Spec, call_user, check_optimizer, where
 
 MAX_LAYOUTS = 8
@@ -117,9 +118,11 @@ def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.de
 
 def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, grad: bool, index: int,
              get_loss: Any, differs: str = "") -> torch.Tensor:
-    args, kwargs, target = split(to_device(batch, device))
     try:
         with torch.set_grad_enabled(grad):
+            if isinstance(spec.loss_fn, TrainingStepLoss):
+                return spec.loss_fn.of(model, to_device(batch, device))
+            args, kwargs, target = split(to_device(batch, device))
             out = model(*args, **filter_kwargs(model, kwargs))
             return get_loss(out, target, spec.loss_fn)  # type: ignore[no-any-return]
     except SystemExit as e:

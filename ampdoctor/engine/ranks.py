@@ -275,9 +275,11 @@ def handshake(rank: int, world: int, timeout: float = HANDSHAKE_TIMEOUT) -> bool
     """Whether every rank builds a monitor, agreed through torch.distributed's key-value store, so that
     a monitor on rank 0 alone (a common pattern for logging) never waits forever in the exchange.
 
-    Each rank's n-th monitor writes its key and waits up to ``timeout`` for every rank's; a rank that
-    times out writes an ``off`` key and goes without the exchange, and a rank that got every key
-    still reads ``off`` before going on. No store (another backend's launcher): assumed yes.
+    Each rank's n-th monitor writes its key and waits up to ``timeout`` for every rank's, then proposes
+    a decision: ``on`` if it saw every key, ``off`` if it timed out. The first proposal is stored
+    atomically (``compare_set``) and every rank adopts the stored one, so the ranks always agree, also
+    when one times out at the moment another arrives (two answers there would leave one rank in an
+    exchange the other never joins). No store (another backend's launcher): assumed yes.
     ``AMPDOCTOR_RANK_TIMEOUT`` (seconds) overrides ``timeout``."""
     import os
 
@@ -290,26 +292,27 @@ def handshake(rank: int, world: int, timeout: float = HANDSHAKE_TIMEOUT) -> bool
         store = c10d._get_default_store()
     except Exception:  # pragma: no cover - no default store
         return True
-    base = f"ampdoctor/monitor{n}"
+    agreed = agree(store, f"ampdoctor/monitor{n}", rank, world, timeout)
+    if not agreed:
+        _warn_alone(rank, world, timeout)
+    return agreed
+
+
+def agree(store: Any, base: str, rank: int, world: int, timeout: float) -> bool:
+    """The protocol of :func:`handshake` under the keys ``base/…``: one answer for every rank."""
     from datetime import timedelta
 
     try:
         store.set(f"{base}/rank{rank}", "1")
         store.wait([f"{base}/rank{r}" for r in range(world)], timedelta(seconds=timeout))
+        proposal = "on"
     except Exception:
-        try:
-            store.set(f"{base}/off", "1")
-        except Exception:  # pragma: no cover
-            pass
-        _warn_alone(rank, world, timeout)
-        return False
+        proposal = "off"
     try:
-        if store.check([f"{base}/off"]):
-            _warn_alone(rank, world, timeout)
-            return False
-    except Exception:  # pragma: no cover - a store without check()
-        pass
-    return True
+        decided = store.compare_set(f"{base}/decision", "", proposal)
+    except Exception:  # pragma: no cover - a store without compare_set: no exchange rather than a hang
+        return False
+    return (decided.decode() if isinstance(decided, bytes) else str(decided)) == "on"
 
 
 def _warn_alone(rank: int, world: int, timeout: float) -> None:

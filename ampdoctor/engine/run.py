@@ -12,7 +12,7 @@ from torch import nn
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec
-from ampdoctor.records import StageResult
+from ampdoctor.records import StageResult, UserHook
 
 
 @dataclass
@@ -54,6 +54,8 @@ class Run:
     """The spec path as the user gave it (reports quote it)."""
     user_hooks: list[str] = field(default_factory=list)
     """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
+    hook_list: list[UserHook] = field(default_factory=list)
+    """The same hooks as data (``watch.userhooks.found``)."""
     replay: Replay | None = None
     """Set when the run replays a capture."""
     start: str = ""

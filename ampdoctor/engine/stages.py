@@ -24,7 +24,9 @@ from ampdoctor.input.batches import Batches, micro_batches, to_device
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
+from ampdoctor.judge.scaler import EXPLODE_RATIO
 from ampdoctor.records import StageError, StageResult, StepRecord
+from ampdoctor.watch import userhooks
 from ampdoctor.watch.blame import GraphRecorder
 from ampdoctor.watch.hooks import Hooks, ModuleTracker
 from ampdoctor.watch.steplog import StepLogWriter
@@ -83,6 +85,12 @@ class StageContext:
     """Replay: the run's RNG states, set before every stage instead of ``config.seed`` (``input.rng.restore``)."""
     rng_restored: list[str] | None = None
     """Filled with the RNG states that were set (``input.rng.restore``)."""
+    probe_hooks: bool = False
+    """Read the gradient each of the user's gradient hooks is handed, before it runs (``watch.userhooks.Probe``):
+    ``StageResult.hook_inputs_nonfinite``."""
+    ref_norms: list[float] | None = None
+    """The FP32 stage's gradient norm at each step (same weights at the start, same batches): a target step applied
+    with a norm ``EXPLODE_RATIO`` times FP32's, or a non-finite one, keeps a snapshot (``StageResult.applied_snapshot``)."""
 
 
 def run_stage(name: str, ctx: StageContext) -> StageResult:
@@ -108,6 +116,10 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
              if ctx.spec.build_scheduler is not None else None)
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
+    owner = model if master is not None or not low else run_model
+    pname = {id(p): n for n, p in owner.named_parameters()}
+    result.weight_decay = {pname[id(p)]: float(g.get("weight_decay") or 0.0) for g in opt.param_groups for p in g["params"]
+                           if id(p) in pname and float(g.get("weight_decay") or 0.0) > 0}
     result.master_weights = prec.master
     if name == "fp16":
         result.optimizer_underflow = fp16_underflowing_constants(opt)
@@ -133,8 +145,12 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                        skip_nonfinite=scaler is not None, scheduler=sched)
     step = 0
     prev: dict[str, torch.Tensor] | None = None
+    rng_before: torch.Tensor | None = None
     snap_src: list[tuple[str, torch.Tensor]] = []
+    probe = userhooks.Probe(run_model) if ctx.probe_hooks else None
     try:
+        if probe is not None:
+            probe.attach()
         if hooks is not None:
             hooks.attach()
         else:
@@ -143,7 +159,8 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
             if ctx.progress:
                 ctx.progress(name, step)
             batch = to_device(ctx.batches[step], ctx.device)
-            if ctx.snapshot and result.snapshot_step is None:
+            if ctx.snapshot and (result.snapshot_step is None or result.applied_step is None):
+                rng_before = torch.get_rng_state()
                 # weights before this step, for the FP32 re-check; copied into the same buffers each step
                 if prev is None:
                     snap_src = list(run_model.state_dict().items())
@@ -191,11 +208,22 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
                                  m.grad_l2_pre_clip, m.grad_l2_post_clip, skipped, m.reason if skipped else "", m.scale,
                                  recipe.weights_finite(), swallowed)
             result.records.append(rec)
+            if probe is not None:
+                seen = probe.take()
+                if seen:
+                    result.hook_inputs_nonfinite[step] = seen
             if ctx.log is not None:
                 ctx.log.write(rec)
             loss_finite = math.isfinite(rec.loss)
+            if (ctx.snapshot and result.applied_step is None and prev is not None and not rec.skipped
+                    and _exploded(rec.grad_l2_pre_clip, ctx.ref_norms, step)):
+                result.applied_snapshot = {k: v.clone() for k, v in prev.items()}  # (prev is reused for the other snapshot)
+                result.applied_step, result.applied_rng = step, rng_before
             if ctx.snapshot and result.snapshot_step is None and (rec.skipped or not rec.params_finite or not loss_finite):
-                result.snapshot, result.snapshot_step = prev, step
+                # (a copy while prev is still refreshed each step for the applied snapshot)
+                result.snapshot = (prev if result.applied_step is not None or prev is None
+                                   else {k: v.clone() for k, v in prev.items()})
+                result.snapshot_step = step
             if not rec.params_finite:
                 result.stopped = f"weights became non-finite at step {step}"
                 break
@@ -216,12 +244,25 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     finally:
         if graph is not None:
             graph.remove()
+        if probe is not None:
+            probe.detach()
         result.moved = weight_movement(run_model if master is None and low else model, ctx.init_state)
         if hooks is not None:
             hooks.detach()
         else:
             tracker.detach()
     return result
+
+
+def _exploded(norm: float, ref: list[float] | None, step: int) -> bool:
+    """An applied update whose gradient norm is non-finite (every element finite: GradScaler saw no inf) or
+    ``EXPLODE_RATIO`` times FP32's norm of the same step."""
+    if math.isnan(norm):
+        return False
+    if not math.isfinite(norm):
+        return True
+    r = ref[step] if ref is not None and step < len(ref) else math.nan
+    return math.isfinite(r) and r > 0 and norm >= EXPLODE_RATIO * r
 
 
 def weight_movement(model: nn.Module, init_state: dict[str, torch.Tensor]) -> dict[str, float]:

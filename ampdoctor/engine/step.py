@@ -34,6 +34,7 @@ from torch import nn
 from ampdoctor.engine.ranks import RankExchange, RankView
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
+from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.tensors import iter_tensors
@@ -110,6 +111,18 @@ def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> to
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss.reshape(())
+
+
+def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, torch.Tensor]:
+    """(the model's output, the scalar loss) of one batch already on the device: ``model(inputs)`` then
+    ``get_loss``; for a LightningModule's ``TrainingStepLoss``, its ``training_step`` on the whole batch (the
+    output is the loss)."""
+    if isinstance(loss_fn, TrainingStepLoss):
+        loss = loss_fn.of(model, batch)
+        return loss, loss
+    args, kwargs, target = split(batch)
+    out = model(*args, **filter_kwargs(model, kwargs))
+    return out, get_loss(out, target, loss_fn)
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -258,6 +271,10 @@ class TrainStep:
         before the first step, GradScaler's ``init_scale`` or loaded state)."""
         self.ranks: RankExchange | None = None
         """Under torch.distributed: the per-step exchange of every rank's local faults (the Monitor sets it)."""
+        self.clip_norm: torch.Tensor | float | None = None
+        """Observe mode: the total norm the caller's ``clip_grad_norm_`` returned this step, before it clipped
+        (``Monitor.note_clip``): the next ``measure`` reports it as the pre-clip norm, its own measurement
+        (after that clip) as the post-clip norm. Read, never written; cleared by ``measure``."""
         self.ring_figures: Callable[[list[torch.nn.Parameter], torch.Tensor], tuple[Any, torch.Tensor]] | None = None
         """On recorded steps: per-parameter figures (a layout, values on the device) queued into the one host copy
         (``Hooks.add_tail``; the Monitor's lookback ring, ``engine.ring.RingFigures``)."""
@@ -283,10 +300,8 @@ class TrainStep:
             self.zero_grad()
         if self.precision.weights != torch.float32:
             batch = cast_floating(batch, self.precision.weights)
-        args, kwargs, target = split(batch)
         with self.autocast():
-            out = self.model(*args, **filter_kwargs(self.model, kwargs))
-            return get_loss(out, target, loss_fn)
+            return batch_loss(self.model, batch, loss_fn)[1]
 
     # backward and the one copy -------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -331,6 +346,7 @@ class TrainStep:
         flag to 1 (fused optimizers skip only on exactly 1).
         """
         sc = self.scaler
+        noted, self.clip_norm = self.clip_norm, None
         already = bool(self.scaler_found()) if sc is not None else False
         label = before_unscale() if before_unscale is not None else ""
         if observe and self.max_norm is not None:
@@ -377,6 +393,10 @@ class TrainStep:
             post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
             post = pre
+        pre_out = pre
+        if observe and noted is not None and not scaled:  # the caller clipped: its own pre-clip norm, ours after it
+            pre_out = (noted.detach().reshape(()) if isinstance(noted, torch.Tensor)
+                       else torch.full((), float(noted), device=dev))
         loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
         # the step's loss: the sum over its micro-batches when gradients accumulated, else the one given
         loss_sum = self._loss_sum
@@ -409,7 +429,7 @@ class TrainStep:
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
         lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
         packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
-                              (loss_val, pre, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
+                              (loss_val, pre_out, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
         hooks = self.hooks
         recording = hooks is not None and hooks.recording
         tripped = False

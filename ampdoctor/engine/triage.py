@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -16,8 +17,9 @@ from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
+from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import get_loss, make_optimizer
+from ampdoctor.engine.step import batch_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
 from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
@@ -28,13 +30,14 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
-from ampdoctor.judge.rules import Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
+from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.lint import LintFinding
-from ampdoctor.records import StageResult
+from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import words
 from ampdoctor.report.build import code_findings, enrich, shift_steps
 from ampdoctor.report.model import Report, StageSummary
 from ampdoctor.tensors import iter_tensors
+from ampdoctor.watch import userhooks
 from ampdoctor.watch.steplog import StepLogWriter
 
 MAX_SKIP = 10**9
@@ -72,16 +75,52 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
 
 
 def user_hooks(model: nn.Module) -> list[str]:
-    """Gradient hooks the user's model carries (they can hide overflows from GradScaler)."""
-    names = {m: n or "<model>" for n, m in model.named_modules()}
-    out = []
-    for m, n in names.items():
-        if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None):
-            out.append(f"backward hook on module {n}")
-    for n, p in model.named_parameters():
-        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
-            out.append(f"gradient hook on parameter {n}")
-    return out
+    """Gradient hooks the user's model carries (they can hide overflows from GradScaler), in words."""
+    return [h.describe() for h in userhooks.found(model)]
+
+
+def hook_check(model: nn.Module, spec: Spec, batches: Batches, results: dict[str, StageResult], device: torch.device,
+               hooks: list[UserHook]) -> HookCheckFn:
+    """``check(stage, step)``: the amp stage's step ``step`` (one applied with a non-finite or exploding gradient norm)
+    replayed from the weights before it, with the loss scale it ran at, once with the user's gradient hooks and once
+    without them: which parameters' scaled gradients GradScaler would have found non-finite only without them."""
+
+    def check(stage: str, step: int) -> HookCheck | None:
+        res = results.get(stage)
+        if (stage != "amp" or not hooks or res is None or res.applied_snapshot is None or res.applied_step != step
+                or step >= len(res.records) or res.records[step].scaler_scale is None):
+            return None
+        scale = float(res.records[step].scaler_scale or 1.0)
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def grads(strip: bool) -> list[str] | None:
+            model.load_state_dict(res.applied_snapshot)  # type: ignore[arg-type]
+            model.train()
+            model.zero_grad(set_to_none=True)
+            if res.applied_rng is not None:
+                torch.set_rng_state(res.applied_rng)
+            micro = micro_batches(batches[step])
+            with contextlib.ExitStack() as stack:
+                if strip:
+                    stack.enter_context(userhooks.disabled(model))
+                try:
+                    for b in micro:
+                        with torch.autocast(device.type, dtype=torch.float16):
+                            loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1]
+                        (loss.float() * (scale / len(micro))).backward()
+                except Exception:
+                    return None
+            bad = [names[id(p)] for p in model.parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            model.zero_grad(set_to_none=True)
+            return bad
+
+        kept, stripped = grads(strip=False), grads(strip=True)
+        if kept is None or stripped is None:
+            return None
+        return HookCheck(step, scale, kept, stripped)
+
+    return check
 
 
 def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[str, torch.Tensor],
@@ -105,8 +144,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         lv, worst, worst_abs = 0.0, micro[0], -1.0
         try:
             for b in micro:  # an accumulated step: each micro-batch's loss divided by their number
-                args, kwargs, target = split(to_device(b, device))
-                loss = get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn) / len(micro)
+                loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1] / len(micro)
                 loss.backward()
                 li = float(loss.detach())
                 lv += li
@@ -138,14 +176,12 @@ def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict
     b = to_device(batch, device)
     if stage == "fp16":
         b = cast_floating(b, torch.float16)
-    args, kwargs, target = split(b)
     dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
     info: dict[str, bool] = {}
 
     def run() -> None:
         with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
-            out = run_model(*args, **filter_kwargs(run_model, kwargs))
-            loss = get_loss(out, target, spec.loss_fn)
+            out, loss = batch_loss(run_model, b, spec.loss_fn)
         others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
         info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
 
@@ -246,7 +282,11 @@ def triage(
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
-    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)", user_hooks=user_hooks(model),
+    hooks_now = userhooks.found(model)
+    if cap is not None:
+        said.extend(_hooks_kept(cap.manifest, hooks_now))
+    run = Run(spec, cfg, device, model, batches, init_state, spec_arg=spec_arg or "(none)",
+              user_hooks=[h.describe() for h in hooks_now], hook_list=hooks_now,
               start=start_note, step0=start.step0 if start is not None else skip_batches, said=said,
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
@@ -254,9 +294,11 @@ def triage(
     rng = start.rng if start is not None else None
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
+        fp32 = run.results.get("fp32")
         return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
                             optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
-                            rng=rng, rng_restored=run.rng_restored)
+                            rng=rng, rng_restored=run.rng_restored, probe_hooks=name == cfg.target and bool(hooks_now),
+                            ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
     for name in cfg.stage_list():
         log = (StepLogWriter(log_path, mode="overwrite", on_error="raise")  # a full disk: one line, exit 2
@@ -390,7 +432,15 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
         spec = replace(spec, build_model=rb.build)
         said.append(rb.source)
     model = build_model(spec, cfg, device)
-    if spec.build_optimizer is None and spec.load_checkpoint is None:
+    if spec.loss_fn is None and rebuild.is_lightning(model):  # a LightningModule's loss is its own training_step
+        spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+        said.append(f"the loss is {type(model).__name__}.training_step, as the run computed it")
+    if spec.build_optimizer is None and spec.load_checkpoint is None and rebuild.is_lightning(model):
+        spec = replace(spec, build_optimizer=rebuild.lightning_optimizer)
+        groups = rebuild.lightning_optimizer(model).param_groups
+        said.append(f"the optimizer and its {len(groups)} parameter group(s) ({[len(g['params']) for g in groups]}) come "
+                    f"from {type(model).__name__}.configure_optimizers(), as Lightning made them")
+    elif spec.build_optimizer is None and spec.load_checkpoint is None:
         saved = read_checkpoint(path, model=model).optimizer
         if saved is not None:
             build_opt, how = rebuild.optimizer_from_state(model, saved, str(path))
@@ -403,7 +453,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
     lacks = load_checkpoint_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
-    step0 = state.step if state.step is not None else skip_batches
+    step0 = state.next_step if state.next_step is not None else skip_batches
     loader_note: list[str] = []
     if skip_batches:
         spec, loader_note = _skipping(spec, skip_batches)
@@ -412,14 +462,32 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    note = (f"started from the {state.layout} checkpoint {path} (the run's step {step0}"
+    at = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
+          "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
+    note = (f"started from the {state.layout} checkpoint {path} ({at}"
             + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
             + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
 
 
+def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:
+    """What the report says of the run's gradient hooks (the capture's ``user_hooks``): kept in the replay when the
+    spec's model registers them too, else listed as not re-created."""
+    raw = manifest.get("user_hooks")
+    run_hooks = [h for h in (UserHook.from_json(d) for d in raw) if h is not None] if isinstance(raw, list) else []
+    if not run_hooks:
+        return []
+    have = {(h.kind, h.target, h.name) for h in now}
+    kept = [h for h in run_hooks if (h.kind, h.target, h.name) in have]
+    lost = [h for h in run_hooks if (h.kind, h.target, h.name) not in have]
+    return words.hooks_kept([h.describe() for h in kept], [h.describe() for h in lost], len(run_hooks))
+
+
 def _failed(res: StageResult) -> bool:
-    return res.error is not None or res.first_nonfinite_step is not None
+    """The replay failed again: it raised, went non-finite, or a user's gradient hook was handed a non-finite gradient
+    on a step GradScaler then applied (the overflow it hid)."""
+    hidden = any(s < len(res.records) and not res.records[s].skipped for s in res.hook_inputs_nonfinite)
+    return res.error is not None or res.first_nonfinite_step is not None or hidden
 
 
 def _last(res: StageResult) -> dict[str, float | None]:
@@ -435,18 +503,22 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
     the model and the optimizer came from (report notes)."""
     cap = read_capture(capture)
-    if cap.manifest.get("sharded"):
+    said: list[str] = []
+    if cap.manifest.get("sharded") == "deepspeed" and getattr(cap, "assembled", None) is None:  # every rank's pieces
+        cap, whole = reassemble(cap)
+        said.append(whole)
+    elif cap.manifest.get("sharded"):
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest['sharded']} model; replaying a sharded capture is not supported yet "
                            "(the manifest, stats.json and the step logs still say which rank, step and module)")
-    said: list[str] = []
     if not spec.own_model:
         rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
-        if rb.lightning and spec.loss_fn is None:
-            raise SpecError(f"{cap.path}: the model is a LightningModule, whose loss is its training_step, which a replay "
-                            "does not call; give a spec with loss_fn(output, target) (build_model() may be left out)")
         spec = replace(spec, build_model=rb.build)
-        said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
+        if rb.lightning and spec.loss_fn is None:  # its loss is its own training_step, on the whole batch
+            spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+            said.append(rb.source + ", with its own training_step as the loss")
+        else:
+            said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
@@ -456,6 +528,9 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
             said.append(f"the optimizer is {lay.get('class')} over the run's {len(lay.get('groups') or [])} parameter "
                         "group(s), by parameter name, as the capture recorded them")
     model = build_model(spec, cfg, device)
+    if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
+        spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
+        said.append(f"the loss is {type(model).__name__}.training_step (the spec has no loss_fn)")
     load_into(model, cap.model, cap.path)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
@@ -478,10 +553,9 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
         except Exception as e:
             raise CaptureError(f"{cap.path}: the captured GradScaler state cannot be loaded ({type(e).__name__}: {e})") from None
     batches = Batches(cap.batches, cycled=False)
-    args, kwargs, target = split(to_device(micro_batches(batches[0])[0], device))
     try:
         with torch.no_grad():
-            get_loss(model(*args, **filter_kwargs(model, kwargs)), target, spec.loss_fn)
+            batch_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)
     except Exception as e:
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
@@ -545,7 +619,9 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device, run.replay.step0 if run.replay
                          is not None else run.step0, "initial" if run.start_kind == "init" else start_words)
     phase = run.replay.manifest.get("scaler_phase") if run.replay is not None else None  # (what GradScaler was doing)
+    hcheck = hook_check(run.model, run.spec, batches, results, device, run.hook_list)
     diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
+                    hook_list=run.hook_list, hook_check=hcheck,
                     scaler_phase=phase if isinstance(phase, str) else None,
                     step0=run.replay.step0 if run.replay is not None else run.step0,  # the story in the run's steps
                     resumed=run.start_kind != "init")
@@ -593,10 +669,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         if first is not None:  # the captured scale, not the spec's default
             report.scaler.init_scale = first
         report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
-        report.scaler.explanation = (f"the replay started from the run's scale {report.scaler.init_scale:g} (captured) and "
-                                     f"ran {len(batches.items)} step(s); the run's scale history is in its step log: "
-                                     "`ampdoctor scaler " + (f"steps.rank{rp.manifest.get('rank')}.csv`" if int(rp.manifest.get("world_size") or 1) > 1
-                                                             else "steps.csv`"))
+        report.scaler.explanation = words.replay_scaler(report.scaler.init_scale, len(batches.items), rp.manifest)
     if rp is not None:
         m = rp.manifest
         report.config["from_capture"] = str(rp.capture)

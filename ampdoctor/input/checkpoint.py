@@ -77,6 +77,16 @@ class CheckpointState:
     notes: list[str] = field(default_factory=list)
     """What was found but not used, or read with an assumption: one sentence each, for the report."""
 
+    @property
+    def next_step(self) -> int | None:
+        """The run's number of the first step after this checkpoint, as the framework's own log numbers it:
+        a Trainer folder's ``global_step + 1`` (the Trainer gives a step its global_step after it, and saves
+        ``checkpoint-N`` after its step N), a Lightning ``.ckpt``'s ``global_step`` (its loggers give a step
+        the global step while it runs), and a dict's or a spec's step as saved."""
+        if self.step is None:
+            return None
+        return self.step + 1 if self.layout == "transformers" else self.step
+
 
 # ---------------------------------------------------------------------------------------------- loading
 

@@ -30,6 +30,20 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model, as /proc/cpuinfo's "model name" says it ("AMD EPYC 7763 64-Core Processor"); else
+    what the platform says (``platform.processor()``, then the architecture)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def environment(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
     """Versions, device, dtype support and TF32 flags, for reports."""
     from ampdoctor._version import __version__
@@ -55,7 +69,7 @@ def environment(device: torch.device, argv: list[str] | None = None) -> dict[str
         )
     else:
         info.update(
-            device_name=platform.processor() or platform.machine(),
+            device_name=cpu_name(),
             compute_capability=None,
             fp16_supported=True,
             bf16_supported=True,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,57 @@ class Rebuilt:
     source: str
     """'the capture's model_identity: transformers BertForSequenceClassification from its config (sdpa attention)'."""
     lightning: bool = False
-    """A LightningModule: its loss is its ``training_step``, which a replay does not call (the spec's ``loss_fn``)."""
+    """A LightningModule: without a spec's ``loss_fn`` its loss is its own ``training_step`` (``TrainingStepLoss``)."""
+
+
+class TrainingStepLoss:
+    """The loss of a LightningModule as the run computed it: its own ``training_step(batch, batch_idx)`` on the
+    whole batch (the forward runs inside it), its returned tensor or ``["loss"]``. Used as a spec's ``loss_fn``
+    (``engine.step.batch_loss`` calls ``of``); ``self.log`` there has no Trainer and is silent."""
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        raise TypeError("the LightningModule's training_step takes the whole batch; call TrainingStepLoss.of(model, batch)")
+
+    def of(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        step = getattr(model, "training_step", None)
+        if not callable(step):
+            raise TypeError(f"{type(model).__name__} has no training_step")
+        if getattr(model, "automatic_optimization", True) is False:
+            raise TypeError(f"{type(model).__name__} uses manual optimization: its training_step steps the optimizer "
+                            "itself; give the spec a loss_fn(output, target)")
+        try:
+            n = len([p for p in inspect.signature(step).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        except (TypeError, ValueError):
+            n = 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log() without a Trainer warns at every call
+            out = step(batch, 0) if n >= 2 else step(batch)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"{type(model).__name__}.training_step returned {type(out).__name__}, not a scalar loss "
+                            "(or a dict with 'loss'); give the spec a loss_fn(output, target)")
+        return loss.reshape(())
+
+    def __repr__(self) -> str:
+        return "training_step"
+
+
+def lightning_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The first optimizer a LightningModule's ``configure_optimizers()`` returns (an optimizer, a list or tuple of
+    them, ``([optimizers], [schedulers])``, a dict with ``"optimizer"``, or a list of such dicts)."""
+    got: Any = model.configure_optimizers()  # type: ignore[operator]
+    for _ in range(4):
+        if isinstance(got, torch.optim.Optimizer):
+            return got
+        if isinstance(got, Mapping):
+            got = got.get("optimizer")
+        elif isinstance(got, (list, tuple)) and got:
+            got = got[0]
+        else:
+            break
+    raise SpecError(f"{type(model).__name__}.configure_optimizers() returned no optimizer ampdoctor can read "
+                    f"({type(got).__name__}); give the spec a build_optimizer(model)")
 
 
 def import_path(path: str, where: str) -> type:
@@ -99,8 +150,8 @@ def _transformers(cls: type, config: Mapping[str, Any], attn: str | None, where:
     return build
 
 
-def from_identity(identity: Mapping[str, Any] | None, where: str) -> Rebuilt:
-    """The model a capture's ``model_identity`` describes (see the module docstring)."""
+def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the capture") -> Rebuilt:
+    """The model a capture's ``model_identity`` describes (see the module docstring); ``by``: who recorded it."""
     if not identity or not isinstance(identity.get("class"), str):
         raise SpecError(f"{where}: the capture does not say which model it holds (no model_identity: captured before "
                         f"ampdoctor recorded it); {WRITE_SPEC}")
@@ -114,18 +165,18 @@ def from_identity(identity: Mapping[str, Any] | None, where: str) -> Rebuilt:
         attn = identity.get("attn_implementation")
         attn_s = attn if isinstance(attn, str) else None
         return Rebuilt(_transformers(cls, cfg, attn_s, where),
-                       f"the model is {name}, rebuilt from the transformers config the capture recorded"
+                       f"the model is {name}, rebuilt from the transformers config {by} recorded"
                        + (f" ({attn_s} attention)" if attn_s else ""))
     hp = identity.get("lightning_hparams")
-    if _is_lightning(cls) and isinstance(hp, Mapping):
+    if _is_lightning(cls) and isinstance(hp, Mapping) and hp:
         kw = dict(hp)
-        return Rebuilt(lambda: cls(**kw), f"the model is the LightningModule {name}({', '.join(sorted(kw))}), "
-                       "rebuilt from the hparams the capture recorded", lightning=True)
+        return Rebuilt(lambda: cls(**kw), f"the model is the LightningModule {name}({', '.join(sorted(kw))}) from "
+                       f"{path}, rebuilt from the hparams {by} recorded", lightning=True)
     need = _required_args(cls)
     if need:
         raise SpecError(f"{where}: the model class {path} needs constructor arguments the capture did not record "
                         f"({', '.join(need[:4])}); {WRITE_SPEC}")
-    return Rebuilt(lambda: cls(), f"the model is {name}(), imported from {path} as the capture recorded",
+    return Rebuilt(lambda: cls(), f"the model is {name}(), imported from {path} as {by} recorded",
                    lightning=_is_lightning(cls))
 
 
@@ -133,7 +184,8 @@ def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = No
     """The model of a checkpoint that says how to build it: a transformers Trainer folder's ``config.json``
     (``architectures`` names the class, ``model_type`` its config). config.json does not record the attention
     implementation the run used: ``attn`` (``--attn-implementation``) says it, else transformers' default.
-    A Lightning ``.ckpt`` holds the hparams but not the class: that is one line."""
+    A Lightning ``.ckpt`` holds the hparams but not the class, unless ``AmpDoctorCallback`` watched the run (its
+    callback state holds the ``model_identity``); without it, that is one line."""
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else None
     if cfg_file is not None and cfg_file.is_file():
@@ -152,10 +204,42 @@ def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = No
                "eager if the run used eager")
         return Rebuilt(_transformers(cls, config, use, str(cfg_file)), f"the model is {archs[0]}, rebuilt from "
                        f"{p.name}/config.json with {how}")
+    ident = lightning_identity(p)
+    if ident is not None:
+        if obj_hparams is not None:
+            ident = {**ident, "lightning_hparams": dict(obj_hparams)}
+        return from_identity(ident, str(p), by=f"{p.name} (AmpDoctorCallback's state)")
     if obj_hparams is not None:
         raise SpecError(f"{p}: a Lightning checkpoint holds the hyper_parameters ({', '.join(sorted(obj_hparams)[:4])}) "
                         f"but not the LightningModule's class; {WRITE_SPEC}, e.g. `return MyModule.load_from_checkpoint(path)`")
     raise SpecError(f"{p}: the checkpoint does not say how to build its model (no config.json); {WRITE_SPEC}")
+
+
+def _ckpt(path: Path) -> Mapping[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return obj if isinstance(obj, Mapping) else None
+
+
+def lightning_identity(path: str | Path) -> Mapping[str, Any] | None:
+    """The ``model_identity`` a Lightning ``.ckpt`` holds when ``AmpDoctorCallback`` watched the run (its callback
+    state), or None."""
+    obj = _ckpt(Path(path))
+    states = obj.get("callbacks") if obj is not None else None
+    if not isinstance(states, Mapping):
+        return None
+    for key, st in states.items():
+        if str(key).startswith("AmpDoctorCallback") and isinstance(st, Mapping) and isinstance(st.get("model_identity"), Mapping):
+            return st["model_identity"]  # type: ignore[no-any-return]
+    return None
+
+
+def is_lightning(model: nn.Module) -> bool:
+    return _is_lightning(type(model))
 
 
 def lightning_hparams(path: str | Path) -> Mapping[str, Any] | None:

@@ -14,10 +14,20 @@ The loss comes from the framework's hook where it has one (Lightning's ``on_befo
 (``output.loss``) of each training forward. The batch (for the capture) is the model's inputs of
 each training forward, kept only while a capture is armed; several micro-batches (gradient
 accumulation) are kept as one step.
+
+The pre-clip norm is the framework's own: while a monitor is attached, ``torch.nn.utils.clip_grad_norm_``
+(which accelerate's ``clip_grad_norm_``, the Trainer's clip and Lightning's ``clip_gradients`` call) is
+observed (``ClipObserver``): the wrapper calls the original with the same arguments and hands its return
+value, the total norm before clipping, to the monitor whose parameters it clipped. The monitor measures
+after the clip, so ``grad_l2_post_clip`` is the norm the optimizer steps with.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +71,73 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
+_Listener = Callable[[list[Any], Any], None]
+
+
+class ClipObserver:
+    """Observes ``torch.nn.utils.clip_grad_norm_`` while at least one listener is registered.
+
+    The wrapper calls the original with the caller's own arguments (a generator of parameters is made a list
+    first, as the original does itself; an empty generator is passed on as one, so its warning stays) and
+    returns the original's result untouched; each listener is then given the parameters and that result.
+    Nothing is written. The attribute is restored when the last listener leaves (if nothing replaced it since).
+    """
+
+    _lock = threading.Lock()
+    _listeners: list[_Listener] = []
+    _original: Callable[..., Any] | None = None
+    _wrapper: Callable[..., Any] | None = None
+
+    @classmethod
+    def add(cls, listener: _Listener) -> None:
+        with cls._lock:
+            cls._listeners.append(listener)
+            if cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
+                return
+            original = torch.nn.utils.clip_grad_norm_
+            cls._original = original
+
+            @functools.wraps(original)
+            def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+                listeners = list(cls._listeners)
+                if not listeners or isinstance(parameters, torch.Tensor):
+                    params = [parameters] if isinstance(parameters, torch.Tensor) else None
+                    total = original(parameters, *args, **kwargs)
+                else:
+                    was_generator = isinstance(parameters, types.GeneratorType)
+                    params = list(parameters)
+                    total = original(params if params or not was_generator else (p for p in params), *args, **kwargs)
+                if params is not None:
+                    for fn in listeners:
+                        try:
+                            fn(params, total)
+                        except Exception:  # noqa: S112  # a listener turns its own monitor off; the clip is done
+                            continue
+                return total
+
+            cls._wrapper = clip_grad_norm_
+            torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+    @classmethod
+    def remove(cls, listener: _Listener) -> None:
+        with cls._lock:
+            if listener in cls._listeners:
+                cls._listeners.remove(listener)
+            if not cls._listeners and cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
+                torch.nn.utils.clip_grad_norm_ = cls._original  # type: ignore[assignment]
+                cls._wrapper = cls._original = None
+
+
 class Attached:
     """A Monitor on a framework's model, optimizer and GradScaler, called at the framework's two points."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, *,
                  amp_dtype: torch.dtype | None, first_step: int, log: str | Path | None, capture: str | Path | None,
                  loss_from_output: bool, monitor_kwargs: dict[str, Any], asked: str | None = None,
-                 framework: str = "the framework") -> None:
+                 framework: str = "the framework", step_convention: str = "monitor") -> None:
         kw = dict(monitor_kwargs)
         kw.setdefault("max_norm", None)  # the framework clips; the monitor measures
+        kw.setdefault("step_convention", step_convention)  # the step numbers the framework's own log gives
         ran = precision_ran(amp_dtype, scaler)
         if asked is not None and asked != ran and not kw.get("quiet") and _rank0():
             # once, at the start: a run that asked for fp16 and trains in FP32 finds no FP16 problem to find
@@ -95,6 +163,19 @@ class Attached:
         if loss_from_output:
             self.tap = ForwardTap(model, self.monitor.note_loss, inputs=False)
             self.tap.on_error = self.monitor._hook_failed
+        self._ids = {id(p) for p in self.monitor.recipe.params}
+        ClipObserver.add(self._clipped)
+
+    def _clipped(self, params: list[Any], total: Any) -> None:
+        """The framework's ``clip_grad_norm_`` returned ``total`` for ``params``: this step's pre-clip norm, if
+        they are this monitor's (a second model's clip is not)."""
+        mon = self.monitor
+        if mon.off is not None or not any(id(p) in self._ids for p in params):
+            return
+        try:
+            mon.note_clip(total)
+        except Exception as e:
+            mon._fail("reading the framework's clip_grad_norm_", e)
 
     def note_loss(self, loss: torch.Tensor) -> None:
         self.monitor.note_loss(loss)
@@ -109,15 +190,22 @@ class Attached:
     def after_optimizer_step(self, applied: bool | None = None) -> MonitorRecord | None:
         """After ``optimizer.step()`` and ``scaler.update()``. ``applied``: what the framework did, when
         the monitor cannot know it (no GradScaler: a non-finite step is applied, not skipped)."""
-        if not self._measured:
+        if self._end_of_step():
             return None
         self._measured = False
         return self.monitor.after_step(None if applied is None else not applied)
 
+    def _end_of_step(self) -> bool:
+        """No measurement this step (or the monitor is off): a clip norm noted late is dropped, not carried on."""
+        if self.monitor.off is None:
+            self.monitor.recipe.clip_norm = None
+        return not self._measured
+
     def close(self) -> None:
+        ClipObserver.remove(self._clipped)
         if self.tap is not None:
             self.tap.close()
         self.monitor.close()
 
 
-__all__ = ["Attached", "ForwardTap", "inner_optimizer", "output_loss", "precision_ran"]  # (the tap lives in watch.tap)
+__all__ = ["Attached", "ClipObserver", "ForwardTap", "inner_optimizer", "output_loss", "precision_ran"]  # (the tap lives in watch.tap)

@@ -16,7 +16,9 @@
 loss, as accelerate divides it for gradient accumulation) and the prepared optimizer's ``step``: on a
 step that syncs gradients it calls ``Monitor.after_backward`` before the step (after your
 ``clip_grad_norm_``, which unscales) and ``Monitor.after_step`` after it; on accumulation steps it
-does nothing. The GradScaler is ``accelerator.scaler``; the batch for the capture is read from the
+does nothing. ``grad_l2_pre_clip`` is what your ``accelerator.clip_grad_norm_`` returned (the norm
+before it clipped), ``grad_l2_post_clip`` the norm the step is taken with; the steps are the monitor's
+count of optimizer steps from 0 (``step_convention`` ``monitor``). The GradScaler is ``accelerator.scaler``; the batch for the capture is read from the
 model's training forwards. A skip is read from GradScaler's own found-inf flags, never from
 ``optimizer.step_was_skipped`` (wrong with fused optimizers, accelerate issue 4242). ``close()``
 restores both methods. Tested with accelerate 1.15.

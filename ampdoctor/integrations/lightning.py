@@ -17,8 +17,18 @@ precision plugin's ``scaler`` (``trainer.precision_plugin``; None for ``bf16-mix
 ``32-true``), the optimizer is ``trainer.optimizers[0]``. The hooks used: ``on_train_batch_start``
 (the batch, for the capture), ``on_before_backward`` (the loss, before Lightning scales it),
 ``on_before_optimizer_step`` (after Lightning's ``scaler.unscale_``, before its clipping and
-``scaler.step``) and ``on_train_batch_end`` (after ``scaler.update()``). Gradient norms are taken
-before Lightning's clipping; a skip is read from GradScaler's own found-inf flags.
+``scaler.step``) and ``on_train_batch_end`` (after ``scaler.update()``). The step is measured right
+after Lightning's clipping: the precision plugin's ``_clip_gradients`` (which runs the module's
+``configure_gradient_clipping``) is wrapped on that plugin object alone, called as it is, and the
+measurement follows it. So ``grad_l2_post_clip`` is the norm the optimizer steps with, and
+``grad_l2_pre_clip`` the one ``torch.nn.utils.clip_grad_norm_`` returned inside Lightning's
+``clip_gradients`` (``_attach.ClipObserver``; measured before the clip for
+``gradient_clip_algorithm="value"`` or a ``configure_gradient_clipping`` of the module's own). A
+plugin that does not clip there is measured at ``on_before_optimizer_step``, before any clip. A skip
+is read from GradScaler's own found-inf flags.
+
+Rows are numbered as Lightning's loggers number the step: ``trainer.global_step`` while the step runs
+(CSVLogger's ``step`` for what ``training_step`` logged; ``step_convention`` ``lightning_global_step``).
 
 Unlike ``detect_anomaly``, which raises on GradScaler's ordinary calibration skips, the callback
 logs them and judges them: a capture is written only for a skip at a scale that had already carried
@@ -37,8 +47,16 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
 
+from ampdoctor.engine.capture import model_identity
 from ampdoctor.input.batches import Micro
 from ampdoctor.integrations._attach import Attached, inner_optimizer
+
+try:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.plugins.precision import Precision
+except ImportError:  # the older package name
+    from pytorch_lightning import LightningModule  # type: ignore[no-redef,assignment]
+    from pytorch_lightning.plugins.precision import Precision  # type: ignore[no-redef,assignment,attr-defined]
 
 _AMP = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16": torch.float16, "bf16": torch.bfloat16}
 
@@ -61,13 +79,27 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         self.monitor_kwargs = monitor_kwargs
         self.attached: Attached | None = None
         self._batches: list[Any] = []
+        self._plugin: Any = None
+        self._due: tuple[Any] | None = None
+        """The step's batch, measured once Lightning has clipped (``_clip_gradients``)."""
+        self._identity: dict[str, Any] | None = None
 
     @property
     def monitor(self) -> Any:
         """The ``Monitor`` (after ``on_train_start``): its ``last`` record, ``skips``, ``first_fault``..."""
         return self.attached.monitor if self.attached is not None else None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in each ``.ckpt`` (its ``callbacks`` entry): the LightningModule's import path and ``hparams``
+        (``model_identity``), so ``ampdoctor triage --checkpoint run.ckpt`` rebuilds it without a spec."""
+        return {"model_identity": self._identity} if self._identity is not None else {}
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        try:
+            self._identity = model_identity(pl_module)
+        except Exception:  # the .ckpt then needs a spec to replay; the run goes on
+            self._identity = None
+        self._unwrap_clip()
         if self.attached is not None:
             self.attached.close()
         if self.log_file is not None:
@@ -76,9 +108,65 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         scaler = getattr(plugin, "scaler", None)
         amp = _AMP.get(str(getattr(plugin, "precision", trainer.precision)))
         opt = inner_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
-        self.attached = Attached(pl_module, opt, scaler, amp_dtype=amp, first_step=trainer.global_step, log=self.log_file,
-                                 capture=self.capture_dir, loss_from_output=False,
+        # the number Lightning's loggers give the step (one a batch that stepped; its global step with one optimizer)
+        stepped = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
+        first = stepped if isinstance(stepped, int) else trainer.global_step
+        self._due = None
+        self.attached = Attached(pl_module, opt, scaler, amp_dtype=amp, first_step=first, log=self.log_file,
+                                 capture=self.capture_dir, loss_from_output=False, step_convention="lightning_global_step",
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
+        self._wrap_clip(plugin, trainer, pl_module)
+
+    def _wrap_clip(self, plugin: Any, trainer: Any, pl_module: Any) -> None:
+        """Measure after Lightning's clip: wrap ``_clip_gradients`` on this plugin object (its class untouched)
+        where the plugin's ``_after_closure`` is Lightning's own, which calls it right after
+        ``on_before_optimizer_step``."""
+        self._plugin = None
+        if (self.attached is None or self.attached.monitor.off is not None or plugin is None
+                or getattr(type(plugin), "_after_closure", None) is not Precision._after_closure
+                or not callable(getattr(plugin, "_clip_gradients", None)) or "_clip_gradients" in vars(plugin)):
+            return
+        original = plugin._clip_gradients
+        own_clip = type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
+
+        def _clip_gradients(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                due = self._due is not None and inner_optimizer(optimizer) is self._monitor_optimizer()
+                if due and (own_clip or (trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) != "norm")):
+                    self._note_norm_before_clip()  # a clip that is not clip_grad_norm_: its input measured here
+            except Exception:  # nothing of ampdoctor's stands between Lightning and its clip
+                due = False
+            result = original(model, optimizer, *args, **kwargs)
+            if due:
+                self._measure()
+            return result
+
+        plugin._clip_gradients = _clip_gradients
+        self._plugin = plugin
+
+    def _monitor_optimizer(self) -> Any:
+        return self.attached.monitor.optimizer if self.attached is not None else None
+
+    def _note_norm_before_clip(self) -> None:
+        a = self.attached
+        if a is None or a.monitor.off is not None:
+            return
+        try:
+            grads = [p.grad for p in a.monitor.recipe.params if p.grad is not None]
+            if grads:  # read only, on the device: no sync
+                a.monitor.note_clip(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))))
+        except Exception as e:
+            a.monitor._fail("measuring the norm before Lightning's clip", e)
+
+    def _measure(self) -> None:
+        a, due, self._due = self.attached, self._due, None
+        if a is not None and due is not None:
+            a.before_optimizer_step(due[0])
+
+    def _unwrap_clip(self) -> None:
+        plugin, self._plugin = self._plugin, None
+        if plugin is not None:
+            vars(plugin).pop("_clip_gradients", None)  # the class's own method shows through again
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         a = self.attached
@@ -100,14 +188,20 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         if a is None or inner_optimizer(optimizer) is not a.monitor.optimizer:
             return
         got, self._batches = self._batches, []
-        a.before_optimizer_step(got[0] if len(got) == 1 else (Micro(got) if got else None))
+        batch = got[0] if len(got) == 1 else (Micro(got) if got else None)
+        if self._plugin is not None:  # measured right after Lightning's clip, which follows this hook
+            self._due = (batch,)
+            return
+        a.before_optimizer_step(batch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         a = self.attached
         if a is not None:  # only after an optimizer step (gradient accumulation: every N batches)
+            self._due = None  # (Lightning's _after_closure always clips; a measurement after the step would be wrong)
             a.after_optimizer_step(applied=None if a.monitor.scaler is not None else True)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unwrap_clip()
         if self.attached is not None:
             self.attached.close()
 

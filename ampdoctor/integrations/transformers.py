@@ -20,6 +20,12 @@ the model is the callback's ``model`` argument (the unwrapped model), the optimi
 without fp16 on a device that needs one: accelerate makes none on the CPU). The callback runs at
 ``on_pre_optimizer_step`` (after the Trainer's ``unscale_`` and clip) and ``on_step_end``.
 
+The log is numbered as the Trainer numbers its steps: a row's ``step`` is ``state.global_step`` after
+the step (the ``step`` of its log history and the N of ``checkpoint-N``; the first row is step 1), and
+the ``step_convention`` column says ``trainer_global_step``. ``grad_l2_pre_clip`` is the norm the
+Trainer's own ``clip_grad_norm_`` returned (what it logs as ``grad_norm``); ``grad_l2_post_clip`` is the
+norm after that clip, measured at ``on_pre_optimizer_step``.
+
 Two things the Trainer hides that the log shows:
 
 - a NaN/Inf loss: with ``logging_nan_inf_filter=True`` (the default) the Trainer's logged loss
@@ -84,8 +90,10 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             amp = None
         self._said_hidden = False
         asked = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        self.attached = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=amp, first_step=state.global_step,
-                                 asked=asked, framework="the Trainer (TrainingArguments)",
+        # a row's step is the Trainer's: its global_step after the step (the ``step`` of its log history, the N
+        # of the checkpoint-N saved after it), so a fresh run's first row is step 1
+        self.attached = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=amp, first_step=state.global_step + 1,
+                                 asked=asked, framework="the Trainer (TrainingArguments)", step_convention="trainer_global_step",
                                  log=self.log_file, capture=self.capture_dir, loss_from_output=True,
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
 

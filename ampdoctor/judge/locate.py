@@ -78,17 +78,26 @@ def locate_backward(st: StepStats) -> str | None:
             p = producer(st, tid)
             return entry_child(st) or p if p == MODEL else p
     order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
+    entered = [c for c in st.calls if _bad(st.grad, [t for t in c.outputs if t in st.grad])]
     cands: list[tuple[int, str]] = []
     for c in st.calls:
         incoming = [t for t in c.outputs if t in st.grad]
         if not incoming or _bad(st.grad, incoming):
             continue
         pbad = any(nonfinite(st.pgrad[p]) > 0 for p in own_params(c.module, st.pgrad))
-        if _bad(st.grad, c.inputs) or pbad:
+        # a gradient at an input accumulates over every consumer of that tensor: one non-finite because another
+        # consumer (not nested with this one) already received a non-finite gradient is not this module's
+        made = [t for t in c.inputs if t in st.grad and nonfinite(st.grad[t]) > 0 and not any(
+            t in o.inputs and o.module != c.module and not is_ancestor(o.module, c.module)
+            and not is_ancestor(c.module, o.module) for o in entered)]
+        if made or pbad:
             cands.append((min(order.get(t, 1 << 30) for t in incoming), c.module))
     cands.sort()
     inner = innermost(n for _, n in cands)
-    return inner[0] if inner else None
+    if inner:
+        return inner[0]
+    # none made it: the root's own code did (a weighted sum, a cat of heads); name where it entered a child
+    return entry_child(st) if any(c.module != MODEL for c in entered) else None
 
 
 def entry_child(st: StepStats) -> str | None:

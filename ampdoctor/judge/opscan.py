@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ampdoctor.formats import FP16, Format
+from ampdoctor.formats import FORMATS, FP16, Format
 from ampdoctor.tensors import iter_tensors
 
 
@@ -168,3 +168,78 @@ def first_nonfinite_op(model: nn.Module, run: Callable[[], Any]) -> NonfiniteOp 
         for h in handles:
             h.remove()
     return scan.found
+
+
+@dataclass
+class InnerOp:
+    """An op's largest finite |output| in a forward, with the innermost module that ran it."""
+
+    module: str
+    """'<model>' for the root's own code."""
+    op: str
+    absmax: float
+    overflow_frac: dict[str, float]
+    """Format name → share of its output's elements at or beyond that format's overflow threshold."""
+    index: int = 0
+    """The order in which the (module, op) pair first ran in the forward."""
+
+
+class _Inner(TorchFunctionMode):
+    """Every op's finite absmax while a module of the model runs, by innermost module and op name."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.worst: dict[tuple[str, str], InnerOp] = {}
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        if self.stack and name not in _SKIP:
+            with torch._C.DisableTorchFunction():
+                vals = [t.detach() for t in iter_tensors(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and t.numel()]
+                if vals:
+                    a = [torch.nan_to_num(t.float(), 0.0, 0.0, 0.0).abs() for t in vals]
+                    amax = max(float(x.max()) for x in a)
+                    op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+                    key = (self.stack[-1], op)
+                    old = self.worst.get(key)
+                    if old is None or amax > old.absmax:
+                        n = sum(x.numel() for x in a)
+                        over = {f.name: sum(int((x >= f.overflow_threshold).sum()) for x in a) / n
+                                for f in FORMATS.values() if amax >= f.overflow_threshold}
+                        self.worst[key] = InnerOp(key[0], op, amax, over, old.index if old else len(self.worst))
+        return out
+
+
+class InnerOps:
+    """``with InnerOps(model) as scan: <one forward>``; then ``scan.ops``: each (module, op) pair's largest
+    FP32 value, the ops that module hooks never see (``q @ k`` inside an attention module). One forward, at
+    diagnosis time; it reads the outputs and changes nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.ops: list[InnerOp] = []
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+        self._mode = _Inner(self._stack)
+
+    def __enter__(self) -> InnerOps:
+        for name, m in self.model.named_modules():
+            label = name or "<model>"
+            self._handles.append(m.register_forward_pre_hook(lambda *_, n=label: self._stack.append(n)))
+            self._handles.append(m.register_forward_hook(lambda *_, n=label: self._pop(n)))
+        self._mode.__enter__()
+        return self
+
+    def _pop(self, name: str) -> None:
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.ops = sorted(self._mode.worst.values(), key=lambda o: -o.absmax)

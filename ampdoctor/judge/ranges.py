@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ampdoctor.errors import UsageError
 from ampdoctor.fmt import pow2 as _pow2
-from ampdoctor.formats import BF16, Format
+from ampdoctor.formats import BF16, Format, get_format
 from ampdoctor.records import BINADE_MIN
 
 KINDS = ("act", "act_grad", "param", "param_grad")
@@ -152,6 +153,21 @@ class Advice:
     bf16_fixes: bool | None = None
     """For a non-bf16 format, when bf16 rows are present: whether bf16 is safe as is."""
     notes: list[str] = field(default_factory=list)
+    inner: list[dict[str, Any]] = field(default_factory=list)
+    """Ops inside modules (``df.attrs["inner_ops"]``) that overflow the format while their module's output fits:
+    ``{module, op, absmax}``, the largest op per module. No module row shows them."""
+
+
+def inner_overflows(df: pd.DataFrame, dtype: str, fitting: Any = ()) -> list[dict[str, Any]]:
+    """The first op per module (in forward order), among the ops inside modules that ``layer_stats`` scanned,
+    whose FP32 value overflows ``dtype``; modules in ``fitting`` (already named for their own output) are left out."""
+    fmt = get_format(dtype)
+    out: dict[str, dict[str, Any]] = {}
+    for o in sorted(df.attrs.get("inner_ops", []), key=lambda o: o.get("index", 0)):
+        if o["absmax"] >= fmt.overflow_threshold and o["module"] not in fitting and o["module"] not in out:
+            out[o["module"]] = {"module": o["module"], "op": o["op"], "absmax": float(o["absmax"]),
+                                "overflow_frac": float(o["overflow_frac"].get(dtype, 0.0))}
+    return list(out.values())
 
 
 def _innermost(modules: list[str]) -> list[str]:
@@ -187,6 +203,14 @@ def advise(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLERANCE) -
                      f"{choice.underflow_limit} loses more than {tolerance:.0%} to underflow below {_pow2(choice.lo)}")
         if choice.underflow_limit:
             keep.setdefault(str(lo_module), "its gradients underflow at every scale that overflows nothing")
+    inner = inner_overflows(df, dtype, set(keep)) if dtype != BF16.name else []
+    for o in inner:
+        keep.setdefault(o["module"], f"its {o['op']} op reaches {o['absmax']:.4g} in FP32, beyond {dtype}'s max "
+                                     f"{get_format(dtype).max:g}, inside the module (its output fits)")
+    if inner:
+        notes.append(f"layers measures module outputs and parameters only: no row shows the {inner[0]['op']} op inside "
+                     f"{inner[0]['module']} (found by scanning the ops of the first step's forward); "
+                     "`ampdoctor triage` names the op that overflows")
     if not fp32_bad.empty:
         verdict = "fp32_nonfinite"
         notes.insert(0, f"the FP32 reference already has NaN/Inf ({_label(fp32_bad.iloc[0])}): fix that first "
@@ -197,7 +221,7 @@ def advise(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLERANCE) -
         verdict = "safe"
     else:
         verdict = "safe_with_scale"
-    advice = Advice(dtype, verdict, choice, keep, notes=notes)
+    advice = Advice(dtype, verdict, choice, keep, notes=notes, inner=inner)
     if dtype != BF16.name and (df["dtype"] == BF16.name).any():
         advice.bf16_fixes = advise(df, BF16.name, tolerance).verdict == "safe"
     return advice

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ampdoctor.fmt import pow2
+from ampdoctor.fmt import pow2, sentences
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
@@ -27,7 +27,19 @@ from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
 from ampdoctor.judge.rules_extra import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.scaler import diagnose_scale
-from ampdoctor.records import Col, Finding, Fix, LayerRow, Outcome, ScaleEvent, ScalerStory, StageResult, StepStats, nonfinite
+from ampdoctor.records import (
+    Col,
+    Finding,
+    Fix,
+    LayerRow,
+    Outcome,
+    ScaleEvent,
+    ScalerStory,
+    StageResult,
+    StepStats,
+    UserHook,
+    nonfinite,
+)
 
 OUTLIER_RATIO = 1e3
 """A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""
@@ -55,6 +67,21 @@ class Recheck:
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
+
+
+@dataclass
+class HookCheck:
+    """A step applied with a non-finite or exploding gradient norm, replayed from the weights before it at the loss
+    scale it ran at: the parameters whose scaled gradients are non-finite with the user's gradient hooks on
+    (``kept``: GradScaler sees these) and with them off (``stripped``: what backward made)."""
+
+    step: int
+    scale: float
+    kept: list[str]
+    stripped: list[str]
+
+
+HookCheckFn = Callable[[str, int], HookCheck | None]
 
 
 @dataclass
@@ -230,7 +257,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0, resumed: b
                        backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
     events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
     return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
-                       d.pattern, d.explanation + (". " + "; ".join(d.recommendations) if d.recommendations else ""))
+                       d.pattern, sentences([d.explanation, *d.recommendations]))
 
 
 
@@ -241,9 +268,13 @@ class Ctx:
 
     def __init__(self, results: dict[str, StageResult], batches: Batches, cfg: TriageConfig, recheck: RecheckFn,
                  device: str = "cpu", hooks: list[str] | None = None, scaler_phase: str | None = None,
-                 step0: int = 0, resumed: bool = False) -> None:
+                 step0: int = 0, resumed: bool = False, hook_list: list[UserHook] | None = None,
+                 hook_check: HookCheckFn | None = None) -> None:
         self.results, self.batches, self.cfg, self.recheck = results, batches, cfg, recheck
         self.device, self.hooks = device, list(hooks or [])
+        self.hook_list = list(hook_list or [])
+        """The user's gradient hooks as data (``watch.userhooks.found``); ``hooks`` is them in words."""
+        self.hook_check = hook_check
         self.scaler_phase = scaler_phase or ""
         """A replayed capture: what GradScaler was doing at the captured skip in the run (calibration |
         growth_probe | isolated: its normal working; see engine.capture.FailingStep)."""
@@ -356,6 +387,105 @@ def fp32_outlier(c: Ctx) -> Outcome | None:
                    [Finding("data", "error", stage="fp32", step=b,
                             evidence={"field": field_, "ratio_to_median": ratio, "samples": samples})],
                    [Fix("outlier_batch", {"batch": b, "field": field_, "samples": samples, "ratio": ratio})])
+
+
+def hook_hid_overflow(c: Ctx) -> Outcome | None:
+    """amp: a gradient hook of the user's made an overflow finite, so GradScaler applied the step.
+
+    From the definition, at one step of the amp stage: the FP16 gradients are non-finite before the hook (a replay
+    of the step without the user's hooks gives non-finite scaled gradients; or a gradient the backward recorded
+    upstream of a module backward hook is non-finite), GradScaler never saw an inf (with the hooks on, every
+    parameter's gradient is finite), and the update was applied (the step was not skipped). Ordered before
+    ``model_bug``: the weights that such an update ruins fail in FP32 too, from then on."""
+    tgt = c.tgt
+    if c.tgt_name != "amp" or tgt is None or not c.hook_list:
+        return None
+    found = _hidden_seen_by_probe(c) or _hidden_at_applied_step(c) or _hidden_by_module_hook(c)
+    if found is None:
+        return None
+    step, params, module, hooks, how = found
+    rec = tgt.records[step]
+    ref = c.fp32.records[step].grad_l2_pre_clip if step < len(c.fp32.records) else math.nan
+    ev: dict[str, Any] = {"hooks": [h.describe() for h in hooks], "scale": rec.scaler_scale,
+                          "applied_grad_l2": rec.grad_l2_pre_clip, "fp32_grad_l2": ref, "how": how}
+    if params:
+        ev["nonfinite_without_hooks"] = params[:10]
+    facts = {"variant": "hook_hid_overflow", "step": step, "module": module, "hooks": [h.describe() for h in hooks],
+             "hook": hooks[0].describe() if hooks else None, "ops": sorted({o for h in hooks for o in h.ops}),
+             "params": len(params), "param": params[0] if params else None, "scale": rec.scaler_scale,
+             "norm": rec.grad_l2_pre_clip, "fp32_norm": ref, "how": how}
+    return Outcome("amp_misuse", module, step, "amp", facts,
+                   [Finding("amp_misuse", "error", stage="amp", module=module, step=step, evidence=ev)],
+                   [Fix("let_scaler_see", {"hooks": [h.describe() for h in hooks]})])
+
+
+def _hooks_on(c: Ctx, names: list[str]) -> list[UserHook]:
+    """The user's hooks on these parameters / modules (a module's hooks also for its parameters), in that order."""
+    out: list[UserHook] = []
+    for n in names:
+        for h in c.hook_list:
+            if h not in out and (h.name == n or (h.target == "module" and (n.startswith(h.name + ".") or h.name == locate.MODEL))):
+                out.append(h)
+    return out
+
+
+def _module_of(name: str, hooks: list[UserHook]) -> str:
+    """A hooked module's name as it is; a parameter's module."""
+    if any(h.target == "module" and h.name == name for h in hooks):
+        return name
+    return name.rsplit(".", 1)[0] if "." in name else locate.MODEL
+
+
+def _hidden_seen_by_probe(c: Ctx) -> tuple[int, list[str], str | None, list[UserHook], str] | None:
+    """The first applied step at which a user's hook was handed a non-finite gradient (``StageResult.hook_inputs_nonfinite``)."""
+    tgt = c.tgt
+    assert tgt is not None
+    for step in sorted(tgt.hook_inputs_nonfinite):
+        if step < len(tgt.records) and not tgt.records[step].skipped:
+            names = tgt.hook_inputs_nonfinite[step]
+            hooks = _hooks_on(c, names)
+            params = [n for n in names if not any(h.target == "module" and h.name == n for h in c.hook_list)]
+            return step, params, _module_of(names[0], hooks), hooks or list(c.hook_list), "probe"
+    return None
+
+
+def _hidden_at_applied_step(c: Ctx) -> tuple[int, list[str], str | None, list[UserHook], str] | None:
+    """The first step applied with a non-finite or exploding norm whose replay without the hooks overflows."""
+    tgt = c.tgt
+    assert tgt is not None
+    step = tgt.applied_step
+    if step is None or c.hook_check is None or tgt.records[step].skipped:
+        return None
+    hc = c.hook_check("amp", step)
+    if hc is None or hc.kept or not hc.stripped:
+        return None
+    hidden = set(hc.stripped)
+    hooks = [h for h in c.hook_list if h.target == "parameter" and h.name in hidden]
+    hooks += [h for h in c.hook_list if h.target == "module" and any(
+        p.startswith(h.name + ".") or h.name == locate.MODEL for p in hidden)]
+    hooks = hooks or list(c.hook_list)
+    st = _stats_at(tgt, step)
+    order = {m: i for i, m in enumerate(locate.backward_order(st))} if st is not None else {}
+    params = sorted(hc.stripped, key=lambda n: order.get(n.rsplit(".", 1)[0] if "." in n else locate.MODEL, 1 << 30))
+    first = params[0]
+    return step, params, first.rsplit(".", 1)[0] if "." in first else locate.MODEL, hooks, "replay_without_hooks"
+
+
+def _hidden_by_module_hook(c: Ctx) -> tuple[int, list[str], str | None, list[UserHook], str] | None:
+    """An applied step whose backward recorded a non-finite gradient at the output of a module carrying a backward
+    hook while every parameter gradient is finite: the module's hook made it finite before GradScaler looked."""
+    tgt = c.tgt
+    assert tgt is not None
+    hooked = {h.name: h for h in c.hook_list if h.target == "module"}
+    if not hooked:
+        return None
+    for rec, st in zip(tgt.records, tgt.stats, strict=False):
+        if rec.skipped or any(nonfinite(r) > 0 for r in st.pgrad.values()):
+            continue
+        for call in st.calls:
+            if call.module in hooked and any(t in st.grad and nonfinite(st.grad[t]) > 0 for t in call.outputs):
+                return rec.step, [], call.module, [hooked[call.module]], "module_hook_input"
+    return None
 
 
 def fp32_model_bug(c: Ctx) -> Outcome | None:
@@ -531,12 +661,18 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         pb = _first_bad_step(c.probe, amp=False)
         ps = _stats_at(c.probe, pb) if pb is not None else None
         module = locate.locate_backward(ps) if ps is not None else None
+    root_param = None
+    if module == locate.MODEL:
+        # the root's own code made it (a parameter of the root used in its forward, a loss computed there): no
+        # child to name; the first offending computation is the root's, named by its parameter
+        own = [p for p in locate.own_params(locate.MODEL, st.pgrad) if nonfinite(st.pgrad[p]) > 0] if st is not None else []
+        root_param, module = (own[0] if own else None), None
     ev = dict(c.rc_ev)
     if sd is not None:
         ev.update(min_scale=sd.min_scale, skipped_steps=len(sd.skips), pattern=sd.pattern)
     ev["grad_l2_fp32_step"] = c.fp32.records[min(bad, len(c.fp32.records) - 1)].grad_l2_pre_clip
     how = "collapsed" if c.collapsed and sd else "skips" if c.later_skips else "nonfinite"
-    facts = {"variant": "grad_overflow", "module": module, "step": bad, "how": how,
+    facts = {"variant": "grad_overflow", "module": module, "step": bad, "how": how, "root_param": root_param,
              "min_scale": sd.min_scale if sd else None, "skips_after_calibration": len(c.later_skips)}
     dev = c.device.split(":")[0]
     fixes = ([Fix("keep_fp32_backward", {"module": module, "device": dev})] if module else []) + [Fix("reduce_loss"), Fix("bf16_no_overflow")]
@@ -601,13 +737,26 @@ def frozen(c: Ctx) -> Outcome | None:
     """Parameters frozen by underflow while the loss still falls: the underflow verdict, per parameter."""
     if c.tgt is None:
         return None
-    fz = frozen_params(c.tgt, c.fp32, c.uf)
+    fz = frozen_params(c.tgt, c.fp32, c.uf, underflowing_params(c.tgt, c.fp32, steps=len(c.tgt.stats))
+                       if c.tgt.weight_decay else None)
     if not fz:
         return None
     out = _underflow(c, [(f.param, f.flushed) for f in fz])
     f0 = fz[0]
     out.findings[0].evidence["weight_movement_vs_fp32"] = {f.param: round(f.moved, 4) for f in fz[:10]}
-    out.facts.update(variant="frozen", frozen=len(fz), moved=f0.moved, steps=len(c.tgt.records))
+    out.facts.update(variant="frozen", frozen=len(fz), moved=f0.moved, steps=len(c.tgt.records), decayed=f0.decayed,
+                     weight_decay=c.tgt.weight_decay.get(f0.param))
+    # the module named is the first backward reaches with more than half of its own parameter gradients flushed
+    # (c.uf is in backward order), frozen or not: upstream of it every gradient has passed through it
+    first, frac = c.uf[0] if c.uf else (f0.param, f0.flushed)
+    lead = first.rsplit(".", 1)[0] if "." in first else locate.MODEL
+    if lead != out.module:
+        out.facts.update(module=lead, first_flushed=first, first_flushed_frac=frac)
+        out.findings[0].module = lead
+        for fx in out.fixes:
+            if "module" in fx.facts:
+                fx.facts["module"] = lead
+        out = replace(out, module=lead)
     return out
 
 
@@ -621,7 +770,7 @@ def healthy(c: Ctx) -> Outcome:
 
 
 RULES: tuple[Rule, ...] = (
-    fp32_raised, fp32_nonfinite_data, fp32_outlier, fp32_model_bug,
+    fp32_raised, fp32_nonfinite_data, fp32_outlier, hook_hid_overflow, fp32_model_bug,
     no_target, custom_function, target_raised, outlier_at_event,
     damaged_weights, forward_in_root, loss_in_fp16, forward_overflow, grad_overflow, nonfinite_weights,
     masked_overflow, stall, optimizer_underflow, frozen,
@@ -648,12 +797,14 @@ def diagnose(
     scaler_phase: str | None = None,
     step0: int = 0,
     resumed: bool = False,
+    hook_list: list[UserHook] | None = None,
+    hook_check: HookCheckFn | None = None,
 ) -> Diagnosis:
     """Apply the rules in order (FP32 → target stage, with probes and the FP32 re-check → healthy),
     then add what every verdict carries: the layer table led by the verdict's module, the bf16
     stage's word on switching, and the data scan's findings."""
-    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed)
-    out = judge(c)
+    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check)
+    out = _not_the_root(judge(c))
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}
     if out.module and "op" in ev and "fp32_absmax" in ev:
@@ -663,13 +814,36 @@ def diagnose(
     story = c.story
     # the history looks healthy only because the overflows never reached GradScaler
     note = "overflows_hidden" if out.cause == "amp_misuse" and story is not None and not story.skips else None
-    if out.facts.get("variant") == "forward_in_code" and out.stage == "amp" and story is not None and story.skips:
+    if (out.facts.get("variant") in ("forward_in_code", "forward_overflow") and out.stage == "amp" and story is not None
+            and story.skips):
         note = "forward_fault"  # the skips follow the non-finite forward values, not a search for the largest scale
     extra: list[Fix] = []
     if out.cause.startswith("fp16_") and "bf16" in results and cfg.target != "bf16":
         extra.append(bf16_check(results["bf16"], c.fp32))
-    findings = [*out.findings, *data_findings(scan_batches(batches), out.findings, results, batches)]
+    issues = scan_batches(batches)
+    findings = [*out.findings, *data_findings(issues, out.findings, results, batches)]
+    beyond = [d for d in issues if _beyond_fp16(d)]
+    if beyond:  # a data-range finding, even when the target trained: FP16 cannot represent these values
+        out.facts["beyond_fp16"] = {"field": beyond[0].field, "value": beyond[0].value, "batch": beyond[0].batches[0],
+                                    "fields": len({d.field for d in beyond})}
     return Diagnosis(replace(out, findings=findings, fixes=[*out.fixes, *extra]), table, story, device, note)
+
+
+def _not_the_root(out: Outcome) -> Outcome:
+    """``<model>`` is never the verdict's module (a user cannot act on it): a fault of the root's own code (outside
+    every child) names no module; the facts and evidence keep what the rule found there (an op, a parameter)."""
+    if out.module != locate.MODEL:
+        return out
+    if out.facts.get("module") == locate.MODEL:
+        out.facts["module"] = None
+    out.facts["in_root"] = True
+    for f in out.findings:
+        if f.module == locate.MODEL:
+            f.module = None
+    for fx in out.fixes:
+        if fx.facts.get("module") == locate.MODEL:
+            fx.facts["module"] = None
+    return replace(out, module=None)
 
 
 def shift_diagnosis(d: Diagnosis, offset: int) -> Diagnosis:
@@ -895,7 +1069,12 @@ def _issue_facts(d: DataIssue) -> dict[str, Any]:
     """What the words say about a data issue (``report.words.data_issue``)."""
     ratio = abs(d.value) / d.typical if d.kind == "sentinel" else d.value / d.typical if d.kind == "outlier" else None
     return {"kind": d.kind, "field": d.field, "batch": d.batches[0], "batches": len(d.batches), "samples": list(d.samples[:10]),
-            "count": d.count, "value": d.value, "typical": d.typical, "ratio": ratio}
+            "count": d.count, "value": d.value, "typical": d.typical, "ratio": ratio, "beyond_fp16": _beyond_fp16(d)}
+
+
+def _beyond_fp16(d: DataIssue) -> bool:
+    """A finite value that becomes inf when cast to FP16 (|x| >= 65520), whatever else the scan calls it."""
+    return d.kind != "nonfinite" and math.isfinite(d.value) and abs(d.value) >= FP16.overflow_threshold
 
 
 def _calibration_steps(res: StageResult) -> list[int]:

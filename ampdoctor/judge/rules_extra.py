@@ -54,19 +54,35 @@ class Frozen:
     """Median share of FP32-non-zero gradient elements that are zero in the target."""
     moved: float
     """Target's weight movement ‖w_end − w_0‖ as a share of FP32's over the same steps."""
+    decayed: bool = False
+    """Under weight decay, flushed at every step of the run: the decay moves it as far as in FP32, not learning."""
 
 
-def frozen_params(target: StageResult, fp32: StageResult, underflowing: list[tuple[str, float]]) -> list[Frozen]:
-    """Parameters from ``underflowing`` (already in backward order) that barely move against FP32."""
+def frozen_params(target: StageResult, fp32: StageResult, underflowing: list[tuple[str, float]],
+                  throughout: list[tuple[str, float]] | None = None) -> list[Frozen]:
+    """Parameters from ``underflowing`` (already in backward order) that barely move against FP32.
+
+    Weight decay moves every weight, learning or not, in both stages alike, so for a parameter under decay the
+    movement cannot tell a frozen one: there, a gradient more than half flushed over the whole run
+    (``throughout``: the median over every step, as ``underflowing_params`` over all steps) is the freeze."""
     if not target.moved or not fp32.moved or len(target.records) != len(fp32.records) or target.stopped:
         return []
+    whole = dict(throughout or [])
+    names = list(dict.fromkeys([p for p, _ in underflowing] + [p for p in whole if p in target.weight_decay]))
+    flushed = dict(underflowing)
     out = []
-    for p, frac in underflowing:
+    for p in names:
         d32, dt = fp32.moved.get(p), target.moved.get(p)
         if d32 is None or dt is None or not d32 > 0 or not math.isfinite(dt):
             continue
+        module = p.rsplit(".", 1)[0] if "." in p else locate.MODEL
         if dt < STALL_RATIO * d32:
-            out.append(Frozen(p, p.rsplit(".", 1)[0] if "." in p else locate.MODEL, frac, dt / d32))
+            out.append(Frozen(p, module, flushed.get(p, whole.get(p, 0.0)), dt / d32))
+        elif p in target.weight_decay and p in whole:
+            out.append(Frozen(p, module, whole[p], dt / d32, decayed=True))
+    if throughout and target.stats:  # both lists are in backward order: keep it across them
+        rank = {m: i for i, m in enumerate(locate.backward_order(target.stats[0]))}
+        out.sort(key=lambda f: rank.get(f.module, 1 << 30))
     return out
 
 

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +55,12 @@ COLLAPSE_BINADES = 8
 """A fall of this many binades from the first scale, ending at the minimum with most steps skipped, is a collapse."""
 DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_BACKOFF = 0.5
+EXPLODE_RATIO = 1e3
+"""An applied update whose gradient norm is this many times the typical one has exploded (three orders of
+magnitude, the data scan's outlier ratio): the median of the run's recent applied norms in the Monitor, FP32's
+norm of the same step from the same weights in triage."""
+EXPLODE_HISTORY = 8
+"""Applied norms the Monitor needs before it judges an explosion (fewer: no typical norm to compare with)."""
 
 
 @dataclass
@@ -147,8 +155,14 @@ class ScaleDiagnosis:
 
 
 def pow2(x: float) -> str:
-    """2**k for exact powers of two, else the number (Python syntax, for settings)."""
-    return _fmt_pow2(x, "**")
+    """2^k for exact powers of two, else the number: the one notation every sentence uses."""
+    return _fmt_pow2(x, "^")
+
+
+def setting(x: float) -> str:
+    """A scale as a setting a user types: the number, with its power of two ('16384 (2^14)')."""
+    p = _fmt_pow2(x, "^")
+    return f"{x:g}" + (f" ({p})" if p.startswith("2^") and p != f"{x:g}" else "")
 
 
 def floor_pow2(x: float) -> float:
@@ -215,165 +229,11 @@ def diagnose_scale(
     ``growth_interval`` and ``backoff_factor`` are the scaler's settings when known; otherwise
     they are inferred from the history (2000 and 0.5, PyTorch's defaults, when it shows none).
     ``steps`` names the rows (default 0..n-1); every step list in the result uses those names.
+    A history too long to hold goes through ``ScaleTracker`` in chunks, with the same result.
     """
-    n = len(scales)
-    if n == 0:
-        return ScaleDiagnosis("empty", "no steps were recorded", 0, [], [], [])
-    sc_a, sk_a = _arrays(scales, skipped)
-    sc: list[float] = sc_a.tolist()
-    sk: list[bool] = sk_a.tolist()
-    st = list(steps) if steps is not None else list(range(n))
-    gi_given, bo_given = growth_interval, backoff_factor
-    gi_inf, bo_inf = infer_growth_interval(sc, sk), infer_backoff(sc, sk)
-    gi = gi_given or gi_inf or DEFAULT_GROWTH_INTERVAL
-    bo = bo_given or bo_inf or DEFAULT_BACKOFF
-    init = init_scale if init_scale is not None else sc[0]
-
-    growth_i: list[int] = (np.flatnonzero(sc_a[1:] > sc_a[:-1]) + 1).tolist()
-    backoff_i: list[int] = (np.flatnonzero(sc_a[1:] < sc_a[:-1]) + 1).tolist()
-    applied = bool((~sk_a).any())
-    # a calibration skip brings the scale to a new low on its way down from init_scale; a skip
-    # at a scale the history has already come down from (after a growth) is an oscillation
-    low_before = np.concatenate([[math.inf], np.minimum.accumulate(sc_a)[:-1]])  # min(sc[:i])
-    # ... and only at a scale no applied step has used yet: a skip at a proven scale is a failure of that
-    # step (a NaN batch, a spike), not the search for a scale (the capture judges it the same way)
-    uniq, inv = np.unique(sc_a, return_inverse=True)
-    first_ok = np.full(len(uniq), n)
-    ok_i = np.flatnonzero(~sk_a)
-    np.minimum.at(first_ok, inv[ok_i], ok_i)
-    proven = first_ok[inv] < np.arange(n)
-    calib_m = sk_a & ~proven & (sc_a <= low_before) & (np.arange(n) < (growth_i[0] if growth_i else n))
-    calib_i: list[int] = np.flatnonzero(calib_m).tolist()
-    later_i: list[int] = np.flatnonzero(sk_a & ~calib_m).tolist()
-    final = sc[-1] * (bo if sk[-1] else 1.0)
-    smin, smax = min(sc), max(sc)
-    ledger = skip_ledger(sk, None, None, list(range(n)))
-    longest_skip_run = ledger.longest_run
-    longest_clean = _longest_run(~sk_a)
-    tail = sk[-max(1, n // 4):]
-    tail_rate = sum(tail) / len(tail)
-    fell = math.log2(sc[0] / smin) if smin > 0 else math.inf
-    recs: list[str] = []
-    settings: dict[str, float] = {}
-    # the scale the run settled at: after the calibration skips, the largest scale that was applied
-    settled = final
-    if calib_i:
-        settled = sc[calib_i[-1]] * bo
-    later_min = float(sc_a[later_i].min()) if later_i else math.inf
-    safe: list[float] = sc_a[~sk_a & (sc_a < later_min)].tolist()
-
-    def backoff_rec(why: str) -> None:
-        b = min(0.8, max(0.7, round(math.sqrt(bo), 2)))
-        if b > bo + 1e-9:
-            settings["backoff_factor"] = b
-            lost = bo**longest_skip_run
-            recs.append(
-                f"backoff_factor={b:g}: {why}; runs of up to {longest_skip_run} consecutive skip(s) cut the scale "
-                f"to {lost:.3g}x with {bo:g}, {b**longest_skip_run:.3g}x with {b:g}"
-            )
-
-    if smin < 1.0 or not applied or (sc[-1] <= smin and fell >= COLLAPSE_BINADES and tail_rate >= 0.5):
-        pattern = "collapsed"
-        parts = [f"the scale fell from {pow2(sc[0])} to {pow2(smin)} ({fell:.0f} binades)"]
-        if smin < 1:
-            parts.append("below 1")
-        if not applied:
-            parts.append("and no step was ever applied")
-        else:
-            parts.append(f"and {tail_rate:.0%} of the last {len(tail)} steps were skipped")
-        expl = (", ".join(parts) + ": the gradients overflow FP16 even unscaled; only a scale below 1 fits them, "
-                "so FP16 has no headroom for them and every growth overflows again")
-        recs.append("use bf16 autocast (no scaler needed) if the device supports it")
-        recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
-        if longest_skip_run >= 2:
-            backoff_rec("if the overflows come from a few bad batches, a gentler back-off loses less scale per skip")
-    elif longest_clean >= gi and not growth_i:
-        pattern = "never_growing"
-        expl = (
-            f"{longest_clean} clean steps in a row (growth_interval={gi}{'' if gi_given else ', assumed'}) and the scale never grew: "
-            "scaler.update() is probably not called every step"
-        )
-        recs.append("call scaler.update() after every step, on the skip path too")
-    elif len(later_i) >= 2 and any(later_i[0] < g <= later_i[-1] for g in growth_i):
-        pattern = "oscillating"
-        gaps = _clean_runs_between(later_i, n, sk)
-        m = int(statistics.median(gaps)) if gaps else gi
-        cycles = sum(1 for g in growth_i if later_i[0] < g <= later_i[-1])
-        expl = (
-            f"{len(later_i)} skips after calibration with {cycles} growth(s) in between, about {m} clean steps apart: "
-            "the gradients sit at the edge of FP16's range and each growth overflows again"
-        )
-        new_gi = _nice(max(2 * gi, 2 * m))
-        settings["growth_interval"] = new_gi
-        recs.append(
-            f"growth_interval={new_gi}: skips recur about every {m} clean steps (skip rate about 1/{m + 1}), soon after "
-            f"each growth; waiting {new_gi} steps to grow cuts that to about 1/{new_gi + 1}"
-        )
-        recent = later_i[-5:]
-        held = floor_pow2(min(sc[i] for i in recent) * bo)
-        if abs(held - init) > 1e-9 * init:
-            settings["init_scale"] = held
-            recs.append(f"init_scale={pow2(held)}: the scale that held between the last {len(recent)} overflows")
-        backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
-    elif final >= SATURATION and (later_i or (backoff_i and not growth_i) or final >= CEILING):
-        # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
-        # from init_scale only as far as 2^16 or more, or kept growing to 2^24; a scale that never
-        # moved is no evidence (it is "stable")
-        pattern = "saturated"
-        expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
-        if final >= CEILING:
-            expl += "; at 2**24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
-        plateau = floor_pow2(max(safe) if safe else final)
-        if plateau > init * 1.0001:
-            first = int(np.argmax(sc_a >= plateau))
-            settings["init_scale"] = plateau
-            recs.append(f"init_scale={pow2(plateau)} starts at the plateau this run reached at step {st[first]}")
-        if later_i:
-            gaps = _clean_runs_between(later_i, n, sk) or [gi]
-            new_gi = _nice(2 * max(gi, int(statistics.median(gaps))))
-            settings["growth_interval"] = new_gi
-            recs.append(f"growth_interval={new_gi}: the scale bounced off its top {len(later_i)} time(s); growing less often skips less")
-    elif growth_i and growth_i[-1] >= (backoff_i[-1] if backoff_i else -1):
-        pattern = "climbing"
-        k = len(growth_i)
-        expl = (
-            f"the scale grew {k} time(s), from {pow2(min(sc[: growth_i[0]]))} to {pow2(sc[growth_i[-1]])}, "
-            f"every {gi} clean steps and has not overflowed since: healthy, still searching upwards"
-        )
-        if floor_pow2(final) > init * 1.0001:
-            settings["init_scale"] = floor_pow2(final)
-            recs.append(f"init_scale={pow2(floor_pow2(final))} starts where this run got after {n} steps")
-        if k >= 2 and gi > 1:
-            new_gi = max(1, gi // 2)
-            settings["growth_interval"] = new_gi
-            recs.append(f"growth_interval={new_gi}: {k} growths without an overflow; growing twice as often finds the top sooner")
-    elif calib_i and not later_i:
-        pattern = "calibrating"
-        expl = (
-            f"{len(calib_i)} skip(s) while the scale came down from {pow2(init)} to {pow2(settled)}; "
-            "normal: GradScaler finds the largest scale the gradients allow"
-        )
-    else:
-        pattern = "stable"
-        expl = (f"the scale stayed at {pow2(sc[-1])}" if smin == smax else
-                f"the scale held at {pow2(smax)}, then {pow2(sc[-1])} after the back-off(s)")
-        expl += (("," if smin != smax else "") + f" with {len(later_i)} isolated skip(s)") if later_i else ""
-        if not growth_i and not backoff_i and not later_i:
-            expl = (f"the scale stayed at {pow2(sc[-1])} for all {n} step(s): no overflow, and fewer clean steps than "
-                    f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "
-                    "larger scale; the history cannot tell how far the gradients are from FP16's limits")
-
-    if calib_i and pattern != "collapsed" and "init_scale" not in settings:
-        settings["init_scale"] = settled
-        recs.insert(0, f"init_scale={pow2(settled)} skips the {len(calib_i)} calibration step(s)")
-    if later_i and pattern in ("stable", "calibrating"):
-        recs.append(f"isolated skips at steps {', '.join(str(st[i]) for i in later_i[:10])}: check those batches")
-    return ScaleDiagnosis(
-        pattern, expl, len(calib_i), [st[i] for i in later_i], [st[i] for i in growth_i], [st[i] for i in backoff_i],
-        # the scale after the last update belongs to the range too: a skip at the last step takes the
-        # scale below every scale used, and "final 2^13, min 2^14" would contradict itself
-        recs, settings, gi_given or gi_inf, bo_given or bo_inf, min(smin, final), smax, final,
-    )
+    t = ScaleTracker()
+    t.feed(scales, skipped, steps)
+    return t.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor, init_scale=init_scale)
 
 
 def _longest_run(flags: Sequence[bool] | np.ndarray) -> int:
@@ -390,3 +250,647 @@ def rolling_skip_rate(skipped: Sequence[bool], window: int = 1000) -> list[float
     i = np.arange(1, len(c))
     counts = c[1:] - c[np.maximum(i - window, 0)]
     return (counts / np.minimum(i, window)).tolist()
+
+
+class _Grow:
+    """A growable int64 (or float64) column kept as a list of numpy pieces: 8 bytes an entry."""
+
+    def __init__(self, dtype: type = np.int64) -> None:
+        self.parts: list[np.ndarray] = []
+        self.dtype = dtype
+        self.n = 0
+
+    def add(self, a: np.ndarray) -> None:
+        if a.size:
+            self.parts.append(np.asarray(a, dtype=self.dtype))
+            self.n += int(a.size)
+
+    def array(self) -> np.ndarray:
+        if len(self.parts) > 1:
+            self.parts = [np.concatenate(self.parts)]
+        return self.parts[0] if self.parts else np.zeros(0, dtype=self.dtype)
+
+    def first(self, k: int) -> list[Any]:
+        out: list[Any] = []
+        for p in self.parts:
+            out.extend(p[: k - len(out)].tolist())
+            if len(out) >= k:
+                break
+        return out
+
+
+def _longest_with_carry(f: np.ndarray, carry: int) -> tuple[int, int]:
+    """(longest run of True in ``f`` counting ``carry`` Trues just before it, the run still open at its end)."""
+    if not f.size:
+        return carry, carry
+    false = np.flatnonzero(~f)
+    if not false.size:
+        return carry + f.size, carry + f.size
+    bounds = np.concatenate([[-1], false, [f.size]])
+    lengths = np.diff(bounds) - 1
+    lengths[0] += carry
+    return int(lengths.max()), int(lengths[-1])
+
+
+def _median_of(counts: Counter[float]) -> float:
+    """``statistics.median`` of the multiset ``counts`` (value -> how many)."""
+    m = sum(counts.values())
+    lo, hi = (m - 1) // 2, m // 2
+    seen, a, b = 0, math.nan, math.nan
+    for v in sorted(counts):
+        c = counts[v]
+        if seen <= lo < seen + c:
+            a = v
+        if seen <= hi < seen + c:
+            b = v
+            break
+        seen += c
+    return a if lo == hi else (a + b) / 2
+
+
+class ScaleTracker:
+    """Everything ``diagnose_scale`` reads from a history, taken chunk by chunk in memory that does not grow with
+    the steps: running counts, minima and maxima, and the steps of the events (growths, back-offs, skips: 8 bytes each).
+
+    ``feed(scales, skipped, steps)`` any number of times, in order, then ``diagnose(...)``. ``diagnose_scale`` is one
+    feed of the whole history, so the two agree by construction.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.first_scale = math.nan
+        self.last_scale = math.nan
+        self.last_skipped = False
+        self.smin = math.inf
+        self.smax = -math.inf
+        self.applied = False
+        self.growth_steps, self.backoff_steps = _Grow(), _Grow()
+        self.n_growths = 0
+        self.first_growth_row = -1
+        self.last_growth_row = -1
+        self.last_backoff_row = -1
+        self.scale_at_last_growth = math.nan
+        self.min_before_growth = math.inf
+        # growth interval: the clean rows since the last reset (a skip or a change of scale)
+        self.last_reset = -1
+        self.gi_min: int | None = None
+        self.backoff_ratios: Counter[float] = Counter()
+        # calibration: a skip before the first growth at a scale no applied step of its plateau used
+        self.applied_in_plateau = False
+        self.calib_count = 0
+        self.last_calib_scale = math.nan
+        # later skips
+        self.later_steps = _Grow()
+        self.later_min = math.inf
+        self.later_recent: deque[float] = deque(maxlen=5)
+        self.growths_at_first_later = -1
+        self.growths_at_last_later = -1
+        self.clean_before = 0
+        self.clean_at_last_later = -1
+        self.later_gaps: Counter[int] = Counter()
+        # runs and the tail
+        self.skip_rows = _Grow()
+        self.skip_run = 0
+        self.clean_run = 0
+        self.longest_skip = 0
+        self.longest_clean = 0
+        # the plateau: the smallest applied scale in each binade, and the steps where the scale first reached a new high
+        self.applied_min_by_binade: dict[int, float] = {}
+        self.applied_nonpositive: set[float] = set()
+        self.highs: list[tuple[float, int]] = []
+        self.high = -math.inf
+
+    def feed(self, scales: Sequence[float] | np.ndarray, skipped: Sequence[bool] | np.ndarray,
+             steps: Sequence[int] | np.ndarray | None = None) -> None:
+        sc = np.asarray(scales, dtype=np.float64)
+        sk = np.asarray(skipped, dtype=bool)
+        m = len(sc)
+        if m == 0:
+            return
+        o = self.n
+        st = np.arange(o, o + m, dtype=np.int64) if steps is None else np.asarray(steps, dtype=np.int64)
+        rows = np.arange(o, o + m, dtype=np.int64)
+        first = o == 0
+        if first:
+            self.first_scale = float(sc[0])
+        prev = np.concatenate([[self.last_scale], sc[:-1]])
+        prev_sk = np.concatenate([[self.last_skipped], sk[:-1]])
+        grow = sc > prev
+        back = sc < prev
+        changed = sc != prev
+        if first:
+            grow[0] = back[0] = False
+            changed[0] = True
+        self.growth_steps.add(st[grow])
+        self.backoff_steps.add(st[back])
+        g_idx = np.flatnonzero(grow)
+        b_idx = np.flatnonzero(back)
+        growths_cum = self.n_growths + np.cumsum(grow)
+        # growth interval (rows j = row - 1, each with its follower)
+        if not first or m > 1:
+            lo = 0 if not first else 1
+            a_sk, a_sc, b_sc = prev_sk[lo:], prev[lo:], sc[lo:]
+            j = rows[lo:] - 1
+            reset = a_sk | (b_sc != a_sc)
+            grew = ~a_sk & (b_sc > a_sc)
+            r = j[reset]
+            if r.size:
+                d = r - np.concatenate([[self.last_reset], r[:-1]])
+                cand = d[grew[reset]]
+                if cand.size:
+                    c = int(cand.min())
+                    self.gi_min = c if self.gi_min is None else min(self.gi_min, c)
+                self.last_reset = int(r[-1])
+            fell = a_sk & (b_sc > 0) & (b_sc < a_sc)
+            if fell.any():
+                vals, counts = np.unique(b_sc[fell] / a_sc[fell], return_counts=True)
+                for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
+                    self.backoff_ratios[v] += c
+        # calibration skips: before the first growth (there the scale only falls, so a scale is proven exactly
+        # when an applied step of its plateau came before)
+        calib = np.zeros(m, dtype=bool)
+        if self.first_growth_row < 0:
+            end = int(g_idx[0]) if g_idx.size else m
+            if g_idx.size:
+                self.first_growth_row = o + end
+            pre_sc, pre_sk, pre_ch = sc[:end], sk[:end], changed[:end]
+            if end:
+                self.min_before_growth = min(self.min_before_growth, float(pre_sc.min()))
+                app = (~pre_sk).astype(np.int64)
+                before = np.cumsum(app) - app  # applied rows of this chunk before each row
+                run_id = np.cumsum(pre_ch)  # 0: the plateau carried from the chunk before
+                starts = np.flatnonzero(pre_ch)
+                base = np.concatenate([[0], before[starts]])[run_id]
+                proven = (before - base) > 0
+                proven |= (run_id == 0) & self.applied_in_plateau
+                calib[:end] = pre_sk & ~proven
+                last_run = run_id[-1]
+                self.applied_in_plateau = bool(((before[-1] + app[-1] - base[-1]) > 0) or (last_run == 0 and self.applied_in_plateau))
+                ci = np.flatnonzero(calib)
+                if ci.size:
+                    self.calib_count += int(ci.size)
+                    self.last_calib_scale = float(sc[ci[-1]])
+        if g_idx.size:
+            self.last_growth_row = o + int(g_idx[-1])
+            self.scale_at_last_growth = float(sc[g_idx[-1]])
+        if b_idx.size:
+            self.last_backoff_row = o + int(b_idx[-1])
+        self.n_growths = int(growths_cum[-1])
+        # later skips
+        clean_cum = self.clean_before + np.cumsum(~sk)
+        later = sk & ~calib
+        li = np.flatnonzero(later)
+        if li.size:
+            self.later_steps.add(st[li])
+            self.later_min = min(self.later_min, float(sc[li].min()))
+            self.later_recent.extend(sc[li[-5:]].tolist())
+            if self.growths_at_first_later < 0:
+                self.growths_at_first_later = int(growths_cum[li[0]])
+            self.growths_at_last_later = int(growths_cum[li[-1]])
+            cc = clean_cum[li]
+            prev_c = np.concatenate([[self.clean_at_last_later], cc[:-1]])
+            gaps = (cc - prev_c)[prev_c >= 0]
+            gaps = gaps[gaps > 0]
+            if gaps.size:
+                vals, counts = np.unique(gaps, return_counts=True)
+                for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
+                    self.later_gaps[v] += c
+            self.clean_at_last_later = int(cc[-1])
+        self.clean_before = int(clean_cum[-1])
+        self.skip_rows.add(rows[sk])
+        longest, self.skip_run = _longest_with_carry(sk, self.skip_run)
+        self.longest_skip = max(self.longest_skip, longest)
+        longest, self.clean_run = _longest_with_carry(~sk, self.clean_run)
+        self.longest_clean = max(self.longest_clean, longest)
+        # applied scales, by binade; new highs
+        if (~sk).any():
+            self.applied = True
+            for v in np.unique(sc[~sk]).tolist():
+                if v > 0 and math.isfinite(v):
+                    b = math.floor(math.log2(v))
+                    if v < self.applied_min_by_binade.get(b, math.inf):
+                        self.applied_min_by_binade[b] = v
+                elif v <= 0:
+                    self.applied_nonpositive.add(v)
+        running = np.maximum.accumulate(np.concatenate([[self.high], sc]))
+        new_high = np.flatnonzero(sc > running[:-1])
+        self.highs.extend(zip(sc[new_high].tolist(), st[new_high].tolist(), strict=True))
+        self.high = float(running[-1])
+        self.smin = min(self.smin, float(sc.min()))
+        self.smax = max(self.smax, float(sc.max()))
+        self.last_scale = float(sc[-1])
+        self.last_skipped = bool(sk[-1])
+        self.n = o + m
+
+    # read-outs --------------------------------------------------------------------------------
+    def skips_in_last(self, k: int) -> int:
+        rows = self.skip_rows.array()
+        return int(rows.size - np.searchsorted(rows, self.n - k, side="left"))
+
+    def max_safe_floor(self) -> float | None:
+        """floor_pow2 of the largest applied scale below every later skip's scale; None when there is none."""
+        below = [b for b, v in self.applied_min_by_binade.items() if v < self.later_min]
+        if below:
+            return 2.0 ** max(below)
+        neg = [v for v in self.applied_nonpositive if v < self.later_min]
+        return max(neg) if neg else None
+
+    def first_step_at_least(self, level: float) -> int:
+        return next((s for v, s in self.highs if v >= level), self.highs[0][1] if self.highs else 0)
+
+    def diagnose(self, *, growth_interval: int | None = None, backoff_factor: float | None = None,
+                 init_scale: float | None = None) -> ScaleDiagnosis:
+        """The diagnosis of the history fed so far (see ``diagnose_scale``)."""
+        n = self.n
+        if n == 0:
+            return ScaleDiagnosis("empty", "no steps were recorded", 0, [], [], [])
+        gi_given, bo_given = growth_interval, backoff_factor
+        gi_inf = self.gi_min
+        bo_inf = float(_median_of(self.backoff_ratios)) if self.backoff_ratios else None
+        gi = gi_given or gi_inf or DEFAULT_GROWTH_INTERVAL
+        bo = bo_given or bo_inf or DEFAULT_BACKOFF
+        first_sc, last_sc = self.first_scale, self.last_scale
+        init = init_scale if init_scale is not None else first_sc
+        n_later = self.later_steps.n
+        growths = self.growth_steps.array().tolist()
+        backoffs = self.backoff_steps.array().tolist()
+        later_steps = self.later_steps.array().tolist()
+        final = last_sc * (bo if self.last_skipped else 1.0)
+        smin, smax = self.smin, self.smax
+        longest_skip_run = self.longest_skip
+        tail_n = max(1, n // 4)
+        tail_rate = self.skips_in_last(tail_n) / tail_n
+        fell = math.log2(first_sc / smin) if smin > 0 else math.inf
+        recs: list[str] = []
+        settings: dict[str, float] = {}
+        settled = final
+        if self.calib_count:
+            settled = self.last_calib_scale * bo
+
+        def backoff_rec(why: str) -> None:
+            b = min(0.8, max(0.7, round(math.sqrt(bo), 2)))
+            if b > bo + 1e-9:
+                settings["backoff_factor"] = b
+                lost = bo**longest_skip_run
+                recs.append(
+                    f"backoff_factor={b:g}: {why}; a run of {longest_skip_run} consecutive skips cuts the scale "
+                    f"to {lost:.3g} times itself with {bo:g}, to {b**longest_skip_run:.3g} times with {b:g}"
+                )
+
+        cycles = self.growths_at_last_later - self.growths_at_first_later if n_later >= 2 else 0
+        if smin < 1.0 or not self.applied or (last_sc <= smin and fell >= COLLAPSE_BINADES and tail_rate >= 0.5):
+            pattern = "collapsed"
+            parts = [f"the scale fell from {pow2(first_sc)} to {pow2(smin)} ({fell:.0f} binades)"]
+            if smin < 1:
+                parts.append("below 1")
+            if not self.applied:
+                parts.append("and no step was ever applied")
+            else:
+                parts.append(f"and {tail_rate:.0%} of the last {tail_n} steps were skipped")
+            expl = (", ".join(parts) + ": steps overflow whatever the scale, so either the gradients overflow FP16 "
+                    "even unscaled (only a scale below 1 fits them, and every growth overflows again) or the forward "
+                    "pass is non-finite, which no loss scale changes")
+            recs.append("use bf16 autocast (no scaler needed) if the device supports it")
+            recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
+            if longest_skip_run >= 2:
+                backoff_rec("if the overflows come from a few bad batches, a gentler back-off loses less scale per skip")
+        elif self.longest_clean >= gi and not growths:
+            pattern = "never_growing"
+            expl = (
+                f"{self.longest_clean} clean steps in a row (growth_interval={gi}{'' if gi_given else ', assumed'}) and the "
+                "scale never grew: scaler.update() is probably not called every step"
+            )
+            recs.append("call scaler.update() after every step, on the skip path too")
+        elif n_later >= 2 and cycles > 0:
+            pattern = "oscillating"
+            m = int(_median_of(self.later_gaps)) if self.later_gaps else gi  # type: ignore[arg-type]
+            expl = (
+                f"{n_later} skips after calibration with {cycles} growth(s) in between, about {m} clean steps apart: "
+                "the gradients sit at the edge of FP16's range and each growth overflows again"
+            )
+            new_gi = _nice(max(2 * gi, 2 * m))
+            settings["growth_interval"] = new_gi
+            recs.append(
+                f"growth_interval={new_gi}: skips recur about every {m} clean steps (skip rate about 1/{m + 1}), soon after "
+                f"each growth; waiting {new_gi} steps to grow cuts that to about 1/{new_gi + 1}"
+            )
+            recent = list(self.later_recent)
+            held = floor_pow2(min(recent) * bo)
+            if abs(held - init) > 1e-9 * init:
+                settings["init_scale"] = held
+                recs.append(f"init_scale={setting(held)}: the scale that held between the last {len(recent)} overflows")
+            backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
+        elif final >= SATURATION and (n_later or (backoffs and not growths) or final >= CEILING):
+            # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
+            # from init_scale only as far as 2^16 or more, or kept growing to 2^24; a scale that never
+            # moved is no evidence (it is "stable")
+            pattern = "saturated"
+            expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
+            if final >= CEILING:
+                expl += "; at 2^24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
+            safe = self.max_safe_floor()
+            plateau = safe if safe is not None else floor_pow2(final)
+            if plateau > init * 1.0001:
+                settings["init_scale"] = plateau
+                recs.append(f"init_scale={setting(plateau)} starts at the plateau this run reached at step "
+                            f"{self.first_step_at_least(plateau)}")
+            if n_later:
+                med = int(_median_of(self.later_gaps)) if self.later_gaps else gi  # type: ignore[arg-type]
+                new_gi = _nice(2 * max(gi, med))
+                settings["growth_interval"] = new_gi
+                recs.append(f"growth_interval={new_gi}: the scale bounced off its top {n_later} time(s); growing less often skips less")
+        elif growths and self.last_growth_row >= self.last_backoff_row:
+            pattern = "climbing"
+            k = len(growths)
+            expl = (
+                f"the scale grew {k} time(s), from {pow2(self.min_before_growth)} to {pow2(self.scale_at_last_growth)}, "
+                f"every {gi} clean steps and has not overflowed since: healthy, still searching upwards"
+            )
+            if floor_pow2(final) > init * 1.0001:
+                settings["init_scale"] = floor_pow2(final)
+                recs.append(f"init_scale={setting(floor_pow2(final))} starts where this run got after {n} steps")
+            if k >= 2 and gi > 1:
+                new_gi = max(1, gi // 2)
+                settings["growth_interval"] = new_gi
+                recs.append(f"growth_interval={new_gi}: {k} growths without an overflow; growing twice as often finds the top sooner")
+        elif self.calib_count and not n_later:
+            pattern = "calibrating"
+            expl = (
+                f"{self.calib_count} skip(s) while the scale came down from {pow2(init)} to {pow2(settled)}; "
+                "normal: GradScaler finds the largest scale the gradients allow"
+            )
+        else:
+            pattern = "stable"
+            expl = (f"the scale stayed at {pow2(last_sc)}" if smin == smax else
+                    f"the scale held at {pow2(smax)}, then {pow2(last_sc)} after the back-off(s)")
+            expl += (("," if smin != smax else "") + f" with {n_later} isolated skip(s)") if n_later else ""
+            if not growths and not backoffs and not n_later:
+                expl = (f"the scale stayed at {pow2(last_sc)} for all {n} step(s): no overflow, and fewer clean steps than "
+                        f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "
+                        "larger scale; the history cannot tell how far the gradients are from FP16's limits")
+
+        if self.calib_count and pattern != "collapsed" and "init_scale" not in settings:
+            settings["init_scale"] = settled
+            recs.insert(0, f"init_scale={setting(settled)} skips the {self.calib_count} calibration step(s)")
+        if n_later and pattern in ("stable", "calibrating"):
+            recs.append(f"isolated skips at steps {', '.join(str(s) for s in self.later_steps.first(10))}: check those batches")
+        return ScaleDiagnosis(
+            pattern, expl, self.calib_count, later_steps, growths, backoffs,
+            # the scale after the last update belongs to the range too: a skip at the last step takes the
+            # scale below every scale used, and "final 2^13, min 2^14" would contradict itself
+            recs, settings, gi_given or gi_inf, bo_given or bo_inf, min(smin, final), smax, final,
+        )
+
+
+@dataclass
+class RunSummary:
+    """One run of consecutive skipped steps, as the ledger shows it: its span, its reasons (each once), its scale."""
+
+    start: int
+    end: int
+    length: int
+    reasons: list[str]
+    scale: float | None
+
+
+class LedgerTracker:
+    """``skip_ledger``'s figures for a log read in chunks: counts, reasons, runs (the first ``keep`` in full)."""
+
+    def __init__(self, keep: int = 20) -> None:
+        self.keep = keep
+        self.total = 0
+        self.count = 0
+        self.by_reason: Counter[str] = Counter()
+        self.runs: list[RunSummary] = []
+        self.n_runs = 0
+        self.longest = 0
+        self._open = 0
+        """Length of the run still open at the end of what was fed (0: the last row was applied)."""
+        self._open_tracked = False
+
+    def feed(self, steps: np.ndarray, skipped: np.ndarray, reasons: np.ndarray, scales: np.ndarray | None) -> None:
+        m = len(steps)
+        if m == 0:
+            return
+        self.total += m
+        li = np.flatnonzero(skipped)
+        if not li.size:
+            self._open = 0
+            return
+        rs = reasons[li].astype(str)
+        vals, first_at, counts = np.unique(rs, return_index=True, return_counts=True)
+        for k in np.argsort(first_at, kind="stable").tolist():  # in the order they first appear, as skip_ledger counts
+            self.by_reason[str(vals[k]) or "(no reason logged)"] += int(counts[k])
+        self.count += int(li.size)
+        new = np.ones(li.size, dtype=bool)
+        new[1:] = np.diff(li) > 1
+        starts = np.flatnonzero(new)
+        lengths = np.diff(np.append(starts, li.size))
+        runs_len = lengths.copy()
+        cont = bool(self._open and li[0] == 0)  # the first piece continues the run the last chunk ended in
+        if cont:
+            runs_len[0] += self._open
+            if self._open_tracked:
+                r, ln = self.runs[-1], int(lengths[0])
+                r.end = int(steps[li[ln - 1]])
+                r.length += ln
+                r.reasons.extend(x for x in dict.fromkeys(rs[:ln].tolist()) if x not in r.reasons)
+        self.longest = max(self.longest, int(runs_len.max()))
+        fresh = starts.size - int(cont)
+        self.n_runs += fresh
+        head = slice(int(cont), int(cont) + max(0, self.keep - len(self.runs)))
+        for s0, ln in zip(starts[head].tolist(), lengths[head].tolist(), strict=True):
+            self.runs.append(RunSummary(int(steps[li[s0]]), int(steps[li[s0 + ln - 1]]), ln,
+                                        list(dict.fromkeys(rs[s0:s0 + ln].tolist())),
+                                        None if scales is None else float(scales[li[s0]])))
+        if fresh:
+            self._open_tracked = self.n_runs <= self.keep
+        run_len = int(runs_len[-1])
+        self._open = run_len if skipped[-1] else 0
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.total if self.total else 0.0
+
+    def reasons_by_count(self) -> dict[str, int]:
+        return dict(sorted(self.by_reason.items(), key=lambda kv: -kv[1]))
+
+
+class RateTracker:
+    """``rolling_skip_rate`` read out as the scaler report does (final, peak and where, steps above the alert rate),
+    for a log read in chunks; the skips of the last ``window`` steps are kept (8 bytes each)."""
+
+    def __init__(self, window: int, alert_rate: float) -> None:
+        self.window = window
+        self.alert = alert_rate
+        self.s0 = min(window, 100)
+        self.n = 0
+        self.skips = np.zeros(0, dtype=np.int64)
+        self.dropped = 0
+        self.total_skips = 0
+        self.final = 0.0
+        # (peak, step at the peak, steps above the alert rate) judged from row s0, and from row 0
+        self.from_s0: tuple[float, int, int] | None = None
+        self.from_0: tuple[float, int, int] | None = None
+        self.step_s0 = 0
+        self.first_step = 0
+
+    def feed(self, steps: np.ndarray, skipped: np.ndarray) -> None:
+        m = len(steps)
+        if m == 0:
+            return
+        o = self.n
+        if o == 0:
+            self.first_step = int(steps[0])
+        g = np.arange(o, o + m, dtype=np.int64)
+        self.skips = np.concatenate([self.skips, g[skipped]])
+        c_i = self.total_skips + np.cumsum(skipped, dtype=np.int64)
+        c_lo = self.dropped + np.searchsorted(self.skips, g + 1 - self.window, side="left")
+        rates = (c_i - c_lo) / np.minimum(g + 1, self.window)
+        self.total_skips = int(c_i[-1])
+        self.final = float(rates[-1])
+        self.from_0 = self._merge(self.from_0, rates, steps)
+        if o + m > self.s0:
+            lo = max(0, self.s0 - o)
+            if lo < m and o + lo == self.s0:
+                self.step_s0 = int(steps[lo])
+            self.from_s0 = self._merge(self.from_s0, rates[lo:], steps[lo:])
+        keep = np.searchsorted(self.skips, o + m - self.window, side="left")
+        self.dropped += int(keep)
+        self.skips = self.skips[keep:]
+        self.n = o + m
+
+    def _merge(self, acc: tuple[float, int, int] | None, rates: np.ndarray, steps: np.ndarray) -> tuple[float, int, int]:
+        if not rates.size:
+            return acc  # type: ignore[return-value]
+        k = int(np.argmax(rates))
+        peak, at, over = float(rates[k]), int(steps[k]), int((rates > self.alert).sum())
+        if acc is None:
+            return peak, at, over
+        return (acc[0], acc[1], acc[2] + over) if acc[0] >= peak else (peak, at, acc[2] + over)
+
+    def summary(self) -> tuple[float, int, float, int, int]:
+        """(final rate, the first judged step, peak, step at the peak, steps above the alert rate)."""
+        if self.n > self.s0 and self.from_s0 is not None:
+            return self.final, self.step_s0, *self.from_s0
+        assert self.from_0 is not None
+        return self.final, self.first_step, *self.from_0
+
+
+class Envelope:
+    """At most about ``2 * cap`` points of a long series for a plot: consecutive points in buckets of ``width``
+    (1, 2, 4, ...: the width doubles when the buckets pass ``2 * cap``), each bucket its first x and its true
+    minimum and maximum y. With width 1 the points are the series itself."""
+
+    def __init__(self, cap: int = 4000) -> None:
+        self.cap = cap
+        self.width = 1
+        self.n = 0
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.x = np.zeros(0, dtype=np.float64)
+        self.lo = np.zeros(0, dtype=np.float64)
+        self.hi = np.zeros(0, dtype=np.float64)
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        m = len(x)
+        if m == 0:
+            return
+        ids = (self.n + np.arange(m, dtype=np.int64)) // self.width
+        self.n += m
+        self._put(ids, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), np.asarray(y, dtype=np.float64))
+        while len(self.ids) > 2 * self.cap:
+            self.width *= 2
+            ids, x0, lo, hi = self.ids // 2, self.x, self.lo, self.hi
+            self.ids = np.zeros(0, dtype=np.int64)
+            self.x = self.lo = self.hi = np.zeros(0, dtype=np.float64)
+            self._put(ids, x0, lo, hi)
+
+    def _put(self, ids: np.ndarray, x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        if self.ids.size and ids[0] == self.ids[-1]:  # the open bucket continues
+            ids = np.concatenate([self.ids[-1:], ids])
+            x = np.concatenate([self.x[-1:], x])
+            lo = np.concatenate([self.lo[-1:], lo])
+            hi = np.concatenate([self.hi[-1:], hi])
+            self.ids, self.x, self.lo, self.hi = self.ids[:-1], self.x[:-1], self.lo[:-1], self.hi[:-1]
+        starts = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))
+        self.ids = np.concatenate([self.ids, ids[starts]])
+        self.x = np.concatenate([self.x, x[starts]])
+        self.lo = np.concatenate([self.lo, np.minimum.reduceat(lo, starts)])
+        self.hi = np.concatenate([self.hi, np.maximum.reduceat(hi, starts)])
+
+
+class LogDigest:
+    """What ``ampdoctor scaler`` reports about one step log, taken from its frames in order (one frame, or a block
+    at a time): the scale diagnosis, the skip ledger, the rolling skip rate, the applied non-finite steps and the
+    plot's series, in memory that does not grow with the rows.
+
+    ``first_scale`` is the log's first non-empty ``scaler_scale`` (the scale of the rows before it, as
+    ``StepLog.scales`` fills them), None when the column is empty throughout (a run without GradScaler).
+    An empty cell later takes the scale of the row before. A scale that is zero, negative or infinite stops the
+    digest: ``bad`` is its (step, value).
+    """
+
+    def __init__(self, window: int, alert_rate: float, first_scale: float | None, *, keep_runs: int = 20,
+                 plot: bool = False) -> None:
+        self.has_scale = first_scale is not None
+        self.scale = ScaleTracker() if self.has_scale else None
+        self.ledger = LedgerTracker(keep_runs)
+        self.rates = RateTracker(window, alert_rate)
+        self.carry = first_scale
+        self.n = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.applied = 0
+        self.first_applied: tuple[int, str] | None = None
+        self.bad: tuple[int, float] | None = None
+        self.plot = plot
+        self.scale_env, self.skip_env, self.loss_env = Envelope(), Envelope(), Envelope()
+
+    def feed(self, frame: Any) -> bool:
+        """Take one frame (typed as ``read_step_log`` types it); False once a bad scale stopped the digest."""
+        if self.bad is not None:
+            return False
+        st = frame["step"].to_numpy(dtype=np.int64)
+        if not st.size:
+            return True
+        sk = frame["skipped"].to_numpy(dtype=bool)
+        reasons = frame["skip_reason"].to_numpy(dtype=object)
+        sc: np.ndarray | None = None
+        if self.has_scale:
+            raw = frame["scaler_scale"].to_numpy(dtype=np.float64)
+            if np.isnan(raw).any():
+                ffilled = frame["scaler_scale"].astype("float64").ffill().to_numpy(dtype=np.float64)
+                raw = np.where(np.isnan(ffilled), self.carry, ffilled)
+            sc = raw
+            self.carry = float(sc[-1])
+            bad = np.flatnonzero(~((sc > 0) & np.isfinite(sc)))
+            if bad.size:
+                self.bad = (int(st[bad[0]]), float(sc[bad[0]]))
+                return False
+        if self.first_step is None:
+            self.first_step = int(st[0])
+        self.last_step = int(st[-1])
+        self.n += st.size
+        if self.scale is not None and sc is not None:
+            self.scale.feed(sc, sk, st)
+        self.ledger.feed(st, sk, reasons, sc)
+        self.rates.feed(st, sk)
+        ok = ~sk
+        if ok.any():
+            applied = ok & np.char.startswith(reasons.astype(str), "applied:")
+            k = np.flatnonzero(applied)
+            if k.size:
+                self.applied += int(k.size)
+                if self.first_applied is None:
+                    self.first_applied = (int(st[k[0]]), str(reasons[k[0]]))
+        if self.plot:
+            x = st.astype(np.float64)
+            if sc is not None:
+                self.scale_env.add(x, sc)
+                self.skip_env.add(x[sk], sc[sk])
+            else:
+                self.skip_env.add(x[sk], np.zeros(int(sk.sum())))
+            loss = frame["loss"].to_numpy(dtype=np.float64)
+            fin = np.isfinite(loss)
+            self.loss_env.add(x[fin], loss[fin])
+        return True

@@ -8,7 +8,7 @@ from typing import Any
 
 from ampdoctor.fmt import num, option_value, pct, pow2, steps
 
-__all__ = ["CAUSE_TITLES", "history", "listed", "evidence", "num", "option_value", "pct", "scale", "scaled_stage", "skip_reasons", "steps"]
+__all__ = ["CAUSE_TITLES", "history", "listed", "num", "option_value", "pct", "scale", "scaled_stage", "skip_reasons", "steps"]
 
 CAUSE_TITLES = {
     "healthy": "Healthy",
@@ -29,8 +29,15 @@ def scale(x: float | None) -> str:
     return pow2(x)
 
 
-def evidence(ev: dict[str, Any]) -> str:
-    return "; ".join(f"{k}={num(v) if not isinstance(v, (list, dict)) else v}" for k, v in ev.items())
+def spec_name(report: Any) -> str:
+    """The spec's file name ('forward_overflow.py'), or '' without one."""
+    spec = str(report.config.get("spec") or "")
+    return spec.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def ran_steps(report: Any) -> int | None:
+    """The most steps a stage ran (the FP32 reference's, usually)."""
+    return max((s.steps_run for s in report.stages), default=None)
 
 
 def step0(report: Any) -> int:

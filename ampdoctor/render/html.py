@@ -10,19 +10,21 @@ from typing import Any
 
 from ampdoctor.render.common import (
     CAUSE_TITLES,
-    evidence,
     history,
     listed,
     num,
     option_value,
     pct,
+    ran_steps,
     scale,
     scaled_stage,
     skip_reasons,
+    spec_name,
     step0,
     steps,
 )
 from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
+from ampdoctor.report import words
 from ampdoctor.report.model import Report
 
 CSS = """
@@ -40,7 +42,7 @@ pre{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:10px;over
 .plots{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:12px}
 figure{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
 figure img{width:100%;height:auto;display:block}figcaption{font-size:12px;color:#57606a;margin-top:4px}
-figure.wide{grid-column:1/-1}
+figure.wide{grid-column:1/-1}.plots.two{grid-template-columns:repeat(2,minmax(0,1fr))}
 .muted{color:#57606a}ol li,ul li{margin:3px 0}details{margin:6px 0}summary{cursor:pointer;color:#0969da}
 """
 
@@ -51,10 +53,11 @@ def e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None, classes: list[str] | None = None) -> str:
-    """Cells are already-escaped HTML."""
+def _table(head: list[str] | None, rows: list[list[str]], right: set[int] | None = None,
+           classes: list[str] | None = None) -> str:
+    """Cells are already-escaped HTML; ``head`` None: no header row (a table of names and values)."""
     right = right or set()
-    out = ["<table><thead><tr>", *[f"<th>{h}</th>" for h in head], "</tr></thead><tbody>"]
+    out = ["<table>", *(["<thead><tr>", *[f"<th>{h}</th>" for h in head], "</tr></thead>"] if head else []), "<tbody>"]
     for i, r in enumerate(rows):
         cls = f' class="{classes[i]}"' if classes and classes[i] else ""
         out.append(f"<tr{cls}>" + "".join(f'<td class="n">{c}</td>' if j in right else f"<td>{c}</td>"
@@ -169,7 +172,8 @@ def _findings(report: Report) -> str:
     if errors:
         items = []
         for f in errors:
-            ev = f"<br><span class=\"muted\">evidence: {e(evidence(f.evidence))}</span>" if f.evidence else ""
+            ev = (f"<br><span class=\"muted\">evidence: {e(' '.join(words.evidence(f.evidence, f.module)))}</span>"
+                  if f.evidence else "")
             fx = f"<br>fix: {e(f.fix)}" if f.fix else ""
             items.append(f"<li><b>{e(f.title)}</b>{ev}{fx}</li>")
         out.append("<h2>Evidence</h2><ul>" + "".join(items) + "</ul>")
@@ -203,11 +207,11 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> st
     if not env:
         return ""
     known = {k for k, _ in ENV_KEYS} | {"command"}
-    rows = [[e(label), e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
-    rows += [[e(k), e(num(v))] for k, v in env.items() if k not in known]
+    rows = [[f"<b>{e(label)}</b>", e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
+    rows += [[f"<b>{e(k)}</b>", e(num(v))] for k, v in env.items() if k not in known]
     cfg = [[e(k), e(option_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
     opts = f"<details><summary>Options</summary>{_table(['option', 'value'], cfg)}</details>" if cfg else ""
-    return "<h2>Environment</h2>" + _table(["", ""], rows) + opts
+    return "<h2>Environment</h2>" + _table(None, rows) + opts
 
 
 def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing_plots: str | None = None) -> str:
@@ -220,12 +224,14 @@ def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing
         else:
             missing_plots = plots.INSTALL_HINT
     v = report.verdict
-    title = f"ampdoctor: {CAUSE_TITLES.get(v.cause, v.cause)}"
+    title = f"ampdoctor: {CAUSE_TITLES.get(v.cause, v.cause)}" + (f" in {spec_name(report)}" if spec_name(report) else "")
     fixes = ""
     if report.fixes:
         fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{e(f)}</li>" for f in report.fixes) + "</ol>"
     body = "".join([
-        f"<h1>ampdoctor report <span class=\"muted\">{e(report.tool)}</span></h1>", _verdict(report), _code(report), fixes,
+        f"<h1>{e(CAUSE_TITLES.get(v.cause, v.cause))} <span class=\"muted\">{e(spec_name(report))}</span></h1>",
+        f'<p class="muted">{e(words.what_ran(report.tool, report.config, ran_steps(report)))}</p>',
+        _verdict(report), _code(report), fixes,
         _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
         _reproduce(report), _environment(report),
         f'<p class="muted"><small>report schema {report.schema_version}</small></p>',

@@ -58,7 +58,7 @@ def _format(fmt: Mapping[str, Any], sort: str, images: Mapping[str, bytes], titl
     if missing:
         parts.append(f'<p class="muted">No plots: {e(missing)}.</p>')
     elif mine:
-        parts.append('<div class="plots">' + "".join(figure(k, v, titles.get(k, k)) for k, v in mine.items()) + "</div>")
+        parts.append('<div class="plots two">' + "".join(figure(k, v, titles.get(k, k)) for k, v in mine.items()) + "</div>")
     if not rows:
         parts.append('<p class="muted">No tensor matched (see --filter and --what).</p>')
         return "".join(parts)

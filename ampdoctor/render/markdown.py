@@ -16,19 +16,21 @@ from typing import Any
 
 from ampdoctor.render.common import (
     CAUSE_TITLES,
-    evidence,
     history,
     listed,
     num,
     option_value,
     pct,
+    ran_steps,
     reason_label,
     scale,
     scaled_stage,
     skip_reasons,
+    spec_name,
     step0,
     steps,
 )
+from ampdoctor.report import words
 from ampdoctor.report.model import Report, StageSummary
 
 SHOW_ROWS = 6
@@ -129,11 +131,12 @@ def _verdict(report: Report) -> list[str]:
     title = CAUSE_TITLES.get(v.cause, v.cause)
     icon = "✅" if v.cause == "healthy" else "❓" if v.cause in ("inconclusive", "not_reproduced") else "❌"
     step_label = "First bad batch" if v.cause == "data" else "First bad step"
-    lines = [f"# ampdoctor report: {title}", "", f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">",
-             f"> {text(v.summary)}", ""]
-    lines += table(["", ""], [["First module", code(v.first_module)], [step_label, num(v.first_step)],
-                              ["Stage", v.stage or "-"], ["Device", v.device],
-                              ["Spec", code(report.config.get("spec"))]])
+    name = spec_name(report)
+    lines = [f"# {title}" + (f" in {text(name)}" if name else ""), "",
+             text(words.what_ran(report.tool, report.config, ran_steps(report))), "",
+             f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">", f"> {text(v.summary)}", ""]
+    lines += table(["First module", step_label, "Stage", "Device", "Spec"],
+                   [[code(v.first_module), num(v.first_step), v.stage or "-", v.device, code(report.config.get("spec"))]])
     return lines
 
 
@@ -216,14 +219,39 @@ def _scaler(report: Report) -> list[str]:
     return lines
 
 
-def _plots(images: Mapping[str, str] | None, missing: str | None) -> list[str]:
+def _plots(report: Report, images: Mapping[str, str] | None, missing: str | None) -> list[str]:
+    """The key pictures as text first (they survive a paste into a ticket), then the PNGs beside the file."""
     from ampdoctor.render.plots import TITLES
 
-    if missing:
-        return ["", "## Plots", "", f"_No plots: {missing}._"]
-    if not images:
+    charts = text_charts(report)
+    if not charts and not missing and not images:
         return []
-    return ["", "## Plots", "", *image_lines(images, TITLES)]
+    lines = ["", "## Plots", ""]
+    if charts:
+        lines += ["```text", *charts, "```", ""]
+    if missing:
+        lines.append(f"_No plots: {missing}._")
+    elif images:
+        lines += image_lines(images, TITLES)
+    return lines if lines[-1] else lines[:-1]
+
+
+def text_charts(report: Report) -> list[str]:
+    """Headroom per layer and the scale over the steps, as Unicode block charts (blank line between)."""
+    from ampdoctor.render import textchart
+    from ampdoctor.render.plots import headroom_rows, is_culprit
+
+    out: list[str] = []
+    rows = sorted(headroom_rows(report), key=lambda r: r[1])
+    if rows:
+        out += textchart.headroom([(n, h, is_culprit(report, n.rsplit(" [", 1)[0])) for n, h in rows])
+    stage = scaled_stage(report)
+    if stage is not None:
+        v = report.verdict
+        hist = textchart.scale_history(stage.scales, stage.skipped_steps, step0(report),
+                                       v.first_step if v.cause not in ("healthy", "data") else None)
+        out += ([""] if out and hist else []) + hist
+    return out
 
 
 def image_lines(images: Mapping[str, str], titles: Mapping[str, str]) -> list[str]:
@@ -249,7 +277,7 @@ def _findings(report: Report) -> list[str]:
                                           f"step {f.step}" if f.step is not None else "") if x)
             lines.append(f"- **{cell(f.title)}**" + (f" ({where})" if where else ""))
             if f.evidence:
-                lines.append(f"  - evidence: {cell(evidence(f.evidence))}")
+                lines.append(f"  - evidence: {cell(' '.join(words.evidence(f.evidence, f.module)))}")
             if f.fix:
                 lines.append(f"  - fix: {cell(f.fix)}")
     if other:
@@ -288,7 +316,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> li
     known = {k for k, _ in ENV_KEYS} | {"command"}
     rows = [[label, num(env[k]) if env.get(k) is not None else "-"] for k, label in ENV_KEYS if k in env]
     rows += [[k, num(v)] for k, v in env.items() if k not in known]
-    lines = ["", "## Environment", "", *table(["", ""], rows)]
+    lines = ["", "## Environment", "", *table(["name", "value"], rows)]
     cfg = {k: v for k, v in config.items() if k != "spec"}
     if cfg:
         lines += ["", "<details><summary>Options</summary>", "",
@@ -300,7 +328,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> li
 def render(report: Report, images: Mapping[str, str] | None = None, *, missing_plots: str | None = None) -> str:
     """The Markdown text. ``images`` maps plot names to (relative) links; ``missing_plots`` says why there are none."""
     lines = [*_verdict(report), *_code(report), *_fixes(report), *_stages(report), *_layers(report), *_scaler(report),
-             *_plots(images, missing_plots), *_findings(report), *_reproduce(report), *_environment(report),
+             *_plots(report, images, missing_plots), *_findings(report), *_reproduce(report), *_environment(report),
              "", f"<sub>{report.tool} · report schema {report.schema_version}</sub>", ""]
     return "\n".join(lines)
 

@@ -46,10 +46,11 @@ def _plt() -> Any:
     return plt
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig: Any, tight: bool = True) -> bytes:
+    """PNG bytes; ``tight=False`` keeps the figure's own size (panels drawn to one size stay one size)."""
     buf = io.BytesIO()
     # no Software/date metadata: the same report gives the same bytes
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight" if tight else None, metadata={"Software": None})
     _plt().close(fig)
     return buf.getvalue()
 
@@ -59,9 +60,7 @@ def loss_figure(report: Report) -> bytes | None:
     if not stages:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    finite_all = [x for s in stages for x in s.losses if math.isfinite(x)]
-    top = max(finite_all) if finite_all else 1.0
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
     for n, s in enumerate(sorted(stages, key=lambda s: s.name != "fp32")):
         o = step0(report)
         xs = [o + i for i in range(len(s.losses))]
@@ -71,15 +70,16 @@ def loss_figure(report: Report) -> bytes | None:
                 linewidth=2.4 if ref else 1.4, linestyle="--" if ref else "-", zorder=3 if ref else 2,
                 marker="o" if len(xs) == 1 else None)  # a one-step replay: a point, not an invisible line
         bad = [o + i for i, x in enumerate(s.losses) if not math.isfinite(x)]
-        if bad:
-            ax.scatter(bad, [top * (1.02 + 0.04 * n)] * len(bad), marker="x", color=_COLORS.get(s.name, "red"), zorder=4,
-                       label=f"{s.name}: non-finite loss")
+        if bad:  # on the top edge of the axes (no height means anything for an inf), one row per stage
+            ax.scatter(bad, [0.97 - 0.05 * n] * len(bad), marker="x", color=_COLORS.get(s.name, "red"), zorder=4,
+                       transform=ax.get_xaxis_transform(), clip_on=False, label=f"{s.name}: non-finite loss (top edge)")
+    _mark_step(ax, report)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(_integer_ticks())  # steps are whole: a short replay gets no 4.8, 5.2 ticks
     ax.set_ylabel("loss")
     ax.set_title(TITLES["loss"])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _png(fig)
 
 
@@ -88,7 +88,7 @@ def scale_figure(report: Report) -> bytes | None:
     if stage is None:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
     o = step0(report)
     pts = [(o + i, math.log2(x)) for i, x in enumerate(stage.scales) if x is not None and x > 0]
     ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color=_COLORS["amp"], label=f"{stage.name}: log2(scale)")
@@ -97,19 +97,48 @@ def scale_figure(report: Report) -> bytes | None:
     if skipped:
         ax.scatter([p[0] for p in skipped], [p[1] for p in skipped], marker="v", color="#d62728", zorder=3,
                    label=f"skipped step ({len(skipped)})")
+    _mark_step(ax, report)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_ylabel("log2(scale)")
     ax.set_title(TITLES["scale"])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _png(fig)
+
+
+CULPRIT = "#d62728"
+"""The colour every plot marks the verdict's module, op and step in."""
+
+
+def _mark_step(ax: Any, report: Report) -> None:
+    """The verdict's step as a red dotted line, in the legend: the step every other part of the report names."""
+    v = report.verdict
+    if v.first_step is not None and v.cause not in ("healthy", "data"):
+        ax.axvline(v.first_step, color=CULPRIT, linestyle=":", linewidth=1.6, zorder=1,
+                   label=f"verdict: first bad step {v.first_step}")
+
+
+def is_culprit(report: Report, module: str) -> bool:
+    """The verdict's module, or an op inside it ('blocks.1.attn > matmul')."""
+    first = report.verdict.first_module
+    return bool(first) and (module == first or module.startswith(f"{first} > "))
 
 
 def _integer_ticks() -> Any:
     from matplotlib.ticker import MaxNLocator
 
     return MaxNLocator(integer=True, min_n_ticks=1)
+
+
+def heat_colors() -> tuple[Any, Any]:
+    """The heatmap's colour map and log norm (1e-4 to 1): magma reversed without its palest end, so that the
+    smallest share drawn still stands out from the white of a 0."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap, LogNorm
+
+    cmap = ListedColormap(_plt().get_cmap("magma_r")(np.linspace(0.18, 1.0, 256))).with_extremes(bad=(0, 0, 0, 0))
+    return cmap, LogNorm(vmin=1e-4, vmax=1.0, clip=True)
 
 
 def heatmap_figure(report: Report) -> bytes | None:
@@ -121,7 +150,6 @@ def heatmap_figure(report: Report) -> bytes | None:
     if not cells:
         return None
     import numpy as np
-    from matplotlib.colors import LogNorm
 
     plt = _plt()
     ops = [r for r in report.layers if r.kind == "op"]
@@ -132,10 +160,8 @@ def heatmap_figure(report: Report) -> bytes | None:
     panels = [("overflow_frac", "overflow (FP32 cast to FP16)"), ("nonfinite_frac", "non-finite (target stage)"),
               ("flushed_frac", "flushed to 0 (target stage)")]
     height = max(2.6, 0.28 * len(keys) + 1.4)
-    fig, axes = plt.subplots(1, 3, figsize=(12, height), sharey=True)
-    cmap = plt.get_cmap("magma_r").copy()
-    cmap.set_bad(alpha=0.0)  # zero: the background shows
-    norm = LogNorm(vmin=1e-4, vmax=1.0, clip=True)
+    fig, axes = plt.subplots(1, 3, figsize=(12, height), sharey=True, layout="constrained")
+    cmap, norm = heat_colors()
     v = report.verdict
     im = None
     for ax, (field, title) in zip(axes, panels, strict=True):
@@ -157,26 +183,25 @@ def heatmap_figure(report: Report) -> bytes | None:
         tick = max(1, len(steps) // 8)
         ax.set_xticks(range(0, len(steps), tick))
         ax.set_xticklabels([str(steps[i]) for i in range(0, len(steps), tick)], fontsize=7)
-        culprit = [i for i, (m, _k) in enumerate(keys) if v.first_module and (m == v.first_module
-                                                                                  or m.startswith(v.first_module + " > "))]
+        culprit = [i for i, (m, _k) in enumerate(keys) if is_culprit(report, m)]
         if culprit and v.first_step in col:
             from matplotlib.patches import Rectangle
 
             i = culprit[0]
-            ax.add_patch(Rectangle((col[v.first_step] - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#d62728", linewidth=1.5))
+            ax.add_patch(Rectangle((col[v.first_step] - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=CULPRIT, linewidth=2.0,
+                                   clip_on=False))
     axes[0].set_yticks(range(len(keys)))
     axes[0].set_yticklabels([f"{m} [{k}]" for m, k in keys], fontsize=7)
     for lab, (m, _k) in zip(axes[0].get_yticklabels(), keys, strict=True):
-        if v.first_module and (m == v.first_module or m.startswith(v.first_module + " > ")):
-            lab.set_color("#d62728")
+        if is_culprit(report, m):
+            lab.set_color(CULPRIT)
             lab.set_fontweight("bold")
     fig.colorbar(im, ax=list(axes), fraction=0.025, pad=0.01, label="share of elements (log; blank: 0, grey: not measured)")
-    # above the panel titles whatever the figure's height (a few rows made them overlap)
-    fig.suptitle(TITLES["heatmap"] + "; red: the verdict's module and step", fontsize=10, y=1.0 + 0.25 / height)
+    fig.suptitle(TITLES["heatmap"] + "; red box and label: the verdict's module and step", fontsize=10)
     return _png(fig)
 
 
-def _headroom_rows(report: Report) -> list[tuple[str, float]]:
+def headroom_rows(report: Report) -> list[tuple[str, float]]:
     """(label, headroom) per layer: the heatmap's layers (largest FP32 |x| over steps), then report.layers."""
     best: dict[tuple[str, str], float] = {}
     for c in report.layer_steps:
@@ -188,14 +213,16 @@ def _headroom_rows(report: Report) -> list[tuple[str, float]]:
 
 
 def headroom_figure(report: Report) -> bytes | None:
-    rows = [(n, h) for n, h in _headroom_rows(report) if not math.isinf(h)]
+    rows = [(n, h) for n, h in headroom_rows(report) if not math.isinf(h)]
     if not rows:
         return None
     plt = _plt()
     rows.sort(key=lambda r: r[1])
-    fig, ax = plt.subplots(figsize=(7.5, max(2.2, 0.3 * len(rows) + 1.0)))
+    fig, ax = plt.subplots(figsize=(6.0, max(2.2, 0.3 * len(rows) + 1.0)))
     colors = ["#d62728" if h < 0 else "#ff7f0e" if h < 2 else "#2ca02c" for _, h in rows]
-    ax.barh(range(len(rows)), [h for _, h in rows], color=colors)
+    mine = [is_culprit(report, n.rsplit(" [", 1)[0]) for n, _ in rows]
+    ax.barh(range(len(rows)), [h for _, h in rows], color=colors, edgecolor=["black" if c else "none" for c in mine],
+            linewidth=1.2)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([n for n, _ in rows], fontsize=8)
     ax.invert_yaxis()
@@ -207,15 +234,26 @@ def headroom_figure(report: Report) -> bytes | None:
             if h < 0:
                 ax.annotate(f"{h:.1f}", (h, i), xytext=(-4, 0), textcoords="offset points", ha="right", va="center",
                             fontsize=8, color="#d62728", fontweight="bold")
-    first = report.verdict.first_module
-    for lab, (n, _) in zip(ax.get_yticklabels(), rows, strict=True):
-        if first and (n.startswith(first + " [") or n.startswith(first + " > ")):
-            lab.set_color("#d62728")
+    for lab, c in zip(ax.get_yticklabels(), mine, strict=True):
+        if c:
+            lab.set_color(CULPRIT)
             lab.set_fontweight("bold")
+    _headroom_legend(ax, first=any(mine))
     ax.set_xlabel("headroom in binades: log2(65504 / FP32 absmax); below 0 overflows FP16")
     ax.set_title(TITLES["headroom"])
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
+
+
+def _headroom_legend(ax: Any, first: bool) -> None:
+    """What each bar colour means (and the verdict's own rows), for a headroom chart."""
+    from matplotlib.patches import Patch
+
+    items = [Patch(color="#d62728", label="below 0: overflows"), Patch(color="#ff7f0e", label="under 2 binades: thin"),
+             Patch(color="#2ca02c", label="2 binades or more")]
+    if first:
+        items.append(Patch(facecolor="white", edgecolor="black", label="red label, outlined: the verdict's module"))
+    ax.legend(handles=items, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _series(xs: list[Any]) -> list[float]:

@@ -64,7 +64,7 @@ def recommendation(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLE
     if grads and dtype != BF16.name:
         if c.overflow_limit is not None:
             init_scale = c.scale
-            items.append((0, f"loss scale: GradScaler(init_scale={pow2(c.scale).replace('^', '**')}), the largest power of "
+            items.append((0, f"loss scale: GradScaler(init_scale={c.scale:g}), {pow2(c.scale)}, the largest power of "
                              f"two that overflows no gradient; limited by the {c.overflow_limit}"))
         else:
             items.append((0, "loss scale: no non-zero gradient; any init_scale works"))
@@ -87,6 +87,7 @@ def recommendation(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLE
                        "overflow_limit": c.overflow_limit, "underflow_limit": c.underflow_limit} if grads else None,
         "bf16_fixes": a.bf16_fixes,
         "notes": list(a.notes),
+        "inner_ops": list(a.inner),
         "advice": [{"level": lv, "text": t} for lv, t in items],
     }
 

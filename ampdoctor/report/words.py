@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ampdoctor.fmt import fixed, gen, num, pct0
+from ampdoctor.fmt import fixed, gen, num, pct0, pow2
 from ampdoctor.formats import FP16
 from ampdoctor.judge.progress import LossWindow
 from ampdoctor.judge.rules import Diagnosis
@@ -165,6 +165,23 @@ def _amp_defeated(f: Facts) -> str:
             + (f" (hooks found: {_hooks_in(hooks)})" if hooks else "") + ".")
 
 
+def _hook_hid(f: Facts) -> str:
+    applied = (f"so GradScaler saw no inf and applied the update (gradient norm {_g4(f['norm'])}, FP32's "
+               f"{_g4(f['fp32_norm'])}, at loss scale {_g3(f['scale'])})")
+    if f["how"] == "probe":
+        whose = f"the gradient of {f['param']}" if f.get("param") else f"the gradient entering {f['module']}"
+        what = f"{whose} was already non-finite when {f['hook']} received it, and the hook made it finite, {applied}"
+    elif f["how"] == "module_hook_input":
+        what = (f"the gradient entering {f['module']} is non-finite, and {f['hook']} made it finite before "
+                f"GradScaler looked, {applied}")
+    else:
+        what = (f"replayed without the model's gradient hooks, {f['params']} parameter gradient(s) overflow FP16 times the "
+                f"loss scale (first {f['param']}); with them every gradient is finite, {applied}; the hook: {f['hook']}")
+    more = len(f.get("hooks") or []) - 1
+    return (f"A gradient hook hid an overflow from GradScaler at step {f['step']}: {what}"
+            + (f" ({more} more hook(s) in the finding)" if more > 0 else "") + ".")
+
+
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
@@ -204,8 +221,10 @@ def _grad_overflow(f: Facts) -> str:
     how = {"collapsed": lambda: f"GradScaler's scale collapsed to {_g4(f['min_scale'])}",
            "skips": lambda: f"{f['skips_after_calibration']} steps skipped after calibration",
            "nonfinite": lambda: "gradients became non-finite"}[f["how"]]()
+    first = (f.get("module") or (f"the model's own parameter {f['root_param']} (its gradient, made by the root's own code "
+                                 "outside every submodule)" if f.get("root_param") else "the loss"))
     return (f"The forward pass is finite but gradients overflow FP16 in backward at step {f['step']} "
-            f"(first at {f.get('module') or 'the loss'}); {how}.")
+            f"(first at {first}); {how}.")
 
 
 def _swallowed(f: Facts) -> str:
@@ -227,9 +246,14 @@ def _underflow(f: Facts) -> str:
 
 def _frozen(f: Facts) -> str:
     prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    moves = (f"its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps" if not f.get("decayed")
+             else f"over all {f['steps']} steps: its weights move only by weight decay ({_g3(f['weight_decay'])}), "
+                  f"{pct0(f['moved'])} as far as in FP32, where decay moves them too")
     return (f"{pct0(f['flushed'])} of {f['param']}'s gradient (non-zero in FP32) flushes to zero in the {f['stage']} stage "
-            f"and its weights move {pct0(f['moved'])} as far as in FP32 over the same {f['steps']} steps: "
-            f"{f['frozen']} parameter(s) are frozen{prog}.")
+            f"and {moves}: "
+            f"{f['frozen']} parameter(s) are frozen{prog}."
+            + (f" The first module backward reaches with more than half of its parameter gradients flushed is "
+               f"{f['module']} ({pct0(f['first_flushed_frac'])} of {f['first_flushed']})." if f.get("first_flushed") else ""))
 
 
 def _healthy(f: Facts) -> str:
@@ -241,6 +265,11 @@ def _healthy(f: Facts) -> str:
     s += "; no non-finite values reached the weights."
     if f.get("calibration_skips"):
         s += f" {f['calibration_skips']} GradScaler skip(s) while the scale calibrated are normal."
+    b = f.get("beyond_fp16")
+    if b:
+        s += (f" But the data holds values FP16 cannot represent: {b['field']} reaches {gen(b['value'])} (batch {b['batch']}), "
+              f"beyond FP16's max {gen(FP16.max)}: cast to FP16 it is inf, so an op that reads it in FP16 makes inf "
+              "(this run's did not; see the data finding).")
     return s
 
 
@@ -294,6 +323,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"Step {f['step']} of the {f['stage']} stage fails on batch {f['batch']}, whose field {f['field']!r} is "
         f"{_g3(f['ratio'])}x larger than the median batch: the failure follows the data."),
     "amp_defeated": _amp_defeated,
+    "hook_hid_overflow": _hook_hid,
     "forward_in_code": lambda f: (
         f"In the {f['stage']} stage every {'module' if f.get('kind') == 'loss' else 'submodule'} output is finite at step "
         f"{f['step']} but {_CODE_WHAT[f['place']](f)} turns "
@@ -330,6 +360,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "target_raised": lambda f: f"{f['stage']} stage raised {f['type']} in {f.get('module') or 'user code'} at step {f['step']}",
     "target_outlier": lambda f: f"batch {f['batch']} is an outlier: {f['field']} is {_g3(f['ratio'])}x the median batch",
     "amp_defeated": lambda f: "AMP itself is defeated",
+    "hook_hid_overflow": lambda f: f"a gradient hook hid an overflow from GradScaler ({f['hook']})",
     "forward_in_code": _code_title,
     "forward_overflow": lambda f: f"{f.get('module') or 'the input'} overflows FP16 in the forward pass",
     "grad_overflow": lambda f: f"gradients overflow FP16 in backward ({f.get('module') or 'at the loss'})",
@@ -373,7 +404,14 @@ _DATA_WORDS = {"nonfinite": "NaN/Inf", "sentinel": "a repeated sentinel value", 
 
 
 def data_issue(d: Facts) -> str:
-    """One data-scan issue (``rules._issue_facts``) in words."""
+    """One data-scan issue (``rules._issue_facts``) in words (a value beyond FP16's range says so)."""
+    s = _data_issue(d)
+    if d.get("beyond_fp16") and d["kind"] != "beyond_fp16":
+        s += f"; beyond FP16's max {gen(FP16.max)}: FP16 cannot represent it (cast to FP16 it is inf)"
+    return s
+
+
+def _data_issue(d: Facts) -> str:
     b, field, samples = d["batch"], d["field"], d["samples"]
     if d["kind"] == "nonfinite":
         return f"batch {b} holds {d['count']} NaN/Inf value(s) in {field} (samples {samples})"
@@ -431,12 +469,46 @@ FINDINGS: dict[str, FindingWords] = {
 }
 """Finding code → (title, fix) for findings that are not the deciding rule's own."""
 
-SCALER_NOTES = {
-    "overflows_hidden": ("the scale never backed off, but not because the gradients fit: the overflows were "
-                         "hidden from GradScaler before unscale_ (see the verdict)"),
-    "forward_fault": ("{skips} skip(s) follow the non-finite values the forward pass makes (see the verdict), not "
-                      "calibration: no loss scale changes a forward value"),
+def _forward_fault(sc: ScalerStory) -> str:
+    """The skips of a run whose forward pass overflows: how many the forward made, and what they did to the scale."""
+    n = len(sc.skips)
+    fwd = sum(1 for e in sc.skips if e.reason == "nonfinite_loss")
+    fell = f"from {pow2(sc.init_scale)} to {pow2(sc.min_scale)}"
+    if not fwd or fwd == n:
+        return (f"{n} skip(s) follow the non-finite values the forward pass makes (see the verdict), not calibration: "
+                f"no loss scale changes a forward value, yet GradScaler halves its scale at each, so the scale fell {fell}.")
+    grad = [e for e in sc.skips if e.reason != "nonfinite_loss"]
+    calibrating = all(e in sc.skips[: sc.calibration_skips] for e in grad)
+    rest = (f"The other {len(grad)} are gradient overflows while the scale came down from {pow2(sc.init_scale)}: "
+            "GradScaler calibrating, as designed. The gradients are not the problem: fix the forward pass."
+            if calibrating else
+            f"The other {len(grad)} are gradient overflows, at steps {', '.join(str(e.step) for e in grad[:10])}.")
+    return (f"{fwd} of the {n} skips follow a non-finite loss, the forward overflow the verdict names, not calibration: "
+            "no loss scale changes a forward value, yet GradScaler halves its scale at each one, so the scale fell "
+            f"{fell}. " + rest)
+
+
+SCALER_NOTES: dict[str, Callable[[ScalerStory], str]] = {
+    "overflows_hidden": lambda sc: (
+        "The scale never backed off, but not because the gradients fit: the overflows were hidden from GradScaler "
+        "before unscale_ (see the verdict)."),
+    "forward_fault": _forward_fault,
 }
+"""A note that replaces the scale history's own explanation, where the verdict knows better."""
+
+
+def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
+    """The replay's notes on the run's gradient hooks (the capture's ``user_hooks``): those the spec's model registers
+    again are kept, the others are listed as not re-created (a capture keeps no code)."""
+    out = []
+    if kept:
+        out.append(f"the run's model carried {total} gradient hook(s); the replay keeps {len(kept)} (the spec's model "
+                   "registers them): " + "; ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+    if lost:
+        out.append(f"{len(lost)} of the run's gradient hook(s) were not re-created in the replay (the spec's model does not "
+                   "register them; a hook is code, which a capture does not keep): " + "; ".join(lost[:5])
+                   + (" ..." if len(lost) > 5 else ""))
+    return out
 
 
 # the whole diagnosis -------------------------------------------------------------------------------
@@ -456,7 +528,7 @@ def write(d: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory 
     verdict = Verdict(o.cause, o.module, o.step, o.stage, summary(o.facts), d.device)
     scaler = d.scaler
     if scaler is not None and d.scaler_note is not None:
-        scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note].format(skips=len(scaler.skips)))
+        scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note](scaler))
     findings = []
     for i, f in enumerate(o.findings):
         if i == 0 and variant in RULE_TITLES:
@@ -473,6 +545,255 @@ def describe(w: LossWindow, name: str) -> str:
     last = f"{w.steps - w.window}-{w.steps - 1}"
     return (f"mean loss over steps {last}: {name} {w.target_tail:.4g}, FP32 {w.fp32_tail:.4g}, from FP32's "
             f"{w.fp32_head:.4g} over steps 0-{w.window - 1}: {w.ratio:.0%} of FP32's progress")
+
+
+# evidence as sentences ------------------------------------------------------------------------------
+
+def _share(x: Any) -> str:
+    """A share of elements for a sentence: '0.2%', 'under 0.1%', '0'."""
+    x = float(x)
+    return "none" if x == 0 else "under 0.1%" if x < 0.001 else f"{x:.1%}"
+
+
+def _named_shares(d: Mapping[str, Any], limit: int = 5) -> str:
+    items = list(d.items())
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(f"{k} {_share(v)}" for k, v in items[:limit]) + more
+
+
+def _ev_recheck(ev: Facts) -> str | None:
+    if "fp32_recheck_finite" not in ev and "fp32_recheck_loss" not in ev:
+        return None
+    where = f" ({ev['fp32_recheck_weights']})" if ev.get("fp32_recheck_weights") else ""
+    loss = ev.get("fp32_recheck_loss")
+    if ev.get("fp32_recheck_finite", True):
+        return (f"Re-run in FP32 from the same weights{where}, the step stays finite"
+                + (f" (loss {_g4(loss)})." if loss is not None else "."))
+    return f"Re-run in FP32 from the same weights{where}, the step is non-finite too" + (
+        f" (loss {_g4(loss)})." if loss is not None else ".")
+
+
+def _ev_range(ev: Facts, module: str | None) -> str | None:
+    amax = ev.get("fp32_absmax")
+    if amax is None:
+        return None
+    inside = f" in {module}" if module else ""
+    what = f"The `{ev['op']}` op{inside}" if ev.get("op") else f"The output of {module}" if module else "The output"
+    fmax = float(ev.get("fp16_max", FP16.max))
+    s = f"{what} reaches {_g4(amax)} in FP32"
+    amax = float(amax)
+    if amax > fmax:
+        s += f", {_g3(amax / fmax)} times FP16's largest value {gen(fmax)} (headroom {fixed(FP16.headroom_binades(amax))} binades)"
+    else:
+        s += f", within FP16's largest value {gen(fmax)} (headroom {fixed(FP16.headroom_binades(amax))} binades)"
+    if ev.get("op_overflow_frac") is not None:
+        s += f"; {_share(ev['op_overflow_frac'])} of its elements overflow FP16"
+    return s + "."
+
+
+def _ev_op_place(ev: Facts) -> str | None:
+    if not ev.get("op") or ev.get("fp32_absmax") is not None:
+        return None
+    where = f" in the {ev['op_in']}" if ev.get("op_in") else ""
+    line = f", at {ev['op_line']}" if ev.get("op_line") else ""
+    return f"The first op to make NaN/Inf is `{ev['op']}`{where}{line}."
+
+
+def _ev_step(ev: Facts) -> str | None:
+    parts = []
+    if "loss" in ev:
+        parts.append(f"the loss is {_g4(ev['loss'])}")
+    if "grad_l2" in ev:
+        parts.append(f"the gradient norm (L2, before clipping) is {_g4(ev['grad_l2'])}")
+    if "max_grad_l2_before" in ev:
+        parts.append(f"the largest gradient norm of the steps before is {_g4(ev['max_grad_l2_before'])}")
+    if not parts:
+        return None
+    s = "At that step " + ", ".join(parts) + "."
+    if "replay_from_initial_weights_finite" in ev:
+        fin = "finite" if ev["replay_from_initial_weights_finite"] else "non-finite"
+        s += f" The same batch from the initial weights gives a {fin} loss" + (
+            f" ({_g4(ev['replay_loss'])})." if ev.get("replay_loss") is not None else ".")
+    return s
+
+
+def _ev_scaler(ev: Facts) -> str | None:
+    if "min_scale" not in ev and "skipped_steps" not in ev:
+        return None
+    s = (f"GradScaler skipped {ev.get('skipped_steps', 0)} step(s) and its scale went down to "
+         f"{pow2(ev.get('min_scale'))}" + (f" (pattern: {ev['pattern']})" if ev.get("pattern") else "") + ".")
+    return s
+
+
+def _ev_grad_fp32(ev: Facts) -> str | None:
+    if "grad_l2_fp32_step" not in ev:
+        return None
+    return f"FP32's gradient norm (L2) at that step is {_g4(ev['grad_l2_fp32_step'])}."
+
+
+def _ev_scaled_param(ev: Facts) -> str | None:
+    if "fp32_grad_absmax_x_scale" not in ev:
+        return None
+    return (f"{ev.get('parameter')}'s largest FP32 gradient times the loss scale is {_g3(ev['fp32_grad_absmax_x_scale'])}, "
+            f"above FP16's largest value {gen(float(ev.get('fp16_max', FP16.max)))}.")
+
+
+def _ev_progress(ev: Facts) -> str | None:
+    if ev.get("progress_vs_fp32") is None:
+        return None
+    return f"The loss makes {pct0(float(ev['progress_vs_fp32']))} of FP32's progress."
+
+
+def _ev_flushed(ev: Facts) -> str | None:
+    fl = ev.get("flushed")
+    if not isinstance(fl, Mapping) or not fl:
+        return None
+    s = f"Share of each gradient that flushes to zero: {_named_shares(fl)}."
+    if ev.get("largest_fp32_grad") is not None:
+        s += f" The largest FP32 gradient is {_g3(ev['largest_fp32_grad'])}"
+        s += f"; the largest loss scale that still fits it is {str(ev['largest_safe_scale']).replace('**', '^')}." if ev.get(
+            "largest_safe_scale") else "."
+    return s
+
+
+def _ev_moved(ev: Facts) -> str | None:
+    mv = ev.get("weight_movement_vs_fp32")
+    if not isinstance(mv, Mapping) or not mv:
+        return None
+    return f"How far each weight moves, as a share of its FP32 movement: {_named_shares(mv)}."
+
+
+def _ev_swallowed(ev: Facts) -> str | None:
+    if "lost_update_share" not in ev:
+        return None
+    s = f"{_share(ev['lost_update_share'])} of the FP32 updates are lost in FP16 weights."
+    if ev.get("optimizer_constants_underflowing"):
+        s += f" Optimizer constants that round to 0 in FP16: {', '.join(map(str, ev['optimizer_constants_underflowing']))}."
+    return s
+
+
+def _ev_scaler_normal(ev: Facts) -> str | None:
+    if "phase" not in ev:
+        return None
+    s = f"GradScaler was at scale {pow2(ev.get('scale'))}, {_PHASES.get(str(ev['phase']), 'backing off')}."
+    if ev.get("grad_absmax_unscaled"):
+        s += f" Unscaled, the largest gradient is {_g3(ev['grad_absmax_unscaled'])}"
+        s += f" ({fixed(float(ev['headroom_binades']))} binades of FP16 headroom)." if ev.get("headroom_binades") is not None else "."
+    return s
+
+
+def _ev_captured(ev: Facts) -> str | None:
+    if "captured_reason" not in ev:
+        return None
+    s = (f"The run captured the step for {str(ev['captured_reason']).replace('_', ' ')}: loss {num(ev.get('captured_loss'))}, "
+         f"gradient norm {num(ev.get('captured_grad_l2'))}, scale {pow2(_float(ev.get('captured_scale')))}.")
+    if "replays" in ev:
+        s += f" {ev.get('replays_failed', 0)} of {ev['replays']} replay(s) failed again."
+    return s
+
+
+def _float(x: Any) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _ev_data(ev: Facts) -> str | None:
+    if "field" not in ev:
+        return None
+    samples = ev.get("samples")
+    at = f" (samples {list(samples)[:10]})" if samples else ""
+    if ev.get("nonfinite") is not None:
+        return f"Field {ev['field']!r} holds {ev['nonfinite']} NaN/Inf value(s){at}."
+    if ev.get("ratio_to_median") is not None:
+        return f"Field {ev['field']!r} is {_g3(ev['ratio_to_median'])} times the median batch's magnitude{at}."
+    return None
+
+
+def _ev_error(ev: Facts) -> str | None:
+    msg = ev.get("error") or ev.get("message")
+    if not msg:
+        return None
+    fn = f" in custom autograd.Function {ev['function']}" if ev.get("function") else ""
+    return f"The error{fn}: {msg}."
+
+
+def _ev_hooks(ev: Facts) -> str | None:
+    return f"Gradient hooks on the model: {_hooks_in(list(ev['hooks']))}." if ev.get("hooks") else None
+
+
+_EVIDENCE: tuple[tuple[Callable[[Facts], str | None], tuple[str, ...]], ...] = (
+    (_ev_op_place, ("op", "op_line", "op_in")),
+    (_ev_recheck, ("fp32_recheck_loss", "fp32_recheck_finite", "fp32_recheck_weights")),
+    (_ev_step, ("loss", "grad_l2", "max_grad_l2_before", "replay_from_initial_weights_finite", "replay_loss")),
+    (_ev_scaler, ("min_scale", "skipped_steps", "pattern")),
+    (_ev_grad_fp32, ("grad_l2_fp32_step",)),
+    (_ev_scaled_param, ("parameter", "fp32_grad_absmax_x_scale", "fp16_max")),
+    (_ev_flushed, ("flushed", "largest_fp32_grad", "largest_safe_scale")),
+    (_ev_moved, ("weight_movement_vs_fp32",)),
+    (_ev_swallowed, ("lost_update_share", "optimizer_constants_underflowing")),
+    (_ev_scaler_normal, ("scale", "phase", "grad_absmax_unscaled", "headroom_binades")),
+    (_ev_captured, ("captured_reason", "captured_loss", "captured_grad_l2", "captured_scale", "replays", "replays_failed",
+                    "replay_results")),
+    (_ev_data, ("field", "nonfinite", "ratio_to_median", "samples")),
+    (_ev_error, ("error", "message", "function")),
+    (_ev_hooks, ("hooks",)),
+    (_ev_progress, ("progress_vs_fp32",)),
+)
+"""Evidence facts → a sentence, in reading order after the range sentence (``_ev_range``); each names the keys it tells."""
+
+
+def evidence(ev: Facts, module: str | None = None) -> list[str]:
+    """A finding's evidence (``Finding.evidence``, kept as data in the JSON) as sentences with their units;
+    ``module``: the finding's module. A key no sentence tells is written as 'name: value', so no fact is dropped."""
+    out: list[str] = []
+    told: set[str] = set()
+    first = _ev_range(ev, module)
+    if first:
+        out.append(first)
+        told.update(("fp32_absmax", "fp16_max", "op", "op_overflow_frac"))
+    for words, keys in _EVIDENCE:
+        s = words(ev)
+        if s:
+            out.append(s)
+            told.update(keys)
+    for k, v in ev.items():
+        if k not in told and not k.startswith("_") and v is not None:
+            out.append(f"{k.replace('_', ' ')}: {num(v) if not isinstance(v, (list, dict)) else v}.")
+    return out
+
+
+def replay_scaler(scale: float, steps: int, manifest: Facts) -> str:
+    """GradScaler's story of a replay from a capture: where it started, and where the run's own scale history is
+    (the capture's ``step_log``; a capture without one says so, and how to keep one)."""
+    s = f"The replay started from the run's captured scale {pow2(scale)} and ran {steps} step(s)."
+    log = manifest.get("step_log")
+    if log:
+        return s + f" The run's whole scale history is in its step log: `ampdoctor scaler {log}`."
+    if "step_log" in manifest:
+        return s + (" The run kept no step log, so its scale history is not known here: Monitor(log='steps.csv') "
+                    "keeps one for `ampdoctor scaler`.")
+    return s + " If the run kept a step log (Monitor(log=...)), `ampdoctor scaler` on it tells the run's whole scale history."
+
+
+def what_ran(tool: str, config: Facts, steps: int | None) -> str:
+    """The line under a report's title: the command, the target, how many steps, from where.
+    'ampdoctor triage of forward_overflow.py: the amp stage against FP32, 50 steps from the initial weights'."""
+    spec = str(config.get("spec") or "")
+    name = spec.replace("\\", "/").rsplit("/", 1)[-1] if spec else ""
+    head = f"{tool} of {name}" if name else tool
+    target = config.get("target")
+    what = [f"the {target} stage against FP32" if target else ""]
+    if steps:
+        what.append(f"{steps:,} step{'s' if steps != 1 else ''} from {config.get('start') or 'the initial weights'}")
+    cap = config.get("from_capture")
+    if cap:
+        what.append(f"replayed from the capture {cap}")
+    elif config.get("checkpoint"):
+        what.append(f"from the checkpoint {config['checkpoint']}")
+    body = ", ".join(w for w in what if w)
+    return f"{head}: {body}" if body else head
 
 
 # the lookback ring: the forecast, the spike, the story before a failure ---------------------------

@@ -9,7 +9,7 @@ derives them; NaN is every pattern above +inf's). FP16 and BF16 elements are wid
 exactly first. Work is split into chunks of ``CHUNK`` elements across all tensors and run on
 torch's intra-op threads; the tensors are read in place (no concatenation).
 
-It is built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja are needed) by
+It is built from ``csrc/fused.cpp`` with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed) by
 a separate process the first time a ``Monitor`` starts (about 36 s of one core on the development
 machine), and cached by torch in ``~/.cache/torch_extensions`` for every later process, which
 imports the finished build directly. No step ever waits for the compiler: steps taken before it is
@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,543 +42,8 @@ log = logging.getLogger("ampdoctor")
 
 CHUNK = 1 << 16
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <mutex>
-#include <unordered_map>
-#include <vector>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-namespace {
-
-struct Acc {
-  int64_t c[8];
-  int32_t amax;   // largest finite |x| bits (0: none)
-  int32_t amin;   // smallest non-zero finite |x| bits (INF: none)
-};
-
-// one chunk: |x| bits against the thresholds' bits. Counts of |x| at or above each threshold (and of
-// -inf) are plain sums of comparisons, in int32 lanes (a chunk holds at most CHUNK elements), and
-// the extremes are plain min/max reductions: g++ -O3 vectorises the loop. Category counts are the
-// differences of the threshold counts.
-void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
-  const int32_t INF = 0x7F800000;
-  int32_t ge1 = 0, geuf = 0, gesub = 0, geof = 0, geinf = 0, nan = 0, neginf = 0;
-  int32_t amax = 0, amin = INF;
-  for (int32_t i = 0; i < n; ++i) {
-    uint32_t u = q[i];
-    int32_t ai = static_cast<int32_t>(u & 0x7FFFFFFFu);
-    ge1 += (ai >= 1);
-    geuf += (ai >= uf);
-    gesub += (ai >= sub);
-    geof += (ai >= of);
-    geinf += (ai >= INF);
-    nan += (ai > INF);
-    neginf += (u == 0xFF800000u);
-    int32_t fin = ai < INF ? ai : 0;                      // finite |x|, 0 otherwise
-    amax = std::max(amax, fin);
-    int32_t nz = (ai == 0 || ai >= INF) ? INF : ai;      // finite non-zero |x|, INF otherwise
-    amin = std::min(amin, nz);
-  }
-  // 0 zero, 1 underflow, 2 subnormal, 3 normal, 4 overflow, 5 +inf, 6 NaN, 7 -inf
-  a.c[0] += n - ge1;
-  a.c[1] += ge1 - geuf;
-  a.c[2] += geuf - gesub;
-  a.c[3] += gesub - geof;
-  a.c[4] += geof - geinf;
-  a.c[5] += geinf - nan - neginf;
-  a.c[6] += nan;
-  a.c[7] += neginf;
-  a.amax = std::max(a.amax, amax);
-  a.amin = std::min(a.amin, amin);
-}
-
-// FP16 / BF16: widened to float32 exactly, a block at a time, then the same loop
-template <typename T>
-inline void widen(const T* p, int32_t m, float* buf) {
-  for (int32_t i = 0; i < m; ++i) buf[i] = static_cast<float>(p[i]);
-}
-
-#if defined(__F16C__)
-// FP16: the CPU's own conversion instruction, 8 at a time (exact, like the scalar conversion)
-template <>
-inline void widen<at::Half>(const at::Half* p, int32_t m, float* buf) {
-  int32_t i = 0;
-  for (; i + 8 <= m; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-  for (; i < m; ++i) buf[i] = static_cast<float>(p[i]);
-}
-#endif
-
-template <typename T>
-void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
-  constexpr int32_t B = 4096;
-  float buf[B];
-  for (int32_t s = 0; s < n; s += B) {
-    int32_t m = std::min(B, n - s);
-    widen(p + s, m, buf);
-    uint32_t bits[B];
-    std::memcpy(bits, buf, sizeof(float) * m);
-    run_bits(bits, m, uf, sub, of, a);
-  }
-}
-
-// NUMEL ZERO UNDERFLOW SUBNORMAL NORMAL OVERFLOW POSINF NEGINF NAN ABSMAX MIN_NONZERO (stats.Col)
-void fill_row(const Acc& t, double* o) {
-  int64_t numel = 0;
-  for (int q = 0; q < 8; ++q) numel += t.c[q];
-  o[0] = numel;
-  for (int q = 0; q < 6; ++q) o[1 + q] = t.c[q];
-  o[7] = t.c[7];
-  o[8] = t.c[6];
-  float amax, amin;
-  std::memcpy(&amax, &t.amax, 4);
-  std::memcpy(&amin, &t.amin, 4);
-  o[9] = amax;
-  o[10] = amin;  // +inf (the bits of INF) when no finite non-zero element
-}
-
-}  // namespace
-
-torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
-  const int64_t n = ts.size();
-  const int32_t INF = 0x7F800000;
-  for (auto& t : ts) {  // another device or dtype: an undefined result, and the caller takes the eager path
-    auto st = t.scalar_type();
-    if (!t.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return torch::Tensor();
-  }
-  std::vector<torch::Tensor> cs;
-  cs.reserve(n);
-  for (auto& t : ts) cs.push_back(t.contiguous());
-  // chunks: (tensor, start, end)
-  std::vector<int64_t> ct, c0, c1;
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t m = cs[j].numel();
-    for (int64_t s = 0; s < m; s += chunk) { ct.push_back(j); c0.push_back(s); c1.push_back(std::min(m, s + chunk)); }
-  }
-  const int64_t nc = ct.size();
-  std::vector<Acc> part(nc);
-  int64_t total = 0;
-  for (auto& t : cs) total += t.numel();
-  // small steps: one thread (handing a few chunks to the pool costs more than it saves)
-  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
-  at::parallel_for(0, nc, grain, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      Acc& a = part[k];
-      for (int q = 0; q < 8; ++q) a.c[q] = 0;
-      a.amax = 0; a.amin = INF;
-      const auto& t = cs[ct[k]];
-      int64_t s = c0[k];
-      int32_t len = static_cast<int32_t>(c1[k] - c0[k]);
-      switch (t.scalar_type()) {
-        case at::kFloat: {
-          const float* f = t.data_ptr<float>() + s;
-          run_bits(reinterpret_cast<const uint32_t*>(f), len, uf, sub, of, a);  // read as bits, in place
-          break;
-        }
-        case at::kHalf: run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a); break;
-        case at::kBFloat16: run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a); break;
-        default: TORCH_CHECK(false, "ampdoctor stats: unsupported dtype");
-      }
-    }
-  });
-  auto out = torch::zeros({n, 11}, torch::kFloat64);
-  auto o = out.accessor<double, 2>();
-  std::vector<Acc> tot(n);
-  for (int64_t j = 0; j < n; ++j) { for (int q = 0; q < 8; ++q) tot[j].c[q] = 0; tot[j].amax = 0; tot[j].amin = INF; }
-  for (int64_t k = 0; k < nc; ++k) {
-    Acc& t = tot[ct[k]];
-    for (int q = 0; q < 8; ++q) t.c[q] += part[k].c[q];
-    t.amax = part[k].amax > t.amax ? part[k].amax : t.amax;
-    t.amin = part[k].amin < t.amin ? part[k].amin : t.amin;
-  }
-  for (int64_t j = 0; j < n; ++j) fill_row(tot[j], &o[j][0]);
-  return out;
-}
-
-// the row of one tensor, read right where it is made (the tap): no batching, the data still in cache
-bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double* o) {
-  auto st = t0.scalar_type();
-  if (!t0.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return false;
-  const torch::Tensor t = t0.contiguous();
-  Acc a;
-  for (int q = 0; q < 8; ++q) a.c[q] = 0;
-  a.amax = 0; a.amin = 0x7F800000;
-  const int64_t m = t.numel();
-  constexpr int64_t C = int64_t{1} << 30;  // int32 counts per pass
-  for (int64_t s = 0; s < m; s += C) {
-    const int32_t len = static_cast<int32_t>(std::min(C, m - s));
-    switch (st) {
-      case at::kFloat: run_bits(reinterpret_cast<const uint32_t*>(t.data_ptr<float>() + s), len, uf, sub, of, a); break;
-      case at::kHalf: run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a); break;
-      default: run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a); break;
-    }
-  }
-  fill_row(a, o);
-  return true;
-}
-
-// L2 norm of each tensor (float32 result, as _foreach_norm(dtype=float32) gives), the squares summed in
-// double: a tensor of finite elements always has a finite sum of squares here (float32 squares overflow
-// from 1.8e19), so the norm is non-finite exactly when an element is. One call for all the gradients:
-// _foreach_norm on the CPU pays a few microseconds per tensor, most of its time on small ones.
-template <typename T>
-double sumsq(const T* p, int64_t n) {
-  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    double x0 = static_cast<float>(p[i]), x1 = static_cast<float>(p[i + 1]);
-    double x2 = static_cast<float>(p[i + 2]), x3 = static_cast<float>(p[i + 3]);
-    a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;
-  }
-  for (; i < n; ++i) { double x = static_cast<float>(p[i]); a0 += x * x; }
-  return (a0 + a1) + (a2 + a3);
-}
-
-torch::Tensor norms(std::vector<torch::Tensor> ts, int64_t chunk) {
-  const int64_t n = ts.size();
-  for (auto& t : ts) {
-    auto st = t.scalar_type();
-    if (!t.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return torch::Tensor();
-  }
-  std::vector<torch::Tensor> cs;
-  cs.reserve(n);
-  for (auto& t : ts) cs.push_back(t.contiguous());
-  std::vector<int64_t> ct, c0, c1;
-  int64_t total = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t m = cs[j].numel();
-    total += m;
-    for (int64_t s = 0; s < m; s += chunk) { ct.push_back(j); c0.push_back(s); c1.push_back(std::min(m, s + chunk)); }
-  }
-  const int64_t nc = ct.size();
-  std::vector<double> part(nc, 0.0);
-  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
-  at::parallel_for(0, nc, grain, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      const auto& t = cs[ct[k]];
-      const int64_t s = c0[k], len = c1[k] - c0[k];
-      switch (t.scalar_type()) {
-        case at::kFloat: part[k] = sumsq(t.data_ptr<float>() + s, len); break;
-        case at::kHalf: part[k] = sumsq(t.data_ptr<at::Half>() + s, len); break;
-        default: part[k] = sumsq(t.data_ptr<at::BFloat16>() + s, len); break;
-      }
-    }
-  });
-  std::vector<double> tot(n, 0.0);
-  for (int64_t k = 0; k < nc; ++k) tot[ct[k]] += part[k];
-  auto out = torch::empty({n}, torch::kFloat32);
-  float* o = out.data_ptr<float>();
-  for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>(std::sqrt(tot[j]));
-  return out;
-}
-
-// The tap: a step's recording in C++ (see watch.hooks). The forward hook hands it each module call
-// (module index, args, kwargs, output); it finds the floating tensors inside (as tensors.iter_tensors
-// does), gives each tensor a per-step id (the same tensor keeps its id: kept by TensorImpl, checked
-// alive through a weak pointer), queues new ones for statistics, hooks the gradient of each that
-// requires grad, and notes the call. The gradient hook is C++: no Python call in backward. Queues are
-// drained from Python; a queue that holds `limit` elements or more asks for it (record's return value,
-// or the `drain` callback, called with the GIL from backward), so held tensors stay bounded like the
-// statistics buffer's.
-struct Tap {
-  std::mutex mu;  // the gradient queue: backward may run on another thread (the autograd engine's)
-  std::vector<int64_t> grad_order;  // every watched gradient's tid, in arrival order
-  std::vector<int64_t> grad_ids;    // queued as tensors (another device or dtype, or rows not wanted here)
-  std::vector<torch::Tensor> grads;
-  std::vector<int64_t> grad_row_ids;  // reduced on arrival (CPU): their rows
-  std::vector<double> grad_rows;
-  int64_t grad_pending = 0;
-  bool grad_mixed = false;  // queued gradients on more than one device
-  int64_t limit;
-  int64_t serial = 0;   // the step being recorded; a gradient hook from another step does nothing
-  bool active = false;
-  bool acts, watch_grads;
-  bool rows;             // reduce CPU tensors here, on arrival, to stats rows with these thresholds
-  int32_t uf, sub, of;
-  pybind11::object drain;
-  // forward (only touched with the GIL held)
-  std::unordered_map<c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> tids;
-  int64_t next_tid = 0;
-  std::vector<int64_t> act_ids;
-  std::vector<torch::Tensor> act_ts;
-  std::vector<int64_t> act_row_ids;
-  std::vector<double> act_rows;
-  int64_t act_pending = 0;
-  bool act_mixed = false;
-  std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
-  std::vector<torch::Tensor> scratch;
-  std::unordered_map<PyObject*, int64_t> mod_index;  // the watched model's modules (by identity, like id())
-  pybind11::object root_ref;                         // a weakref to the model (training_only)
-  bool training_only = false;
-  Tap(int64_t limit_, bool acts_, bool grads_, bool rows_, int64_t uf_, int64_t sub_, int64_t of_, pybind11::object drain_)
-      : limit(limit_), acts(acts_), watch_grads(grads_), rows(rows_), uf(uf_), sub(sub_), of(of_),
-        drain(std::move(drain_)) {}
-  ~Tap() {  // the last owner may be a hook on the autograd thread: release Python's objects under the GIL
-    if (Py_IsInitialized()) {
-      pybind11::gil_scoped_acquire gil;
-      drain = pybind11::object();
-      root_ref = pybind11::object();
-      grads.clear();
-      act_ts.clear();
-    }
-  }
-};
-using TapP = std::shared_ptr<Tap>;
-
-void tap_watch(const TapP& tap, const torch::Tensor& t, int64_t tid) {
-  std::weak_ptr<Tap> w = tap;
-  const int64_t serial = tap->serial;
-  t.register_hook([w, tid, serial](const at::TensorBase& g) {
-    auto tp = w.lock();
-    if (!tp || !g.defined()) return;
-    bool full = false;
-    double row[11];
-    const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, row);
-    {
-      std::lock_guard<std::mutex> lock(tp->mu);
-      if (!tp->active || tp->serial != serial) return;
-      tp->grad_order.push_back(tid);
-      if (reduced) {
-        tp->grad_row_ids.push_back(tid);
-        tp->grad_rows.insert(tp->grad_rows.end(), row, row + 11);
-        return;
-      }
-      if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
-      tp->grad_ids.push_back(tid);
-      tp->grads.emplace_back(torch::Tensor(g));
-      tp->grad_pending += g.numel();
-      full = tp->grad_pending >= tp->limit;
-    }
-    if (full) {
-      pybind11::gil_scoped_acquire gil;
-      tp->drain();
-    }
-  });
-}
-
-// tensors.iter_tensors in C++: tensors, then dicts, lists and tuples (4 levels deep), then to_tuple()
-void walk(pybind11::handle o, int depth, std::vector<torch::Tensor>& out) {
-  PyObject* p = o.ptr();
-  if (THPVariable_Check(p)) { out.push_back(THPVariable_Unpack(p)); return; }
-  if (depth > 4) return;
-  if (PyDict_CheckExact(p)) {
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(p, &pos, &k, &v)) walk(v, depth + 1, out);
-  } else if (PyTuple_CheckExact(p)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p); ++i) walk(PyTuple_GET_ITEM(p, i), depth + 1, out);
-  } else if (PyList_CheckExact(p)) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(p); ++i) walk(PyList_GET_ITEM(p, i), depth + 1, out);
-  } else if (PyDict_Check(p)) {  // a subclass (ModelOutput, OrderedDict): its own values(), in its order
-    for (auto v : o.attr("values")()) walk(v, depth + 1, out);
-  } else if (PyTuple_Check(p) || PyList_Check(p)) {
-    for (auto v : o) walk(v, depth + 1, out);
-  } else if (pybind11::hasattr(o, "to_tuple")) {
-    walk(o.attr("to_tuple")(), depth + 1, out);
-  }
-}
-
-int64_t tid_of(Tap& tap, const torch::Tensor& t, bool grad_enabled) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto it = tap.tids.find(impl);
-  if (it != tap.tids.end()) {
-    auto alive = it->second.first.lock();
-    if (alive.get() == impl) return it->second.second;
-    tap.tids.erase(it);  // a dead tensor's address, reused
-  }
-  const int64_t tid = tap.next_tid++;
-  tap.tids.emplace(impl, std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), tid));
-  if (tap.acts) {
-    double row[11];
-    if (tap.rows && row_of(t, tap.uf, tap.sub, tap.of, row)) {
-      tap.act_row_ids.push_back(tid);
-      tap.act_rows.insert(tap.act_rows.end(), row, row + 11);
-      return tid;
-    }
-    if (!tap.act_ts.empty() && tap.act_ts.front().device() != t.device()) tap.act_mixed = true;
-    tap.act_ids.push_back(tid);
-    tap.act_ts.push_back(t);
-    tap.act_pending += t.numel();
-  }
-  return tid;
-}
-
-void note(const TapP& tap, pybind11::handle obj, int depth, bool grad_enabled) {
-  Tap& tp = *tap;
-  tp.scratch.clear();
-  walk(obj, depth, tp.scratch);
-  for (const auto& t : tp.scratch) {
-    if (!t.is_floating_point()) continue;
-    const int64_t before = tp.next_tid;
-    const int64_t tid = tid_of(tp, t, grad_enabled);
-    tp.flat.push_back(tid);
-    if (tid >= before && tp.watch_grads && grad_enabled && t.requires_grad()) tap_watch(tap, t, tid);
-  }
-}
-
-bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::handle kwargs, pybind11::handle output,
-                bool grad_enabled);
-
-void tap_configure(const TapP& tap, pybind11::list modules, pybind11::object root_ref, bool training_only) {
-  tap->mod_index.clear();
-  for (size_t i = 0; i < modules.size(); ++i) tap->mod_index.emplace(modules[i].ptr(), static_cast<int64_t>(i));
-  tap->root_ref = std::move(root_ref);
-  tap->training_only = training_only;
-}
-
-// the __call__ wrapper's listener (watch.hooks): one module call, anything's; returns whether the activation
-// queue should be drained now
-bool tap_call(const TapP& tap, pybind11::handle module, pybind11::handle args, pybind11::handle kwargs,
-              pybind11::handle output) {
-  Tap& tp = *tap;
-  if (!tp.active) return false;
-  auto it = tp.mod_index.find(module.ptr());
-  if (it == tp.mod_index.end()) return false;  // another model's module
-  const bool grad = at::GradMode::is_enabled();
-  if (tp.training_only) {  // only training forwards: grad enabled and the model in train mode
-    if (!grad || !tp.root_ref) return false;
-    PyObject* root = PyWeakref_GetObject(tp.root_ref.ptr());
-    if (root == nullptr || root == Py_None) return false;
-    pybind11::handle r(root);
-    if (!pybind11::getattr(r, "training").cast<bool>()) return false;
-  }
-  return tap_record(tap, it->second, args, kwargs, output, grad);
-}
-
-// one module call; returns whether the activation queue should be drained now
-bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::handle kwargs, pybind11::handle output,
-                bool grad_enabled) {
-  Tap& tp = *tap;
-  tp.call_mod.push_back(mod);
-  tp.call_in.push_back(static_cast<int64_t>(tp.flat.size()));
-  if (kwargs.is_none() || (PyDict_Check(kwargs.ptr()) && PyDict_GET_SIZE(kwargs.ptr()) == 0)) {
-    note(tap, args, 0, grad_enabled);
-  } else {  // as iter_tensors((args, kwargs))
-    note(tap, args, 1, grad_enabled);
-    note(tap, kwargs, 1, grad_enabled);
-  }
-  tp.call_out.push_back(static_cast<int64_t>(tp.flat.size()));
-  note(tap, output, 0, grad_enabled);
-  return tp.act_pending >= tp.limit;
-}
-
-torch::Tensor rows_tensor(std::vector<double>& v) {
-  const int64_t k = static_cast<int64_t>(v.size() / 11);
-  auto out = torch::empty({k, 11}, torch::kFloat64);
-  if (k) std::memcpy(out.data_ptr<double>(), v.data(), sizeof(double) * v.size());
-  v.clear();
-  return out;
-}
-
-// (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11])
-pybind11::tuple tap_take_acts(const TapP& tap) {
-  std::vector<int64_t> ids, rids;
-  std::vector<torch::Tensor> ts;
-  ids.swap(tap->act_ids);
-  ts.swap(tap->act_ts);
-  rids.swap(tap->act_row_ids);
-  auto rows = rows_tensor(tap->act_rows);
-  const int64_t n = tap->act_pending;
-  const bool mixed = tap->act_mixed;
-  tap->act_pending = 0;
-  tap->act_mixed = false;
-  return pybind11::make_tuple(ids, ts, n, mixed, rids, rows);
-}
-
-// (arrival order, then as tap_take_acts)
-pybind11::tuple tap_take_grads(const TapP& tap) {
-  std::vector<int64_t> order, ids, rids;
-  std::vector<torch::Tensor> grads;
-  torch::Tensor rows;
-  int64_t n;
-  bool mixed;
-  {
-    std::lock_guard<std::mutex> lock(tap->mu);
-    order.swap(tap->grad_order);
-    ids.swap(tap->grad_ids);
-    grads.swap(tap->grads);
-    rids.swap(tap->grad_row_ids);
-    rows = rows_tensor(tap->grad_rows);
-    n = tap->grad_pending;
-    mixed = tap->grad_mixed;
-    tap->grad_pending = 0;
-    tap->grad_mixed = false;
-  }
-  return pybind11::make_tuple(order, ids, grads, n, mixed, rids, rows);
-}
-
-// the calls noted since the last take, flat (no Python object per call: see records.StepStats.calls):
-// (module indices, bounds, tids); call k's inputs are tids[bounds[2k]:bounds[2k+1]], its outputs
-// tids[bounds[2k+1]:bounds[2k+2]], in the order the calls ended
-pybind11::tuple tap_take_calls(const TapP& tap) {
-  Tap& tp = *tap;
-  const size_t n = tp.call_mod.size();
-  std::vector<int64_t> bounds;
-  bounds.reserve(2 * n + 1);
-  for (size_t k = 0; k < n; ++k) {
-    bounds.push_back(tp.call_in[k]);
-    bounds.push_back(tp.call_out[k]);
-  }
-  bounds.push_back(static_cast<int64_t>(tp.flat.size()));
-  std::vector<int64_t> mods, flat;
-  mods.swap(tp.call_mod);
-  flat.swap(tp.flat);
-  tp.call_in.clear();
-  tp.call_out.clear();
-  return pybind11::make_tuple(mods, bounds, flat);
-}
-
-void tap_start(const TapP& tap, int64_t serial, bool active) {
-  {
-    std::lock_guard<std::mutex> lock(tap->mu);
-    tap->serial = serial;
-    tap->active = active;
-    tap->grad_order.clear();
-    tap->grad_ids.clear();
-    tap->grads.clear();
-    tap->grad_row_ids.clear();
-    tap->grad_rows.clear();
-    tap->grad_pending = 0;
-    tap->grad_mixed = false;
-  }
-  tap->tids.clear();
-  tap->next_tid = 0;
-  tap->act_ids.clear();
-  tap->act_ts.clear();
-  tap->act_row_ids.clear();
-  tap->act_rows.clear();
-  tap->act_pending = 0;
-  tap->act_mixed = false;
-  tap->call_mod.clear();
-  tap->call_in.clear();
-  tap->call_out.clear();
-  tap->flat.clear();
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stats", &stats, "ampdoctor one-pass statistics");
-  m.def("norms", &norms, "the L2 norm of each tensor (float32), squares summed in double");
-  pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
-      .def(pybind11::init<int64_t, bool, bool, bool, int64_t, int64_t, int64_t, pybind11::object>());
-  m.def("tap_record", &tap_record, "note one module call");
-  m.def("tap_configure", &tap_configure, "the watched modules (in index order), a weakref to the model, training_only");
-  m.def("tap_call", &tap_call, "note one module call if it is a watched module's and the step is recorded");
-  m.def("tap_take_acts", &tap_take_acts, "(tids, tensors, elements) queued for statistics since the last take");
-  m.def("tap_take_grads", &tap_take_grads, "(tids, gradients, elements) queued since the last take, in arrival order");
-  m.def("tap_take_calls", &tap_take_calls, "(module indices, [(input tids, output tids)]) noted since the last take");
-  m.def("tap_start", &tap_start, "a new step: clears everything, sets the serial and whether to record");
-}
-"""
-
+SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+"""The kernel's C++ (shipped as package data: the wheel, the sdist and an editable install carry it)."""
 
 
 def _cpu_tag() -> str | None:
@@ -598,7 +64,7 @@ CFLAGS = ["-O3", "-march=native"] if _CPU is not None else ["-O3"]
 CPU's flags: a cache shared by machines with other CPUs (a cluster's home directory) then holds one
 build per kind of CPU, and none runs an instruction its CPU lacks."""
 NAME = "ampdoctor_stats_" + hashlib.sha1(
-    (_SOURCE + " ".join(CFLAGS) + (_CPU or "") + torch.__version__).encode()).hexdigest()[:12]
+    (SOURCE.read_text(encoding="utf-8") + " ".join(CFLAGS) + (_CPU or "") + torch.__version__).encode()).hexdigest()[:12]
 """The build's name carries the hash of the source, the flags, the CPU and torch's version: a changed
 kernel, another CPU or another torch (whose C++ ABI the build links against) is a new build, never a
 stale import."""
@@ -626,9 +92,9 @@ def build_dir() -> Path:
 def build_now() -> Any:
     """Build (or load the cached build of) the kernel in this process, blocking; None without a compiler."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
-        mod = load_inline(NAME, cpp_sources=[_SOURCE], extra_cflags=CFLAGS, verbose=False, with_cuda=False)
+        mod = load(NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False, with_cuda=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the eager path stays
         _state["failed"] = True
         log.info("ampdoctor: the fused statistics kernel is not available (%s); using the eager path", e)
@@ -655,14 +121,54 @@ def _load_built() -> Any:
     return mod
 
 
+BUSY = 3
+"""The builder's exit status when another process on the machine holds the build lock (it builds; we wait)."""
+POLL_S = 5.0
+"""How often a process whose kernel another process builds looks for the finished build (one stat)."""
+
+
+def lock_path() -> Path:
+    """The machine's build lock (beside torch's build folder): the one process holding it builds."""
+    return build_dir().parent / f"{NAME}.ampdoctor.lock"
+
+
+def _file_lock() -> Any:
+    from filelock import FileLock
+
+    p = lock_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(p))
+
+
+def _building_elsewhere() -> bool:
+    """Whether another process holds the build lock now (under torchrun: another rank's builder)."""
+    from filelock import Timeout
+
+    try:
+        lk = _file_lock()
+        lk.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:  # a read-only cache: the builder will say so
+        return False
+    lk.release()
+    return False
+
+
 def start_build() -> None:
-    """Start building the kernel in a separate process, if it is not built: training goes on meanwhile
-    (steps use the eager path), and the build finishes, and releases torch's build lock, even if this
-    process ends first. The Monitor calls it; one-off commands do not (they use a finished build)."""
+    """Start building the kernel in a separate process, if it is not built and no other process on this machine
+    is building it (the build lock: under torchrun one rank's builder builds, the other ranks look for the
+    finished build now and then, and every rank keeps training meanwhile, steps on the cheap path). The build
+    finishes, and releases the locks, even if this process ends first. The Monitor calls it; one-off commands
+    do not (they use a finished build; ``ampdoctor build-kernel`` builds one ahead)."""
     if not enabled() or _state["module"] is not None or _state["failed"] or _state["proc"] is not None:
         return
     with _lock:
         if _state["proc"] is not None or _load_built() is not None:
+            return
+        if _building_elsewhere():
+            _state["proc"] = "elsewhere"
+            _state["next_look"] = time.monotonic() + POLL_S
             return
         try:
             _state["proc"] = subprocess.Popen([sys.executable, "-m", "ampdoctor.watch.fused"], stdin=subprocess.DEVNULL,
@@ -673,6 +179,12 @@ def start_build() -> None:
             log.info("ampdoctor: could not start the kernel build (%s)", e)
 
 
+def pending() -> bool:
+    """Whether a build is under way (here or in another process) that this process may still load: the Monitor
+    keeps its cheap path until it is ready."""
+    return enabled() and kernel() is None and not _state["failed"] and _state["proc"] not in (None, False)
+
+
 def kernel() -> Any:
     """The kernel module if it is built and loaded (loading a finished build on first ask), else None."""
     if not enabled():
@@ -681,11 +193,26 @@ def kernel() -> Any:
     if mod is not None or _state["failed"]:
         return mod
     proc = _state["proc"]
-    if proc is not None:
-        if proc.poll() is None:
+    if proc == "elsewhere":
+        now = time.monotonic()
+        if now < _state.get("next_look", 0.0):
+            return None
+        _state["next_look"] = now + POLL_S
+        mod = _load_built()
+        if mod is None and not _building_elsewhere():  # the other builder is done and left nothing: build here
+            _state["proc"] = None
+            start_build()
+        return mod
+    if proc is not None and proc is not False:
+        code = proc.poll()
+        if code is None:
             return None  # still building
         _state["proc"] = False  # done (or failed): load once
         mod = _load_built()
+        if mod is None and code == BUSY:  # another process took the lock first: it builds, we look later
+            _state["proc"] = "elsewhere"
+            _state["next_look"] = time.monotonic() + POLL_S
+            return None
         if mod is None:
             _state["failed"] = True
         return mod
@@ -716,8 +243,28 @@ def fused_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return mod.norms(tensors, CHUNK)  # type: ignore[no-any-return]
 
 
-__all__ = ["CHUNK", "build_dir", "build_now", "enabled", "fused_norms", "fused_stats", "kernel", "start_build"]
+__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_norms", "fused_stats", "kernel", "pending",
+           "start_build"]
 
 
-if __name__ == "__main__":  # the background build started by start_build()
-    sys.exit(0 if build_now() is not None else 1)
+def build_locked(wait: bool = False) -> int:
+    """Build the kernel holding the machine's build lock: 0 built (or already there), 1 failed (no compiler),
+    ``BUSY`` another process holds the lock and builds it (``wait``: wait for it, then load its build)."""
+    from filelock import Timeout
+
+    try:
+        lk = _file_lock()
+        lk.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        return BUSY
+    except OSError:
+        lk = None
+    try:
+        return 0 if (_load_built() is not None or build_now() is not None) else 1
+    finally:
+        if lk is not None:
+            lk.release()
+
+
+if __name__ == "__main__":  # the background build started by start_build(), or a build ahead of the first Monitor
+    sys.exit(build_locked())

@@ -409,10 +409,10 @@ class Hooks:
             st = self._cur
             st.flat_calls.append((self._mods, mods, bounds, tids))  # Call objects made when read
             root = self._root_index
-            if root in mods:  # the model's own call (the last one): its inputs and outputs
-                k = len(mods) - 1 - mods[::-1].index(root)
-                st.model_inputs = tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
-                st.model_outputs = tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
+            # the model's own calls: their inputs and outputs (every call of the step: accumulated micro-batches)
+            for k in (k for k, m in enumerate(mods) if m == root):
+                st.model_inputs = tuple(st.model_inputs) + tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
+                st.model_outputs = tuple(st.model_outputs) + tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
         self._take_acts()
         self._take_grads()
 
@@ -492,9 +492,9 @@ class Hooks:
         ins = tuple(self._tids_of(args if not kwargs else (args, kwargs)))
         outs = tuple(self._tids_of(output))
         self._cur.calls.append(Call(name, ins, outs))
-        if id(module) == self._root_id:
-            self._cur.model_inputs = ins
-            self._cur.model_outputs = outs
+        if id(module) == self._root_id:  # (every call of the step: accumulated micro-batches)
+            self._cur.model_inputs = tuple(self._cur.model_inputs) + ins
+            self._cur.model_outputs = tuple(self._cur.model_outputs) + outs
 
     def add_scalar(self, name: str, value: torch.Tensor | float) -> None:
         """Queue a scalar (a 0-d tensor stays on the device) to come back with this step's copy."""

@@ -77,6 +77,12 @@ def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float =
         rows = fused_stats(tensors, *_thresholds(fmt))  # one pass, when the kernel is built (see watch.fused)
         if rows is not None:
             return rows
+    elif tensors[0].device.type == "cuda":
+        from ampdoctor.watch.triton_stats import triton_stats
+
+        rows = triton_stats(tensors, fmt, scale)  # one launch, where Triton is installed (see watch.triton_stats)
+        if rows is not None:
+            return rows
     return eager_stats(tensors, fmt, scale)
 
 

@@ -15,8 +15,9 @@ also survives a power cut, at the cost of a disk flush a step.
 An existing log is never truncated without being asked (``mode``):
 
 - ``"append"`` (default): a missing or empty file gets a header; an existing one must have the
-  same header, and is appended to only by a run that resumes (its first step is not 0, e.g. after
-  ``Monitor.load_state_dict``); a fresh run (first step 0) onto a log that has rows is refused.
+  same header, and is appended to only by a run that resumes (its first step is not a fresh run's first,
+  0, or ``fresh_step``; e.g. after ``Monitor.load_state_dict``); a fresh run onto a log that has rows is
+  refused.
   An incomplete last line (a process killed mid-write) is cut off first: it is not a finished step.
 - ``"new"``: refuse if the file exists and is not empty.
 - ``"overwrite"``: start the file afresh (the user said so, e.g. ``--force``).
@@ -146,6 +147,7 @@ class StepLogWriter:
         mode: Mode = "append",
         fsync: bool = False,
         on_error: OnError = "warn",
+        fresh_step: int = 0,
     ) -> None:
         if mode not in ("append", "new", "overwrite"):
             raise StepLogError(f"mode must be 'append', 'new' or 'overwrite', not {mode!r}")
@@ -159,6 +161,9 @@ class StepLogWriter:
         self.mode: Mode = mode
         self.fsync = fsync
         self.on_error: OnError = on_error
+        self.fresh_step = fresh_step
+        """The number of a fresh run's first step (0; 1 where the framework numbers a step by the count after it,
+        as the Trainer's global_step does): a run starting there onto a log with rows is refused."""
         self._f: IO[bytes] | None = None
         self._good = 0
         """Bytes of the file that are whole rows (a failed write is cut back to here)."""
@@ -206,9 +211,9 @@ class StepLogWriter:
                 "write to another path, or overwrite it on purpose (mode='overwrite')"
             )
         rows = data.count(b"\n") - 1
-        if first_step == 0 and rows > 0:
+        if first_step == self.fresh_step and rows > 0:
             raise StepLogError(
-                f"{p} already holds {rows} step(s) and this run starts at step 0; write to another path, "
+                f"{p} already holds {rows} step(s) and this run starts at step {first_step}, a fresh run's first; write to another path, "
                 "overwrite it on purpose (mode='overwrite'), or load the monitor's state_dict to resume"
             )
         return data
@@ -489,3 +494,85 @@ def _finish(out: Any, p: Path, notes: list[str]) -> StepLog:
         notes.append("rows were not in step order; sorted by step")
         out = out.sort_values("step", kind="stable")
     return StepLog(out.reset_index(drop=True), p, notes)
+
+
+class NotStreamable(Exception):
+    """The log needs the validating reader (quotes, a bad row, steps out of order or repeated): read it whole."""
+
+
+class StepLogStream:
+    """A step log read in blocks of about ``block_bytes``, each through the clean-log fast path, as typed frames.
+
+    Memory stays at a block, whatever the log's length. Iterating raises ``NotStreamable`` where
+    ``read_step_log`` would do more than read (a row it must name in an error, quotes, steps repeated by a
+    resumed run or out of order, which it de-duplicates and sorts): the caller then reads the log whole.
+    ``notes`` are ``read_step_log``'s (the incomplete last line), filled as the end is reached.
+    """
+
+    def __init__(self, path: str | Path, block_bytes: int = 4 << 20) -> None:
+        self.path = Path(path)
+        self.block_bytes = block_bytes
+        self.notes: list[str] = []
+
+    def __iter__(self) -> Any:
+        from ampdoctor.watch.steplog_fast import read_clean
+
+        p = self.path
+        self.notes = []
+        if not p.is_file():
+            raise NotStreamable
+        with open(p, "rb") as f:
+            head = f.readline(FIELD_LIMIT + 2)
+            if not head.endswith(b"\n") or len(head) > FIELD_LIMIT:
+                raise NotStreamable
+            try:
+                header = head.decode("utf-8")
+            except UnicodeDecodeError:
+                raise NotStreamable from None
+            width = len(next(csv.reader([header.rstrip("\r\n")]), []))
+            rest = b""
+            lines_before = 1  # lines of the file before the current block
+            last_step: int | None = None
+            any_rows = False
+            while True:
+                data = f.read(self.block_bytes)
+                eof = not data
+                buf = rest + data
+                if not eof:
+                    cut = buf.rfind(b"\n") + 1
+                    if cut == 0:
+                        rest = buf
+                        continue
+                    buf, rest = buf[:cut], buf[cut:]
+                else:
+                    rest = b""
+                    if not buf:
+                        break
+                try:
+                    text = buf.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise NotStreamable from None
+                if eof and not text.endswith("\n"):
+                    last = text[text.rfind("\n") + 1:]
+                    n_lines = lines_before + text.count("\n") + 1
+                    if n_lines > 2 and len(next(csv.reader([last]), [])) < width:
+                        self.notes.append(f"the last line ({n_lines}) is incomplete (a run killed mid-write?) and was ignored")
+                        text = text[: len(text) - len(last)]
+                lines_before += text.count("\n")
+                if text.strip():
+                    try:
+                        df = read_clean(header + text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)
+                    except csv.Error:
+                        df = None
+                    if df is None:
+                        raise NotStreamable
+                    st = df["step"].to_numpy()
+                    if (last_step is not None and st[0] <= last_step) or (st.size > 1 and not (st[1:] > st[:-1]).all()):
+                        raise NotStreamable
+                    last_step = int(st[-1])
+                    any_rows = True
+                    yield df
+                if eof:
+                    break
+            if not any_rows:
+                raise NotStreamable

@@ -50,6 +50,8 @@ def main() -> None:
                              ddp_backend="gloo")
     cb = AmpDoctorCallback(log=out / "steps.csv", capture=out / "cap")
     Trainer(model=Model(), args=args, train_dataset=Data(), callbacks=[cb]).train()
+    if torch.distributed.is_initialized():  # the Trainer leaves its process group up; gloo can abort at exit
+        torch.distributed.destroy_process_group()  # without this (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":
