@@ -83,6 +83,8 @@ class StepStats:
     model_outputs: Sequence[int] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)
     """Scalars the caller queued with ``Hooks.add_scalar`` (loss, norms, ...)."""
+    tail: Any = None
+    """The vector queued with ``Hooks.add_tail`` (float64 on the host), and its layout: ``(layout, values)``."""
     flat_calls: list[tuple[list[str], list[int], list[int], list[int]]] = field(default_factory=list, repr=False,
                                                                                  compare=False)
     """Calls not yet made into ``Call`` objects (the C++ recorder's, see ``calls``): chunks of (module names,

@@ -11,7 +11,9 @@ steadiest on a machine whose speed drifts) and ``mean`` (of the means: rare slow
 
 Variants: bare | detect_anomaly (check_nan=True) | DebugUnderflowOverflow (if transformers is
 installed) | ampdoctor Monitor with full statistics every step | Monitor every 10th step |
-Monitor(mode="sentinel", full_every=1000), the always-on mode | Monitor with no statistics at all
+Monitor(mode="sentinel", full_every=1000), the always-on mode | "ampdoctor full no ring": full statistics
+with the lookback ring off (``ring=0``; every other Monitor variant keeps its default ring of 256 steps) |
+Monitor with no statistics at all
 (``every=10**9``, variant "ampdoctor monitor only": loss check, norms, skip decision, log row).
 Then, per model: the statistics of one step against one plain pass over the same tensors
 (torch._foreach_norm), and, with --device cuda, the host syncs of a Monitor step counted with
@@ -74,6 +76,8 @@ class Variant:
         elif name == "ampdoctor sentinel":
             self.monitor = Monitor(self.model, self.opt, self.scaler, mode="sentinel", full_every=1000, keep_stats=False,
                                    alert_min_steps=10**9)
+        elif name == "ampdoctor full no ring":  # full statistics without the lookback ring (engine.ring)
+            self.monitor = Monitor(self.model, self.opt, self.scaler, every=1, keep_stats=False, alert_min_steps=10**9, ring=0)
         elif name.startswith("ampdoctor"):
             every = 10 if name.endswith("every 10") else 1
             self.monitor = Monitor(self.model, self.opt, self.scaler, every=every, keep_stats=False, alert_min_steps=10**9)
@@ -169,7 +173,7 @@ def main() -> None:
         names.append("DebugUnderflowOverflow")
     except ImportError:
         print("transformers not installed: DebugUnderflowOverflow skipped (pip install 'ampdoctor[transformers]')")
-    names += ["ampdoctor full", "ampdoctor every 10", "ampdoctor sentinel"]
+    names += ["ampdoctor full", "ampdoctor full no ring", "ampdoctor every 10", "ampdoctor sentinel"]
     if a.variants:
         names = a.variants.split(",")
     if a.threads:

@@ -60,7 +60,8 @@ def _batch(step: int, micro: int, nan: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int, mode: str, capture: Path | None,
-         fault: str, fault_step: int, watched: bool, log: Path | None = None) -> dict[str, Any]:
+         fault: str, fault_step: int, watched: bool, log: Path | None = None,
+         extra: dict[str, Any] | None = None, steps: int = STEPS) -> dict[str, Any]:
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
@@ -73,8 +74,9 @@ def _run(opt_name: str, driver: str, *, scaler_on: bool, clip: bool, accum: int,
     mon = None
     if watched:
         mon = Monitor(model, opt, sc, mode=mode, full_every=3, full_after=1, capture=capture, snapshot_every=2, log=log,
-                      max_norm=1.0 if clip and driver == "owned" else None, alert_min_steps=1, alert_rate=0.2, quiet=True)
-    for step in range(STEPS):
+                      max_norm=1.0 if clip and driver == "owned" else None, alert_min_steps=1, alert_rate=0.2, quiet=True,
+                      **(extra or {}))
+    for step in range(steps):
         torch.rand(1)  # the loop's own randomness (data augmentation, noise)
         np.random.rand()
         random.random()
@@ -287,3 +289,17 @@ def test_the_warm_up_path_while_the_kernel_builds_changes_nothing(driver: str, f
     seen = _run("adamw_fused", driver, capture=tmp_path / "cap", watched=True, **kw)  # type: ignore[arg-type]
     _same(bare, seen)
     assert seen_steps["n"] >= 4  # the warm-up ended inside the run
+
+
+@pytest.mark.parametrize("driver", ["observe", "owned"])
+@pytest.mark.parametrize("opt_name", ["adamw_fused", "adam_forloop", "sgd_momentum"])
+def test_the_lookback_ring_forecast_and_spike_trigger_change_nothing(opt_name: str, driver: str, tmp_path: Path) -> None:
+    """The ring reads the optimizer's state (Adam's moments, SGD's momentum) and the forecast and a hair-trigger
+    spike test run every step, a spike capture included: the run still ends bit-identical."""
+    for fault in ("none", "nan_loss"):
+        kw = dict(scaler_on=True, clip=False, accum=1, mode="full", fault=fault, fault_step=30, steps=48)
+        bare = _run(opt_name, driver, capture=None, watched=False, **kw)  # type: ignore[arg-type]
+        seen = _run(opt_name, driver, capture=tmp_path / f"cap-{fault}", watched=True,
+                    extra={"ring": 24, "forecast_horizon": 10**6, "spike_sigmas": 0.5, "spike_window": 16},
+                    **kw)  # type: ignore[arg-type]
+        _same(bare, seen)

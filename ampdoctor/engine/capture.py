@@ -16,6 +16,8 @@ calibration it writes one folder and training carries on:
 ``batches.pt``          the batches since the snapshot, the failing one last (``batch_steps``)
 ``rng.pt``              torch, CUDA, numpy and python RNG states
 ``stats.json``          the last per-layer statistics the Monitor computed
+``ring_steps.csv``      the lookback ring (``watch.ring``): the last K steps' loss, norm, scale, skip, lr
+``ring_layers.csv``     and per layer and recorded step: headroom, shares, gradient and update norms
 ======================  =====================================================================
 
 Every ``.pt`` file loads with ``torch.load(weights_only=True)``. The folder is written under a
@@ -512,13 +514,14 @@ class Capture:
 
     # the capture ---------------------------------------------------------------------------------
     def write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
-              scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None, announce: bool = True) -> Path | None:
+              scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None, announce: bool = True,
+              tables: dict[str, str] | None = None) -> Path | None:
         """Write the capture folder; a failure warns and returns None (training goes on). ``announce``: say
         where it went and how to replay it (else the caller does, with ``replay_hint``)."""
         self.done = True
         try:
             self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before,
-                                       extra=extra or {})
+                                       extra=extra or {}, tables=tables or {})
         except Exception as e:  # never break the user's loop
             msg = (f"ampdoctor: could not write the capture of step {step} to {self.path} "
                    f"({type(e).__name__}: {str(e)[:200]}); training goes on")
@@ -542,7 +545,7 @@ class Capture:
         return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
-               scaler_before: dict[str, Any] | None, extra: dict[str, Any]) -> Path:
+               scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking host copies are complete
         files: dict[str, Any] = {}
@@ -619,7 +622,7 @@ class Capture:
             "state_step": step if "state.pt" in files else None,
             "snapshot_step": self._snapshot_step if snap is not None else None,
             "batch_steps": batch_steps,
-            "files": sorted([*files, MANIFEST, *(["stats.json"] if stats is not None else [])]),
+            "files": sorted([*files, MANIFEST, *(["stats.json"] if stats is not None else []), *tables]),
             "left_out": left_out,
         }
         # what is written is what a reader accepts (input.capture_schema): a capture that would not replay is a
@@ -643,6 +646,8 @@ class Capture:
                 (tmp / name).write_bytes(buf.getvalue())
             if stats is not None:
                 (tmp / "stats.json").write_text(json.dumps(stats_json(stats)))
+            for name, table in tables.items():  # the lookback ring's tables (watch.ring)
+                (tmp / name).write_text(table, encoding="utf-8")
             (tmp / MANIFEST).write_text(text)
             return _claim(tmp, self.path)
         except BaseException:

@@ -67,17 +67,21 @@ from ampdoctor.engine.capture import (
     sharded_engine,
 )
 from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange, RankView, rank_path
+from ampdoctor.engine.ring import OPTIMIZER_EVERY, SPIKE_WINDOW, Lookback, RingFigures
 from ampdoctor.engine.shards import Shards
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.input.batches import Micro, named_tensors
+from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.report.words import spike_message
 from ampdoctor.watch import fused, userhooks
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, local, named_parameters, unwrap
+from ampdoctor.watch.ring import DEFAULT_STEPS, LAYERS_FILE, STEPS_FILE
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 from ampdoctor.watch.tap import ForwardTap
 
@@ -336,6 +340,15 @@ class Monitor:
         step_convention: what the step numbers count (``STEP_CONVENTIONS``; the framework integrations set
             it): the log gets a ``step_convention`` column and the capture's manifest says it. None: the
             monitor's own count, no column.
+        ring: steps the lookback ring keeps (``engine.ring``: per-step scalars, and per-layer figures of the
+            recorded steps, in a fixed host buffer filled from the step's one host copy); the capture writes
+            it and the report tells the steps before the failure from it. 0: no ring (and no forecast or spike).
+        forecast_horizon: warn once (``ForecastWarning``) when a layer's output is on course to pass the format's
+            max within this many steps (``judge.history.forecast``; docs/diagnosis.md). None: no forecast.
+        spike_sigmas: a loss or gradient norm more than this many robust standard deviations above the median
+            of the ``spike_window`` applied steps before it is a failure: said, captured, and the layers whose
+            update norms spiked first named. None (default): off. See docs/long-runs.md.
+        spike_window: see ``spike_sigmas``.
     """
 
     def __init__(
@@ -376,6 +389,10 @@ class Monitor:
         capture_hold_bytes: int | None = None,
         quiet: bool = False,
         step_convention: str | None = None,
+        ring: int = DEFAULT_STEPS,
+        forecast_horizon: int | None = DEFAULT_HORIZON,
+        spike_sigmas: float | None = None,
+        spike_window: int = SPIKE_WINDOW,
     ) -> None:
         _check_types(model, optimizer, scaler)
         self.quiet = quiet
@@ -404,6 +421,8 @@ class Monitor:
         self.capture: Capture | None = None
         self.tap: ForwardTap | None = None
         self.writer: StepLogWriter | None = None
+        self.lookback: Lookback | None = None
+        """The lookback ring, its forecast and its spike trigger (None with ``ring=0``)."""
         self.log_path: Path | None = None
         self.total_skips = 0
         self._recent: deque[bool] = deque(maxlen=max(int(window), 1))
@@ -541,6 +560,7 @@ class Monitor:
             """``should_skip`` was read this step (a loop without a GradScaler skipping on it)."""
             if self.engine in SHARDED and self.rank in (None, 0):
                 self._say_sharded(scaler)
+            self.lookback = self._lookback(ring, forecast_horizon, spike_sigmas, spike_window)
             self.hooks.on_error = self._hook_failed
             self.hooks.attach()
             self.hooks.begin_step(self.step_num)
@@ -961,6 +981,33 @@ class Monitor:
             cap.before_update(self.step_num, b)
         return self._pending
 
+    # the lookback ring --------------------------------------------------------------------------
+    def _lookback(self, steps: int, horizon: int | None, sigmas: float | None, window: int) -> Lookback | None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise UsageError(f"ring must be a number of steps (0: off), got {steps!r}")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
+            raise UsageError(f"forecast_horizon must be a number of steps of at least 1 (None: off), got {horizon!r}")
+        if sigmas is not None and not (isinstance(sigmas, (int, float)) and not isinstance(sigmas, bool) and sigmas > 0):
+            raise UsageError(f"spike_sigmas must be a positive number of robust standard deviations (None: off), got {sigmas!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 16:
+            raise UsageError(f"spike_window must be at least 16 steps, got {window!r}")
+        if steps == 0:
+            if sigmas is not None:
+                raise UsageError("spike_sigmas needs the lookback ring: leave ring at its default or set it above 0")
+            return None
+        if sigmas is not None and steps < window + 8:
+            raise UsageError(f"spike_window={window} needs ring of at least {window + 8} steps, got ring={steps}")
+        params = [self._names[id(p)] for p in self._params]
+        lb = Lookback(steps, self.recipe.modules, params, self.hooks.fmt, horizon=horizon, spike_sigmas=sigmas,
+                      spike_window=window, quiet=self.quiet, speaks=self.rank in (None, 0), device=self.device.type)
+        self.recipe.ring_figures = RingFigures(self.optimizer, self._params, every=1 if sigmas is not None else OPTIMIZER_EVERY)
+        return lb
+
+    def forecast(self) -> list[Any]:
+        """The layers the ring says are on course to leave the format's range within ``forecast_horizon``
+        steps, soonest first, as of now (``judge.history.Forecast``); [] without a ring."""
+        return self.lookback.forecast() if self.lookback is not None else []
+
     # while the kernel builds ---------------------------------------------------------------------
     def _warm_start(self) -> bool:
         """Full mode on the CPU while the statistics kernel is being built: sentinel checks only (every step's loss
@@ -1095,6 +1142,8 @@ class Monitor:
                                           m.ranks.column(), m.ranks.spread)
         if self.writer is not None:
             self.writer.write(rec.row())
+        spike = (self.lookback.push(rec.step, loss=rec.loss, grad_norm=m.grad_l2_pre_clip, scale=rec.scaler_scale,
+                                    skipped=rec.skipped, lr=rec.lr, stats=m.stats) if self.lookback is not None else None)
         self.last = rec
         self.step_num += 1
         if not self._closed:
@@ -1114,6 +1163,8 @@ class Monitor:
         alerting = self.alert_rate_now > self.alert_rate and self.step_num - self.first_step >= self.alert_min_steps
         if trig is None and alerting and not self._alerted:
             trig = Trigger("skip_rate_alert")
+        if trig is None and spike is not None and self.first_failure is None:
+            trig = Trigger(f"{spike.what}_spike", f"{spike.value:g}, {spike.z:.1f} robust sd above the median {spike.median:g}")
         failure = None
         if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
             self.first_failure = (rec.step, trig.reason)
@@ -1169,6 +1220,10 @@ class Monitor:
                     f"the update: a gradient hook of the model made it finite ({trig.detail})")
         elif trig.reason == "exploding_update":
             what = f"the update exploded ({trig.detail})"
+        elif trig.reason.endswith("_spike") and self.lookback is not None and self.lookback.last_spike is not None:
+            words = spike_message(self.lookback.last_spike)
+            done = "skipped" if rec.skipped else "applied"
+            return f"{words}; the step was {done}"
         else:
             what = f"the loss scale collapsed ({trig.detail})"
         done = "skipped" if rec.skipped else "applied"
@@ -1210,8 +1265,15 @@ class Monitor:
                 before["scale"] = m.scale
             if m.growth_tracker is not None:
                 before["_growth_tracker"] = m.growth_tracker
+        tables: dict[str, str] = {}
+        if self.lookback is not None:
+            tables[STEPS_FILE], tables[LAYERS_FILE] = self.lookback.ring.tables()
+            extra["ring"] = {"steps": self.lookback.ring.capacity, "kept": min(self.lookback.ring.count, self.lookback.ring.capacity)}
+            sp = self.lookback.last_spike
+            if sp is not None and trig.reason.endswith("_spike"):
+                extra["spike"] = {"what": sp.what, "value": sp.value, "median": sp.median, "z": sp.z, "layers": sp.layers}
         out = cap.write(trig, step=rec.step, skipped=rec.skipped, record=rec.row(), stats=self._last_stats,
-                        scaler_before=before, extra=extra, announce=announce)
+                        scaler_before=before, extra=extra, announce=announce, tables=tables)
         if out is not None:
             rec.capture = str(out)
 

@@ -23,7 +23,7 @@ from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
 from ampdoctor.engine.shards import ENGINES, assemble
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.input.capture_schema import read_manifest, validate_batches, validate_state
+from ampdoctor.input.capture_schema import read_manifest, read_ring, validate_batches, validate_state
 from ampdoctor.watch.hooks import unwrap
 
 
@@ -54,6 +54,8 @@ class Captured:
     """``rng.pt``: the RNG states (torch, CUDA, numpy, python) when the capture holds them."""
     assembled: str | None = None
     """A sharded run's capture: how the ranks' shards were put back together (the report says it)."""
+    ring: Any = None
+    """The lookback ring's tables (steps, layers) as DataFrames (``input.capture_schema.read_ring``), or None."""
 
     @property
     def step(self) -> int:
@@ -109,11 +111,12 @@ def _read_one(p: Path) -> Captured:
                            f"{len(steps)}; the capture is inconsistent (capture again)")
     rng = _load(p, "rng.pt") if "rng.pt" in files and (p / "rng.pt").is_file() else None
     rng = rng if isinstance(rng, dict) else None
+    ring = read_ring(p, sorted(files))
     if "state.pt" in files:
         st = _load(p, "state.pt")
         validate_state(st, p / "state.pt")
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), step),
-                        [batches[-1]], from_snapshot=False, rng=rng)
+                        [batches[-1]], from_snapshot=False, rng=rng, ring=ring)
     if "snapshot.pt" in files:
         snap = manifest.get("snapshot_step")
         snap_step = int(snap) if snap is not None else steps[0]
@@ -123,7 +126,7 @@ def _read_one(p: Path) -> Captured:
         st = _load(p, "snapshot.pt")
         validate_state(st, p / "snapshot.pt")
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
-                        batches, from_snapshot=True, rng=rng)
+                        batches, from_snapshot=True, rng=rng, ring=ring)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
 
 

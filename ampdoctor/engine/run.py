@@ -30,6 +30,8 @@ class Replay:
     replays: int
     last: list[dict[str, float | None]]
     """Loss, gradient norm and scale of the failing step in each replay."""
+    ring: Any = None
+    """The capture's lookback ring: (steps, layers) DataFrames (``input.capture_schema.read_ring``), or None."""
 
 
 @dataclass

@@ -279,6 +279,9 @@ class TrainStep:
         self.shards: Shards | None = None
         """A sharded model (FSDP1/FSDP2/tensor parallelism): gradients are read as this rank's pieces, and with
         ``ranks`` their norms and rows are reduced across the ranks in the exchange (the Monitor sets it)."""
+        self.ring_figures: Callable[[list[torch.nn.Parameter], torch.Tensor], tuple[Any, torch.Tensor]] | None = None
+        """On recorded steps: per-parameter figures (a layout, values on the device) queued into the one host copy
+        (``Hooks.add_tail``; the Monitor's lookback ring, ``engine.ring.RingFigures``)."""
 
     @property
     def reduced(self) -> bool:
@@ -455,6 +458,8 @@ class TrainStep:
             # the weights this step's forward used: queued before the update, so StepStats.param holds them
             hooks.after_step()
             hooks.add_scalars(_PACKED, packed)
+            if self.ring_figures is not None and per is not None:
+                hooks.add_tail(*self.ring_figures(gparams, per))
             cur = hooks.current
 
             def exchange(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:

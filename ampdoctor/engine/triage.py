@@ -15,6 +15,7 @@ from torch import nn
 
 from ampdoctor.engine import preflight
 from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
+from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
@@ -312,7 +313,7 @@ def triage(
         again = run_stage(cfg.target, context(cfg.target))
         replays = [run.results[cfg.target], again]
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
-                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays])
+                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring)
     report = build_report(run, argv)
     report.lint = code_findings(found, report.verdict.cause)
     if script is not None:
@@ -702,4 +703,8 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     if step0:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)
+    if rp is not None and rp.ring is not None:  # the steps before the failure, from the capture's ring (run's steps)
+        told = history_finding(rp.ring, int(rp.manifest["step"]), report.verdict.first_module)
+        if told is not None:
+            report.findings.append(told)
     return report

@@ -304,3 +304,56 @@ def validate_batches(batches: Any, path: str | Path) -> None:
     if not isinstance(batches, list) or not batches:
         raise CaptureError(f"{p} holds {_show(batches) if batches is not None else 'nothing'}, not a list of batches "
                            "(pass batch= to monitor.step so the capture can keep it)")
+
+
+# the lookback ring's tables -----------------------------------------------------------------------
+
+RING_STEPS_FILE = "ring_steps.csv"
+RING_LAYERS_FILE = "ring_layers.csv"
+RING_STEP_COLUMNS: tuple[str, ...] = ("step", "loss", "grad_norm", "scale", "skipped", "lr", "input_numel", "input_absmax",
+                                      "recorded")
+"""``ring_steps.csv``: one row per kept step, oldest first (an empty cell: not known at that step)."""
+RING_LAYER_COLUMNS: tuple[str, ...] = ("step", "layer", "absmax", "headroom", "overflow_frac", "flush_frac",
+                                       "nonfinite_frac", "grad_norm", "update_norm", "exp_avg_sq_min")
+"""``ring_layers.csv``: one row per layer and recorded step (docs/capture-format.md)."""
+MAX_RING_BYTES = 256 << 20
+
+
+def read_ring(folder: str | Path, files: list[str]) -> tuple[Any, Any] | None:
+    """The ring's two tables as pandas DataFrames (steps, layers), checked: the columns, numbers where numbers
+    belong, steps in order. None when the capture holds no ring (an older writer); a damaged table is one
+    ``CaptureError`` line naming the file and the column."""
+    if RING_STEPS_FILE not in files:
+        return None
+    import pandas as pd
+
+    p = Path(folder)
+    out = []
+    for name, cols in ((RING_STEPS_FILE, RING_STEP_COLUMNS), (RING_LAYERS_FILE, RING_LAYER_COLUMNS)):
+        f = p / name
+        try:
+            if f.stat().st_size > MAX_RING_BYTES:
+                raise CaptureError(f"{f} is {f.stat().st_size} bytes, more than a ring of any size holds; {AGAIN}")
+            df = pd.read_csv(f, dtype={"layer": str} if "layer" in cols else None, keep_default_na=False,
+                             na_values=[""])
+        except CaptureError:
+            raise
+        except FileNotFoundError:
+            raise CaptureError(f"{p}: {name} is named in the manifest's files but missing; {AGAIN}") from None
+        except Exception as e:
+            raise CaptureError(f"{f}: not a CSV table ({type(e).__name__}: {str(e)[:120]}); {AGAIN}") from None
+        missing = [c for c in cols if c not in df.columns]
+        if missing:
+            raise CaptureError(f"{f}: no column {missing[0]!r}; {AGAIN}")
+        for c in cols:
+            if c == "layer":
+                continue
+            num = pd.to_numeric(df[c], errors="coerce")
+            if (num.isna() & df[c].notna()).any():
+                row = int((num.isna() & df[c].notna()).to_numpy().nonzero()[0][0])
+                raise CaptureError(f"{f}: column {c!r} holds {str(df[c].iloc[row])[:40]!r} in row {row + 1}, not a number; {AGAIN}")
+            df[c] = num
+        if df["step"].isna().any() or not df["step"].is_monotonic_increasing:
+            raise CaptureError(f"{f}: column 'step' is not the steps in order; {AGAIN}")
+        out.append(df)
+    return out[0], out[1]

@@ -607,6 +607,12 @@ def loss_in_fp16(c: Ctx) -> Outcome | None:
     return _forward_in_code(c, "loss", nop, dict(c.rc_ev, loss=lf.loss))
 
 
+def forward_overflow_fixes(module: str | None, device: str) -> list[Fix]:
+    """What to change for a module whose output overflows FP16 in the forward (the verdict's fixes, and the
+    lookback forecast's)."""
+    return [Fix("keep_fp32", {"module": module, "device": device}), Fix("bf16_autocast"), Fix("into_range", {"module": module})]
+
+
 def forward_overflow(c: Ctx) -> Outcome | None:
     """A module's output becomes non-finite in the target while FP32 stays finite."""
     st, bad = c.st, c.bad
@@ -630,7 +636,7 @@ def forward_overflow(c: Ctx) -> Outcome | None:
     facts = {"variant": "forward_overflow", "stage": c.tgt_name, "module": module, "step": bad, "op": ev.get("op"),
              "fp32_absmax": ev.get("fp32_absmax"), "recheck_loss": rc.loss if rc is not None and rc.finite else None,
              "device": dev}
-    fixes = [Fix("keep_fp32", {"module": module, "device": dev}), Fix("bf16_autocast"), Fix("into_range", {"module": module})]
+    fixes = forward_overflow_fixes(module, dev)
     return Outcome("fp16_forward_overflow", module, bad, c.tgt_name, facts,
                    [Finding("fp16_forward_overflow", "error", stage=c.tgt_name, module=module, step=bad, evidence=ev)], fixes)
 

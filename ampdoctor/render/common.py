@@ -8,7 +8,7 @@ from typing import Any
 
 from ampdoctor.fmt import num, option_value, pct, pow2, steps
 
-__all__ = ["CAUSE_TITLES", "num", "option_value", "pct", "scale", "scaled_stage", "skip_reasons", "steps"]
+__all__ = ["CAUSE_TITLES", "history", "listed", "num", "option_value", "pct", "scale", "scaled_stage", "skip_reasons", "steps"]
 
 CAUSE_TITLES = {
     "healthy": "Healthy",
@@ -62,3 +62,13 @@ def skip_reasons(skips: list[Any], module: Callable[[str], str] = str) -> str:
     """'18 × nonfinite grad at head, 2 × nonfinite loss' for a list of ScaleEvents."""
     reasons = Counter(x.reason or "unknown" for x in skips)
     return ", ".join(f"{n} × {reason_label(r, module)}" for r, n in reasons.most_common()) or "none"
+
+
+def history(report: Any) -> Any:
+    """The lookback ring's story of the steps before a captured failure (the finding of code 'history'), or None."""
+    return next((f for f in report.findings if f.code == "history"), None)
+
+
+def listed(report: Any) -> list[Any]:
+    """The findings the Evidence and Warnings sections list (the story has its own section)."""
+    return [f for f in report.findings if f.code != "history"]

@@ -10,6 +10,8 @@ from typing import Any
 
 from ampdoctor.render.common import (
     CAUSE_TITLES,
+    history,
+    listed,
     num,
     option_value,
     pct,
@@ -161,8 +163,12 @@ def _scaler(report: Report) -> str:
 
 def _findings(report: Report) -> str:
     out = []
-    errors = [f for f in report.findings if f.severity == "error"]
-    other = [f for f in report.findings if f.severity != "error"]
+    errors = [f for f in listed(report) if f.severity == "error"]
+    other = [f for f in listed(report) if f.severity != "error"]
+    told = history(report)
+    if told is not None:  # the lookback ring's story of the steps before the failure
+        out.append("<h2>Before the failure</h2><p><b>" + e(told.title) + "</b></p><ul>"
+                   + "".join(f"<li>{e(x)}</li>" for x in told.evidence.get("lines", [])) + "</ul>")
     if errors:
         items = []
         for f in errors:

@@ -16,6 +16,8 @@ from typing import Any
 
 from ampdoctor.render.common import (
     CAUSE_TITLES,
+    history,
+    listed,
     num,
     option_value,
     pct,
@@ -261,9 +263,13 @@ def image_lines(images: Mapping[str, str], titles: Mapping[str, str]) -> list[st
 
 
 def _findings(report: Report) -> list[str]:
-    errors = [f for f in report.findings if f.severity == "error"]
-    other = [f for f in report.findings if f.severity != "error"]
+    errors = [f for f in listed(report) if f.severity == "error"]
+    other = [f for f in listed(report) if f.severity != "error"]
     lines: list[str] = []
+    told = history(report)
+    if told is not None:  # the lookback ring's story of the steps before the failure
+        lines += ["", "## Before the failure", "", f"**{cell(told.title)}**", "",
+                  *[f"- {cell(x)}" for x in told.evidence.get("lines", [])]]
     if errors:
         lines += ["", "## Evidence", ""]
         for f in errors:

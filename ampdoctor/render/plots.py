@@ -12,7 +12,7 @@ import io
 import math
 from typing import Any
 
-from ampdoctor.render.common import scaled_stage, step0
+from ampdoctor.render.common import history, scaled_stage, step0
 from ampdoctor.report.model import Report
 
 INSTALL_HINT = "plots need matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib"
@@ -22,6 +22,7 @@ TITLES = {
     "scale": "GradScaler scale against step",
     "heatmap": "Layers × steps: overflow, non-finite and flushed shares",
     "headroom": "FP16 headroom per layer",
+    "history": "Before the failure: the lookback ring's last steps",
 }
 
 _COLORS = {"fp32": "#222222", "fp16": "#d62728", "amp": "#1f77b4", "bf16": "#2ca02c"}
@@ -255,9 +256,87 @@ def _headroom_legend(ax: Any, first: bool) -> None:
     ax.legend(handles=items, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
+def _series(xs: list[Any]) -> list[float]:
+    out = []
+    for x in xs:
+        try:
+            out.append(float(x))
+        except (TypeError, ValueError):
+            out.append(math.nan)
+    return out
+
+
+def history_figure(report: Report) -> bytes | None:
+    """The steps before a captured failure, from the capture's lookback ring: the culprit layer's headroom
+    (the step it crossed 0 marked), the loss and gradient norm, and the loss scale with the skipped steps."""
+    told = history(report)
+    if told is None or not told.evidence.get("series"):
+        return None
+    ev = told.evidence
+    s = ev["series"]
+    steps = [int(x) for x in s["step"]]
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.2), sharex=True)
+    ax = axes[0]
+    hd = ev.get("headroom")
+    if hd:
+        hs = [h if math.isfinite(h) else math.nan for h in _series(hd["binades"])]
+        ax.plot(hd["step"], hs, color=_COLORS["amp"], label=f"{ev.get('layer')}: headroom (binades)")
+        ax.axhline(0, color="#d62728", linewidth=1)
+        cross = ev.get("crossed_step")
+        if isinstance(cross, int):
+            ax.axvline(cross, color="#d62728", linestyle=":", linewidth=1)
+            ax.annotate(f"crossed at step {cross}", (cross, 0), xytext=(-6, 8), textcoords="offset points", ha="right",
+                        fontsize=8, color="#d62728")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("FP16 headroom")
+    ax.grid(alpha=0.3)
+    ax.set_title(TITLES["history"], fontsize=10)
+    ax = axes[1]
+    loss = _series(s["loss"])
+    ax.plot(steps, [x if math.isfinite(x) else math.nan for x in loss], color="#222222", label="loss")
+    bad = [st for st, x in zip(steps, loss, strict=True) if not math.isfinite(x)]
+    fin = [x for x in loss if math.isfinite(x)]
+    if bad and fin:
+        ax.scatter(bad, [max(fin)] * len(bad), marker="x", color="#d62728", label="non-finite loss", zorder=3)
+    ax.set_ylabel("loss")
+    g = _series(s["grad_norm"])
+    if any(math.isfinite(x) and x > 0 for x in g):
+        a2 = ax.twinx()
+        a2.plot(steps, [x if math.isfinite(x) and x > 0 else math.nan for x in g], color="#ff7f0e", alpha=0.8,
+                label="gradient norm")
+        a2.set_yscale("log")
+        a2.set_ylabel("gradient norm (log)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    ax = axes[2]
+    sc = _series(s["scale"])
+    pts = [(st, math.log2(x)) for st, x in zip(steps, sc, strict=True) if math.isfinite(x) and x > 0]
+    if pts:
+        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color=_COLORS["amp"], label="log2(scale)")
+        skipped = {st for st, k in zip(steps, _series(s["skipped"]), strict=True) if k == 1.0}
+        sk = [p for p in pts if p[0] in skipped]
+        if sk:
+            ax.scatter([p[0] for p in sk], [p[1] for p in sk], marker="v", color="#d62728", zorder=3,
+                       label=f"skipped step ({len(sk)})")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("log2(scale)")
+    ax.set_xlabel("step (the run's own)")
+    ax.xaxis.set_major_locator(_integer_ticks())
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
 def figures(report: Report) -> dict[str, bytes]:
-    """Every plot the report has data for, as PNG bytes. Raises ImportError without matplotlib."""
+    """Every plot the report has data for, as PNG bytes. Raises ImportError without matplotlib.
+
+    A replay with the capture's lookback ring draws the run's own history (``history``) in place of the
+    replay's few points of loss and scale."""
     _plt()
-    made = {"loss": loss_figure(report), "scale": scale_figure(report), "heatmap": heatmap_figure(report),
-            "headroom": headroom_figure(report)}
+    told = history_figure(report)
+    if told is not None:
+        made = {"history": told, "heatmap": heatmap_figure(report), "headroom": headroom_figure(report)}
+    else:
+        made = {"loss": loss_figure(report), "scale": scale_figure(report), "heatmap": heatmap_figure(report),
+                "headroom": headroom_figure(report)}
     return {k: v for k, v in made.items() if v is not None}

@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ampdoctor.render.common import CAUSE_TITLES, num, pct, scale, steps
+from ampdoctor.render.common import CAUSE_TITLES, history, listed, num, pct, scale, steps
 from ampdoctor.report.model import Report
 
 KIND = {"activation": "output", "grad": "out grad", "param_grad": "grad", "op": "op"}
@@ -108,7 +108,13 @@ def render(report: Report, console: Console) -> None:
             f"min {scale(sc.min_scale)}; skipped {len(sc.skips)} step(s): {steps([e.step for e in sc.skips])}"))
         console.print(_indented(sc.explanation, 2))
 
-    other = [f for f in report.findings if f.severity == "warning"]
+    told = history(report)
+    if told is not None:  # the lookback ring's story of the steps before the failure
+        console.print(Text("Before the failure", style="bold"))
+        console.print(_indented(told.title, 2))
+        for x in told.evidence.get("lines", []):
+            console.print(_indented(x, 4))
+    other = [f for f in listed(report) if f.severity == "warning"]
     if other:
         console.print(Text("Warnings", style="bold"))
         for f in other:

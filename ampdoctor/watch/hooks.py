@@ -429,6 +429,7 @@ class Hooks:
         self._keys_seen = 0
         self._scalars: list[tuple[str, torch.Tensor]] = []
         self._vector: tuple[tuple[str, ...], torch.Tensor] | None = None
+        self._tail: tuple[Any, torch.Tensor] | None = None
 
     def begin_step(self, step: int, record: bool | None = None) -> None:
         """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
@@ -566,6 +567,11 @@ class Hooks:
         """Queue a vector of named scalars (1-D, float64, on the device) in one go: the step recipe's own."""
         self._vector = (names, values)
 
+    def add_tail(self, layout: Any, values: torch.Tensor) -> None:
+        """Queue a 1-D vector that comes back whole in this step's copy, as ``StepStats.tail = (layout, values)``
+        (the lookback ring's per-parameter figures: no name per value)."""
+        self._tail = (layout, values.detach().reshape(-1).to(torch.float64))
+
     def after_backward(self, inv_scale: float | None = None) -> None:
         """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used).
 
@@ -625,6 +631,13 @@ class Hooks:
         self.exchanged = None
         vec = self._vector
         self._vector = None
+        tail = self._tail
+        self._tail = None
+        if tail is not None:  # after the exchange's numbers, in the same copy
+            ext = tail[1] if extra is None else torch.cat([extra, tail[1].to(extra.device)])
+            extra, ntail = ext, tail[1].numel()
+        else:
+            ntail = 0
         if vec is not None:  # the recipe's vector first, then any single scalars: one list of names
             names = list(vec[0]) + [n for n, _ in self._scalars]
         else:
@@ -642,7 +655,11 @@ class Hooks:
             for name, v in zip(names, flat[:nsc], strict=True):
                 st.extra[name] = float(v)
             if extra is not None:
-                self.exchanged = flat[nsc: nsc + extra.numel()].copy()
+                nex = extra.numel() - ntail
+                if exchange is not None:
+                    self.exchanged = flat[nsc: nsc + nex].copy()
+                if tail is not None:
+                    st.tail = (tail[0], flat[nsc + nex: nsc + nex + ntail].copy())
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()

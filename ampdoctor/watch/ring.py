@@ -1,0 +1,247 @@
+"""The lookback ring: the last K steps of a run, per step and per layer, in a fixed host buffer.
+
+The Monitor fills it after each step from what that step's one host copy already brought back (the
+record's scalars, ``StepStats``' rows, and the per-parameter gradient norms and optimizer figures the
+recipe packs into the same copy): no tensor is read here, so the ring adds no host sync. The buffers
+are allocated once (``Ring(K, modules)``) and overwritten in place; ``memory_bytes`` says their size.
+
+Per step (``STEP_COLUMNS``): loss, the global gradient norm, the loss scale used, skipped, the learning
+rate, and the model input's element count and largest |x| (a new sequence length, a spiking batch).
+Per layer on the steps the hooks record (``LAYER_COLUMNS``): the module output's largest finite |x|,
+its headroom in binades below the format's max (0 once it overflowed), its overflow, flush and
+non-finite shares, its parameters' gradient norm and update norm, and the smallest of Adam's
+``exp_avg_sq`` over its parameters. A layer is a module; an output that is also its parent's output
+(the model returning its last layer's output) is counted once, for the innermost module.
+
+``tables()`` gives the two tables the capture writes (``ring_steps.csv``, ``ring_layers.csv``;
+docs/capture-format.md), in the run's own step numbers, oldest first.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from ampdoctor.formats import Format
+from ampdoctor.input.capture_schema import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
+from ampdoctor.records import Col, StepStats
+
+DEFAULT_STEPS = 256
+"""Steps the ring keeps (``Monitor(ring=...)``)."""
+
+STEP_COLUMNS: tuple[str, ...] = RING_STEP_COLUMNS[1:]
+LAYER_COLUMNS: tuple[str, ...] = RING_LAYER_COLUMNS[2:]
+STEPS_FILE = RING_STEPS_FILE
+LAYERS_FILE = RING_LAYERS_FILE
+
+MODEL = "<model>"
+"""The model's own name among the layers (as ``judge.locate.MODEL``)."""
+
+_ABSMAX, _HEADROOM, _OVER, _FLUSH, _NONFIN, _GNORM, _UNORM, _VMIN = range(len(LAYER_COLUMNS))
+_S = {n: i for i, n in enumerate(STEP_COLUMNS)}
+
+
+
+def module_of(param: str, modules: dict[str, int]) -> int | None:
+    """The index of the module that owns a parameter name ('blocks.0.attn.q.weight' → 'blocks.0.attn.q')."""
+    name = param
+    while True:
+        cut = name.rfind(".")
+        name = name[:cut] if cut >= 0 else ""
+        i = modules.get(name or MODEL)
+        if i is not None or not name:
+            return i
+
+
+class Ring:
+    """The last ``steps`` steps; ``modules``: the model's module names (``MODEL`` is the model itself)."""
+
+    def __init__(self, steps: int, modules: list[str], fmt: Format) -> None:
+        self.capacity = int(steps)
+        self.fmt = fmt
+        self.names = list(dict.fromkeys(modules))
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.steps = np.full(self.capacity, -1, dtype=np.int64)
+        self.scalars = np.full((self.capacity, len(STEP_COLUMNS)), np.nan, dtype=np.float64)
+        self.layers = np.full((self.capacity, len(self.names), len(LAYER_COLUMNS)), np.nan, dtype=np.float32)
+        self.count = 0
+        """Steps pushed so far (the newest is at ``(count - 1) % capacity``)."""
+        self.param_modules: list[int | None] = []
+        """Per parameter of the recipe (its order), the module index that owns it."""
+        self._param_modules: np.ndarray | None = None
+        self._log_max = math.log2(fmt.max)
+
+    # -- filling ---------------------------------------------------------------------------------
+    def set_params(self, names: list[str]) -> None:
+        """The recipe's parameters (in the order their per-parameter figures are packed)."""
+        self.param_modules = [module_of(n, self._index) for n in names]
+        self._param_modules = np.array([-1 if m is None else m for m in self.param_modules] or [-1], dtype=np.int64)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.steps.nbytes + self.scalars.nbytes + self.layers.nbytes)
+
+    def push(self, step: int, *, loss: float, grad_norm: float, scale: float | None, skipped: bool, lr: float | None,
+             stats: StepStats | None) -> None:
+        """One step, from its record and statistics (host values: nothing here reads a tensor)."""
+        i = self.count % self.capacity
+        self.count += 1
+        self.steps[i] = step
+        row = self.scalars[i]
+        row[:] = np.nan
+        row[_S["loss"]] = loss
+        row[_S["grad_norm"]] = grad_norm
+        row[_S["scale"]] = scale if scale is not None else np.nan
+        row[_S["skipped"]] = float(skipped)
+        row[_S["lr"]] = lr if lr is not None else np.nan
+        row[_S["recorded"]] = float(stats is not None)
+        lay = self.layers[i]
+        lay[:] = np.nan
+        if stats is None:
+            return
+        self._fill_layers(lay, row, stats)
+
+    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
+        act = st.act
+        if act:
+            index = self._index
+            mods: list[int] = []
+            rows: list[np.ndarray] = []
+            seen: set[int] = set()
+            # (module, output tensor ids) in the order the calls ended: inner modules first, so an output that is
+            # also its parent's (the model returning its last layer's) is the inner module's
+            for name, outs in _calls(st):
+                m = index.get(name)
+                if m is None:
+                    continue
+                for t in outs:
+                    if t in seen:
+                        continue
+                    seen.add(t)
+                    r = act.get(t)
+                    if r is not None:
+                        mods.append(m)
+                        rows.append(r)
+            if rows:
+                r = np.stack(rows)
+                mi = np.asarray(mods, dtype=np.int64)
+                n = len(self.names)
+                absmax = np.zeros(n)
+                np.maximum.at(absmax, mi, r[:, Col.ABSMAX])
+                sums = np.zeros((n, 4))
+                np.add.at(sums, mi, np.stack([r[:, Col.NUMEL], r[:, Col.OVERFLOW], r[:, Col.UNDERFLOW],
+                                              r[:, Col.POSINF] + r[:, Col.NEGINF] + r[:, Col.NAN]], axis=1))
+                have = np.zeros(n, dtype=bool)
+                have[mi] = True
+                numel = np.maximum(sums[have, 0], 1.0)
+                a = absmax[have]
+                bad = sums[have, 3] / numel
+                with np.errstate(divide="ignore"):
+                    h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
+                h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
+                lay[have, _ABSMAX] = a
+                lay[have, _HEADROOM] = h
+                lay[have, _OVER] = sums[have, 1] / numel
+                lay[have, _FLUSH] = sums[have, 2] / numel
+                lay[have, _NONFIN] = bad
+            ins = [act[t] for t in st.model_inputs if t in act]
+            if ins:
+                row[_S["input_numel"]] = float(sum(r[Col.NUMEL] for r in ins))
+                row[_S["input_absmax"]] = float(max(r[Col.ABSMAX] for r in ins))
+        if st.tail is not None and self._param_modules is not None:
+            (grad_j, upd_j, vmin_j, factor), vals = st.tail
+            pm = self._param_modules
+            k = 0
+            for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
+                v = vals[k: k + len(js)]
+                if col == _UNORM and len(js):
+                    v = v * factor  # the learning rate and bias correction, host numbers (engine.ring.RingFigures)
+                k += len(js)
+                owner = np.where(js >= 0, pm[js], -1) if len(js) else js
+                ok = owner >= 0
+                if ok.any():
+                    sq = np.zeros(len(self.names))
+                    np.add.at(sq, owner[ok], v[ok] * v[ok])
+                    got = np.zeros(len(self.names), dtype=bool)
+                    got[owner[ok]] = True
+                    lay[got, col] = np.sqrt(sq[got])
+            v = vals[k: k + len(vmin_j)]
+            owner = np.where(vmin_j >= 0, pm[vmin_j], -1) if len(vmin_j) else vmin_j
+            ok = owner >= 0
+            if ok.any():
+                lo = np.full(len(self.names), np.inf)
+                np.minimum.at(lo, owner[ok], v[ok])
+                got = np.isfinite(lo)
+                lay[got, _VMIN] = lo[got]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def order(self) -> np.ndarray:
+        """Slot indices, oldest first."""
+        n = min(self.count, self.capacity)
+        start = self.count - n
+        return (np.arange(start, self.count) % self.capacity).astype(np.int64)
+
+    def layer_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(steps [n], values [n, layers]) of one layer column over the ring's recorded steps, oldest first."""
+        idx = self.order()
+        if last is not None:
+            idx = idx[-last:]
+        rec = self.scalars[idx, _S["recorded"]] == 1.0
+        idx = idx[rec]
+        return self.steps[idx], self.layers[idx, :, LAYER_COLUMNS.index(column)]
+
+    def step_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.order()
+        if last is not None:
+            idx = idx[-last:]
+        return self.steps[idx], self.scalars[idx, _S[column]]
+
+    def tables(self) -> tuple[str, str]:
+        """(steps CSV, layers CSV): every kept step, oldest first; a layers row per layer and recorded step
+        that has any figure."""
+        idx = self.order()
+        out = io.StringIO()
+        out.write("step," + ",".join(STEP_COLUMNS) + "\n")
+        for i in idx:
+            out.write(f"{int(self.steps[i])}," + ",".join(_cell(v) for v in self.scalars[i]) + "\n")
+        lay = io.StringIO()
+        lay.write("step,layer," + ",".join(LAYER_COLUMNS) + "\n")
+        for i in idx:
+            if self.scalars[i, _S["recorded"]] != 1.0:
+                continue
+            cells = self.layers[i]
+            keep = ~np.all(np.isnan(cells), axis=1)
+            for m in np.flatnonzero(keep):
+                name = self.names[m]
+                lay.write(f"{int(self.steps[i])},{_csv_name(name)}," + ",".join(_cell(v) for v in cells[m]) + "\n")
+        return out.getvalue(), lay.getvalue()
+
+
+def _cell(v: Any) -> str:
+    f = float(v)
+    if math.isnan(f):
+        return ""
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return repr(f) if not f.is_integer() else str(int(f)) if abs(f) < 1e15 else repr(f)
+
+
+def _csv_name(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"' if any(c in name for c in ',"\n') else name
+
+
+def _calls(st: StepStats) -> Any:
+    """(module name, output tensor ids) of each call, without making ``Call`` objects of the C++ recorder's."""
+    if st.flat_calls:
+        for names, mods, bounds, tids in st.flat_calls:
+            for k, m in enumerate(mods):
+                yield names[m], tids[bounds[2 * k + 1]: bounds[2 * k + 2]]
+    own = st.__dict__.get("_calls") or []
+    for c in own:
+        yield c.module, c.outputs
+
+
+__all__ = ["DEFAULT_STEPS", "LAYERS_FILE", "LAYER_COLUMNS", "MODEL", "STEPS_FILE", "STEP_COLUMNS", "Ring", "module_of"]

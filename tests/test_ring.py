@@ -1,0 +1,309 @@
+"""The lookback ring, its forecast, its spike trigger and the story a capture's report tells from it."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.engine.monitor import Monitor
+from ampdoctor.engine.ring import ForecastWarning
+from ampdoctor.errors import UsageError
+from ampdoctor.input.capture_schema import read_ring
+from ampdoctor.judge.history import forecast, mann_kendall_z, story, theil_sen
+from ampdoctor.watch.ring import LAYER_COLUMNS, STEP_COLUMNS
+
+from .conftest import SAMPLES
+from .ring_models import HEALTHY, train
+
+FP16_MAX = 65504.0
+
+
+def _sample(name: str):  # noqa: ANN202
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(SAMPLES))
+
+
+# -- the ring itself -------------------------------------------------------------------------------------
+def test_the_ring_keeps_the_last_k_steps_with_the_layers_figures_from_the_one_host_copy() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt, None, ring=8, quiet=True)
+    mon.recipe.ring_figures.every = 1  # (the optimizer's figures on every recorded step, as with spike_sigmas)
+    seen: dict[int, float] = {}
+    for s in range(20):
+        x = torch.randn(6, 4)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        seen[s] = float(torch.sqrt(model[2].weight.grad.pow(2).sum() + model[2].bias.grad.pow(2).sum()))
+        mon.after_backward(loss)
+        opt.step()
+        mon.after_step()
+        opt.zero_grad(set_to_none=True)
+    ring = mon.lookback.ring
+    assert ring.count == 20 and ring.capacity == 8
+    steps, text = ring.tables()
+    rows = steps.strip().splitlines()
+    assert rows[0].split(",") == ["step", *STEP_COLUMNS]
+    assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(12, 20))
+    st, gn = ring.layer_series("grad_norm")
+    m = ring.names.index("2")
+    assert list(st) == list(range(12, 20))
+    assert np.allclose(gn[:, m], [seen[s] for s in range(12, 20)], rtol=1e-5)
+    _, ab = ring.layer_series("absmax")
+    _, hd = ring.layer_series("headroom")
+    assert np.allclose(hd[:, m], np.log2(FP16_MAX / ab[:, m]), atol=1e-5)
+    # SGD without momentum: the update is lr x the gradient
+    _, un = ring.layer_series("update_norm")
+    assert np.allclose(un[:, m], 0.1 * gn[:, m], rtol=1e-5)
+    # fixed buffers: step numbers, scalars, and layers x figures
+    assert ring.memory_bytes == 8 * 8 + 8 * len(STEP_COLUMNS) * 8 + 8 * len(ring.names) * len(LAYER_COLUMNS) * 4
+    mon.close()
+
+
+def test_adams_figures_are_read_from_its_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, None, ring=4, quiet=True)
+    mon.recipe.ring_figures.every = 1  # (the optimizer's figures on every recorded step, as with spike_sigmas)
+    for _ in range(3):
+        loss = model(torch.randn(5, 4)).pow(2).mean()
+        loss.backward()
+        if opt.state:
+            w = model[0].weight
+            stw, stb = opt.state[w], opt.state[model[0].bias]
+            k = float(stw["step"])
+            f = 0.01 * math.sqrt(1 - 0.999**k) / (1 - 0.9**k)
+            want = f * math.sqrt(float((stw["exp_avg"] / (stw["exp_avg_sq"].sqrt() + 1e-8)).pow(2).sum()
+                                       + (stb["exp_avg"] / (stb["exp_avg_sq"].sqrt() + 1e-8)).pow(2).sum()))
+            vmin = min(float(stw["exp_avg_sq"].min()), float(stb["exp_avg_sq"].min()))
+        mon.after_backward(loss)
+        opt.step()
+        mon.after_step()
+        opt.zero_grad(set_to_none=True)
+    _, un = mon.lookback.ring.layer_series("update_norm")
+    _, vm = mon.lookback.ring.layer_series("exp_avg_sq_min")
+    m = mon.lookback.ring.names.index("0")
+    assert math.isnan(un[0, m])  # no state before the first step
+    assert un[-1, m] == pytest.approx(want, rel=1e-5)
+    assert vm[-1, m] == pytest.approx(vmin, rel=1e-5)
+    mon.close()
+
+
+@pytest.mark.parametrize("kw", [{"ring": -1}, {"ring": 2.5}, {"forecast_horizon": 0}, {"spike_sigmas": 0},
+                                {"spike_sigmas": 3, "ring": 0}, {"spike_sigmas": 3, "spike_window": 8},
+                                {"spike_sigmas": 3, "ring": 50}])
+def test_ring_arguments_are_checked_at_once(kw: dict) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(UsageError):
+        Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), None, **kw)
+
+
+def test_ring_zero_keeps_nothing_and_forecasts_nothing() -> None:
+    model = nn.Linear(2, 2)
+    mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), None, ring=0, quiet=True)
+    mon.step(model(torch.randn(3, 2)).sum())
+    assert mon.lookback is None and mon.forecast() == []
+    mon.close()
+
+
+# -- the forecast rule, on numbers ----------------------------------------------------------------------
+def _fc(values: np.ndarray, steps: np.ndarray | None = None, horizon: int = 1000):  # noqa: ANN202
+    steps = np.arange(len(values)) if steps is None else steps
+    a = values.reshape(-1, 1).astype(np.float32)
+    return forecast(steps, a, np.zeros_like(a), ["layer"], FP16_MAX, horizon)
+
+
+def test_theil_sen_and_mann_kendall_on_known_series() -> None:
+    x = np.arange(50.0)
+    y = 3.0 * x + 7.0
+    y[10] = 1e6  # one wild batch moves the median slope nowhere
+    assert theil_sen(x, y) == pytest.approx((3.0, 7.0))
+    assert mann_kendall_z(np.arange(40.0)) > 8
+    assert abs(mann_kendall_z(np.zeros(40))) == 0
+
+
+def test_a_linear_climb_is_forecast_at_the_step_it_reaches_the_max() -> None:
+    t = np.arange(100, 164)
+    fc = _fc(300.0 * t + 1000.0, t)  # reaches 65504 at step 215.01
+    assert len(fc) == 1 and fc[0].layer == "layer"
+    assert fc[0].latest_step == 216 and fc[0].expected_step == 216
+    assert fc[0].headroom == pytest.approx(math.log2(FP16_MAX / (300.0 * 163 + 1000.0)), rel=1e-3)
+
+
+def test_a_quadratic_climb_is_forecast_near_its_crossing() -> None:
+    t = np.arange(40, 104)
+    fc = _fc(65504.0 * (t / 154.0) ** 2, t)
+    assert len(fc) == 1
+    assert abs(fc[0].expected_step - 154) <= 5
+    assert fc[0].latest_step > fc[0].expected_step
+
+
+@pytest.mark.parametrize("name", ["flat_noise", "warmup_transient", "slow_linear", "too_few", "heavy_tail"])
+def test_the_forecast_stays_silent_on_healthy_shapes(name: str) -> None:
+    rng = np.random.default_rng(0)
+    t = np.arange(64)
+    series = {
+        "flat_noise": 20.0 + rng.normal(0, 5, 64),
+        "warmup_transient": 0.5 + 10 * (1 - np.exp(-t / 20.0)),  # a fast rise that flattens: 10, not 65504
+        "slow_linear": 100.0 + 10.0 * t,  # 6,000 steps from the max
+        "too_few": 1000.0 * np.arange(20),
+        "heavy_tail": 50.0 * np.exp(rng.standard_t(2, 64) * 0.5),
+    }[name]
+    assert _fc(series) == []
+
+
+# -- the samples ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def late_overflow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Monitor, list[warnings.WarningMessage], Path]:
+    lo = _sample("late_overflow")
+    cap = tmp_path_factory.mktemp("lo") / "cap"
+    model = lo.build_model()
+    opt = lo.build_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    data = lo.build_dataloader()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Monitor(model, opt, scaler, capture=cap, snapshot_every=100) as mon:
+            for step in range(156):
+                x, y = data[step % len(data)]
+                with mon.autocast():
+                    loss = lo.loss_fn(model(x), y)
+                mon.step(loss, batch=(x, y))
+    return mon, list(seen), cap
+
+
+def test_late_overflow_forecasts_logits_at_least_30_steps_before_step_154(late_overflow_run) -> None:  # noqa: ANN001
+    mon, seen, _ = late_overflow_run
+    assert mon.first_failure == (154, "nonfinite_loss")  # the ring changed nothing of the run
+    fcw = [w for w in seen if issubclass(w.category, ForecastWarning)]
+    assert len(fcw) == 1  # once
+    fc = mon.lookback.warned
+    assert fc is not None and fc.layer == "logits"
+    assert fc.step <= 154 - 30
+    said = str(fcw[0].message)
+    assert "logits" in said and f"step {fc.step}:" in said and "Keep logits in FP32" in said  # with triage's fixes
+    assert fc.expected_step < fc.latest_step  # the growth accelerates (q and k both grow)
+    assert 0 < fc.headroom < 8
+
+
+def test_late_overflow_capture_holds_the_ring_and_its_story_shows_the_headroom_reaching_zero(late_overflow_run) -> None:  # noqa: ANN001
+    _, _, cap = late_overflow_run
+    manifest = json.loads((cap / "manifest.json").read_text())
+    assert {"ring_steps.csv", "ring_layers.csv"} <= set(manifest["files"])
+    assert manifest["ring"] == {"steps": 256, "kept": 155}
+    steps, layers = read_ring(cap, manifest["files"])
+    assert list(steps["step"]) == list(range(155))
+    told = story(steps, layers, 154, "logits")
+    assert told is not None and told["layer"] == "logits"
+    assert told["crossed_step"] == 154
+    assert told["headroom_last"] == 0.0 and told["headroom_first"] > 12
+    hs = told["headroom"]["binades"]
+    assert hs[0] > 12 and min(hs[:-1]) > 0 and hs[-1] == 0  # it fell to 0 over the steps before the failure
+    assert told["movers"][0]["layer"] == "logits"  # the product moved first, then the projections
+
+
+def test_the_report_of_the_capture_tells_the_story_in_every_format(late_overflow_run, tmp_path: Path) -> None:  # noqa: ANN001
+    from ampdoctor.engine.triage import triage
+    from ampdoctor.input.config import TriageConfig
+    from ampdoctor.render import html, markdown, terminal
+    from ampdoctor.render.plots import figures
+
+    _, _, cap = late_overflow_run
+    report, _ = triage(SAMPLES / "late_overflow.py", TriageConfig(), from_capture=cap)
+    assert report.verdict.cause == "fp16_forward_overflow" and report.verdict.first_module == "logits"
+    told = [f for f in report.findings if f.code == "history"]
+    assert len(told) == 1
+    f = told[0]
+    assert f.module == "logits" and f.step == 154
+    assert "reached 0 at step 154" in f.title
+    d = report.to_dict()
+    ev = next(x for x in d["findings"] if x["code"] == "history")["evidence"]
+    assert ev["crossed_step"] == 154 and len(ev["series"]["loss"]) == 155 and ev["series"]["step"][-1] == 154
+    assert "history" in figures(report) and "loss" not in figures(report)  # the run's history, not 1 replayed point
+    md = markdown.render(report, {"history": "r_files/history.png"})
+    assert "## Before the failure" in md and "reached 0 at step 154" in md and "r_files/history.png" in md
+    page = html.render(report, {})
+    assert "Before the failure" in page and "reached 0 at step 154" in page
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    terminal.render(report, Console(file=buf, width=100))
+    text = " ".join(buf.getvalue().split())
+    assert "Before the failure" in text and "reached 0 at step 154" in text and "moved first: logits" in text
+
+
+@pytest.mark.slow
+def test_a_linear_late_growth_is_forecast_by_name_and_step() -> None:
+    lg = _sample("late_growth")
+    bad, mon = lg.train(200, quiet=True)
+    assert bad is not None and 150 <= bad <= 190
+    fc = mon.lookback.warned
+    assert fc is not None and fc.layer == "head" and fc.step <= bad - 30
+    assert abs(mon.lookback.warned.latest_step - bad) <= 0.5 * (bad - fc.step)  # linear: the straight line is right
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_no_forecast_on_healthy_runs_of_1000_steps(name: str) -> None:
+    mon, bad, said = train(HEALTHY[name], 1000, quiet=False)
+    assert bad is None
+    assert mon.lookback.warned is None and said == []
+    assert mon.lookback.ring.count == 1000
+
+
+# -- the spike trigger ------------------------------------------------------------------------------------
+def _spiky(steps: int, lr_jump_at: int | None, cap: Path | None, **kw: object) -> Monitor:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 1, generator=g)
+    data = [(x, x @ w) for x in (torch.randn(32, 8, generator=g) for _ in range(16))]
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=10**6)  # no overflow: a spike, not a NaN
+    mon = Monitor(model, opt, scaler, capture=cap, quiet=True, alert_min_steps=10**9, **kw)  # type: ignore[arg-type]
+    for s in range(steps):
+        if s == lr_jump_at:
+            for gr in opt.param_groups:
+                gr["lr"] = 0.1  # a learning rate 100x too high from here: the updates jump first, the loss after
+        x, y = data[s % len(data)]
+        with mon.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        mon.step(loss, batch=(x, y))
+    mon.close()
+    return mon
+
+
+def test_the_spike_trigger_is_off_by_default_and_silent_on_a_steady_run(tmp_path: Path) -> None:
+    mon = _spiky(200, 150, tmp_path / "off")
+    assert mon.first_failure is None and mon.lookback.last_spike is None and not (tmp_path / "off").exists()
+    mon = _spiky(200, None, tmp_path / "steady", spike_sigmas=6.0)
+    assert mon.first_failure is None and not (tmp_path / "steady").exists()
+
+
+def test_a_loss_spike_is_captured_and_names_the_layers_whose_updates_spiked_first(tmp_path: Path) -> None:
+    mon = _spiky(200, 150, tmp_path / "cap", spike_sigmas=6.0)
+    assert mon.first_failure is not None
+    step, reason = mon.first_failure
+    assert reason in ("loss_spike", "grad_norm_spike") and 151 <= step <= 165
+    sp = mon.lookback.last_spike
+    assert sp is not None and sp.step == step and sp.z > 6
+    assert sp.layers and sp.layers[0]["figure"] == "update_norm"
+    assert sp.layers[0]["step"] == 150 and sp.layers[0]["step"] <= step  # the updates jumped at the lr change
+    manifest = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert manifest["reason"] == reason and manifest["step"] == step
+    assert manifest["spike"]["layers"][0]["layer"] == sp.layers[0]["layer"]
