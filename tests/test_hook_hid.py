@@ -153,7 +153,7 @@ def _run(spec: Path, cap: Path, snapshot_every: int = 10) -> tuple[Monitor, list
 
 def test_hooks_are_found_by_name_taken_off_and_probed_before_they_run() -> None:
     lin = nn.Linear(3, 2)
-    handles = [p.register_hook(lambda g: torch.nan_to_num(g)) for p in lin.parameters()]
+    handles = [p.register_hook(lambda g: torch.nan_to_num(g)) for p in lin.parameters()]  # noqa: AMP004
     seq = nn.Sequential(lin, nn.ReLU())
     seq.register_full_backward_hook(lambda m, gi, go: None)
     got = userhooks.found(seq)

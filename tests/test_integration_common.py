@@ -65,7 +65,8 @@ def test_clip_observer_reads_the_return_value_and_leaves_the_call_alone(tmp_path
 
     from ampdoctor.integrations._attach import Attached, ClipObserver
 
-    original = torch.nn.utils.clip_grad_norm_
+    leaked = ClipObserver._wrapper is not None and torch.nn.utils.clip_grad_norm_ is ClipObserver._wrapper
+    original = ClipObserver._original if leaked else torch.nn.utils.clip_grad_norm_  # an earlier unclosed monitor's
     torch.manual_seed(0)
     model, other = nn.Linear(4, 3), nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -121,3 +122,21 @@ def test_clip_grad_norm_signature_errors_are_the_callers() -> None:
     finally:
         ClipObserver._listeners.clear()
         ClipObserver.remove(lambda p, t: None)
+
+
+def test_a_monitor_never_closed_is_not_kept_alive_by_the_clip_observer() -> None:
+    import gc
+    import weakref
+
+    from ampdoctor.integrations._attach import Attached
+
+    model = nn.Linear(4, 3)
+    a = Attached(model, torch.optim.SGD(model.parameters(), lr=0.1), None, amp_dtype=None, first_step=0, log=None,
+                 capture=None, loss_from_output=False, monitor_kwargs={"quiet": True})
+    gone = weakref.ref(a)
+    del a  # a run that died without close()
+    gc.collect()
+    assert gone() is None
+    loss = model(torch.ones(2, 4)).sum()
+    loss.backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0  # the wrapper still passes calls through

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,13 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 _Listener = Callable[[list[Any], Any], None]
 
 
+def _weak(listener: _Listener) -> Callable[[], _Listener | None]:
+    """A weak reference to a bound method (a plain function is held as it is)."""
+    if hasattr(listener, "__self__"):
+        return weakref.WeakMethod(listener)  # type: ignore[arg-type]
+    return lambda: listener
+
+
 class ClipObserver:
     """Observes ``torch.nn.utils.clip_grad_norm_`` while at least one listener is registered.
 
@@ -81,17 +89,18 @@ class ClipObserver:
     first, as the original does itself; an empty generator is passed on as one, so its warning stays) and
     returns the original's result untouched; each listener is then given the parameters and that result.
     Nothing is written. The attribute is restored when the last listener leaves (if nothing replaced it since).
+    Listeners are held weakly: a monitor that was never closed (a run that died) is not kept alive by it.
     """
 
     _lock = threading.Lock()
-    _listeners: list[_Listener] = []
+    _listeners: list[Callable[[], _Listener | None]] = []
     _original: Callable[..., Any] | None = None
     _wrapper: Callable[..., Any] | None = None
 
     @classmethod
     def add(cls, listener: _Listener) -> None:
         with cls._lock:
-            cls._listeners.append(listener)
+            cls._listeners.append(_weak(listener))
             if cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
                 return
             original = torch.nn.utils.clip_grad_norm_
@@ -99,7 +108,7 @@ class ClipObserver:
 
             @functools.wraps(original)
             def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-                listeners = list(cls._listeners)
+                listeners = [fn for fn in (ref() for ref in list(cls._listeners)) if fn is not None]
                 if not listeners or isinstance(parameters, torch.Tensor):
                     params = [parameters] if isinstance(parameters, torch.Tensor) else None
                     total = original(parameters, *args, **kwargs)
@@ -121,8 +130,7 @@ class ClipObserver:
     @classmethod
     def remove(cls, listener: _Listener) -> None:
         with cls._lock:
-            if listener in cls._listeners:
-                cls._listeners.remove(listener)
+            cls._listeners[:] = [ref for ref in cls._listeners if (fn := ref()) is not None and fn != listener]
             if not cls._listeners and cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
                 torch.nn.utils.clip_grad_norm_ = cls._original  # type: ignore[assignment]
                 cls._wrapper = cls._original = None
