@@ -1000,7 +1000,9 @@ class Monitor:
         params = [self._names[id(p)] for p in self._params]
         lb = Lookback(steps, self.recipe.modules, params, self.hooks.fmt, horizon=horizon, spike_sigmas=sigmas,
                       spike_window=window, quiet=self.quiet, speaks=self.rank in (None, 0), device=self.device.type)
-        self.recipe.ring_figures = RingFigures(self.optimizer, self._params, every=1 if sigmas is not None else OPTIMIZER_EVERY)
+        if self.engine not in SHARDED:  # a sharded optimizer state holds this rank's pieces: no per-layer update figures
+            self.recipe.ring_figures = RingFigures(self.optimizer, self._params,
+                                                   every=1 if sigmas is not None else OPTIMIZER_EVERY)
         return lb
 
     def forecast(self) -> list[Any]:
