@@ -164,7 +164,8 @@ class Ring:
                 ok = owner >= 0
                 if ok.any():
                     sq = np.zeros(len(self.names))
-                    np.add.at(sq, owner[ok], v[ok] * v[ok])
+                    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite step's figures: kept as they are
+                        np.add.at(sq, owner[ok], v[ok] * v[ok])
                     got = np.zeros(len(self.names), dtype=bool)
                     got[owner[ok]] = True
                     lay[got, col] = np.sqrt(sq[got])
@@ -173,7 +174,8 @@ class Ring:
             ok = owner >= 0
             if ok.any():
                 lo = np.full(len(self.names), np.inf)
-                np.minimum.at(lo, owner[ok], v[ok])
+                with np.errstate(invalid="ignore"):  # a NaN figure stays NaN (not finite: not kept)
+                    np.minimum.at(lo, owner[ok], v[ok])
                 got = np.isfinite(lo)
                 lay[got, _VMIN] = lo[got]
 
