@@ -139,7 +139,9 @@ class RingFigures:
     whole into the step's host copy (``Hooks.add_tail``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter], every: int = 1) -> None:
-        self.optimizer = optimizer
+        self.optimizer = optimizer if isinstance(getattr(optimizer, "state", None), dict) else None
+        """The optimizer whose state is read; None for one without a per-parameter ``state`` dict (an engine's
+        view of its parameters, DeepSpeed's): its update figures are then not kept."""
         self.index = {id(p): j for j, p in enumerate(params)}
         self._plan: _Plan | None = None
         self.every = every
