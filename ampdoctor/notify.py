@@ -85,4 +85,12 @@ def warn_user(msg: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(msg, category, stacklevel=user_stacklevel())
 
 
+def alert(msg: str, category: type[Warning], *, quiet: bool = False) -> None:
+    """An event the user must see once: logged (``say``) and, unless ``quiet``, warned at the user's line, with
+    the default handler leaving the logged copy out."""
+    say(msg, quiet=quiet, warned=not quiet)
+    if not quiet:
+        warn_user(msg, category)
+
+
 __all__ = ["DefaultStderr", "app_configured", "log", "say", "user_stacklevel", "warn_user"]

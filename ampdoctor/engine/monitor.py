@@ -75,7 +75,7 @@ from ampdoctor.formats import BF16, FP16
 from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
-from ampdoctor.notify import say, warn_user
+from ampdoctor.notify import alert, say
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.report.words import spike_message
 from ampdoctor.watch import fused, userhooks
@@ -652,9 +652,7 @@ class Monitor:
             msg = (f"ampdoctor: {name} with a plain GradScaler: each rank decides its skip from its own shard of the "
                    "gradients, so the ranks' loss scales can drift apart; use "
                    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which agrees across ranks")
-            say(msg, quiet=self.quiet, warned=not self.quiet)
-            if not self.quiet:
-                warn_user(msg, RuntimeWarning)
+            alert(msg, RuntimeWarning, quiet=self.quiet)
 
     # failing safe ------------------------------------------------------------------------------
     def _turn_off(self, why: str, *, warn: bool, who: int | None = None) -> None:
@@ -688,9 +686,7 @@ class Monitor:
         if warn and (who is None or rank is None or who == rank):
             where = f" (rank {rank})" if rank is not None and who is None else ""  # (who: said for every rank)
             msg = f"ampdoctor{where}: {why}; the monitor is off and the training goes on without it"
-            say(msg, quiet=self.quiet, warned=not self.quiet)
-            if not self.quiet:
-                warn_user(msg, MonitorOffWarning)
+            alert(msg, MonitorOffWarning, quiet=self.quiet)
 
     def _fail(self, where: str, exc: BaseException) -> None:
         """Something of ampdoctor's raised: off, with one warning naming the step and what failed. Under
@@ -975,9 +971,7 @@ class Monitor:
                     msg = (f"ampdoctor: the capture armed at {cap.path} has no batch to keep at step {self.step_num}: "
                            "no batch= was passed and no training call of the model itself was seen; pass "
                            "batch= to mon.step() or mon.after_backward(), or a failure cannot be replayed")
-                    say(msg, quiet=self.quiet, warned=not self.quiet)
-                    if not self.quiet:
-                        warn_user(msg, CaptureWarning)
+                    alert(msg, CaptureWarning, quiet=self.quiet)
             cap.before_update(self.step_num, b)
         return self._pending
 
@@ -1294,9 +1288,7 @@ class Monitor:
                     msg = (f"ampdoctor: step {step}: {rate:.1%} of the last {n} steps were skipped (alert_rate "
                            f"{self.alert_rate:.0%}{normal}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; "
                            f"{log_hint}")
-                    say(msg, quiet=self.quiet, warned=not self.quiet)
-                    if not self.quiet:
-                        warn_user(msg, SkipRateWarning)
+                    alert(msg, SkipRateWarning, quiet=self.quiet)
         elif rate <= self.alert_rate:
             self._alerted = False
         if self.max_skip_rate is not None:

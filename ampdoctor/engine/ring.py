@@ -29,7 +29,7 @@ import torch
 from ampdoctor.formats import Format
 from ampdoctor.judge.history import DEFAULT_HORIZON, Forecast, Spike, forecast, robust_z, spiking_layers, story
 from ampdoctor.judge.rules import forward_overflow_fixes
-from ampdoctor.notify import say, warn_user
+from ampdoctor.notify import alert
 from ampdoctor.records import Finding, StepStats
 from ampdoctor.report.words import forecast_message, history_lines, history_title
 from ampdoctor.watch.ring import Ring
@@ -327,9 +327,7 @@ class Lookback:
         if not self.speaks:
             return
         msg = forecast_message(fc, forward_overflow_fixes(fc.layer, self.device), more=len(fcs) - 1)
-        say(msg, quiet=self.quiet, warned=not self.quiet)
-        if not self.quiet:
-            warn_user(msg, ForecastWarning)
+        alert(msg, ForecastWarning, quiet=self.quiet)
 
     def _spike(self, step: int, loss: float, grad_norm: float, skipped: bool) -> Spike | None:
         """A finite loss or gradient norm far above the window of applied steps before it (skips are GradScaler's)."""
