@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ampdoctor.input.batches import Micro, ModelInputs
+from ampdoctor.input.loss import model_loss
 from ampdoctor.watch.hooks import (
     call_wrapping_enabled,
     listen_calls,
@@ -31,15 +32,9 @@ from ampdoctor.watch.hooks import (
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model returned: ``output.loss``, ``output["loss"]``, or a scalar tensor output."""
-    loss = None
-    if isinstance(output, dict):
-        loss = output.get("loss")
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    elif isinstance(output, torch.Tensor) and output.dim() == 0:
-        loss = output
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+    """The loss a model returned (``output.loss``, ``output["loss"]`` or the output itself), by the one rule of
+    ``input.loss``: a one-element tensor, any shape, is the loss."""
+    return model_loss(output)
 
 
 class ForwardTap:
