@@ -232,21 +232,7 @@ def triage(
     device = resolve_device(cfg.device)
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
-    replaying = from_capture is not None or checkpoint is not None
-    if spec_path is None:
-        if not replaying:
-            raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without one "
-                             "with --from CAPTURE or --checkpoint DIR")
-        spec = no_spec(from_capture if from_capture is not None else checkpoint, names)  # type: ignore[arg-type]
-    else:
-        spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None,
-                                                                       require_model=not replaying)
-    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
-        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
-    if skip_batches > MAX_SKIP:
-        raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
-                         f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
-                         "within its epoch")
+    spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
     cap: Captured | None = None
     start: StartState | None = None
@@ -275,13 +261,54 @@ def triage(
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
                            if checkpoint is not None else ""))
-    rng = start.rng if start is not None else None
+    _run_stages(run, cap, start, log_path, progress)
+    report = build_report(run, argv)
+    report.lint = code_findings(found, report.verdict.cause)
+    if script is not None:
+        report.config["script"] = str(script)
+    if checkpoint is not None:
+        report.config["checkpoint"] = str(checkpoint)
+    if skip_batches:
+        report.config["skip_batches"] = skip_batches
+    run.reset()
+    return report, run
+
+
+def _checked_spec(spec_path: str | Path | Spec | None, names: SpecNames | None, from_capture: str | Path | None,
+                  checkpoint: str | Path | None, skip_batches: int) -> Spec:
+    """The spec (or the stand-in of a replay without one), after the checks of triage's arguments."""
+    if from_capture is not None and checkpoint is not None:
+        raise UsageError("--from and --checkpoint both say where to start; give one")
+    replaying = from_capture is not None or checkpoint is not None
+    if spec_path is None:
+        if not replaying:
+            raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without one "
+                             "with --from CAPTURE or --checkpoint DIR")
+        spec = no_spec(from_capture if from_capture is not None else checkpoint, names)  # type: ignore[arg-type]
+    else:
+        spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None,
+                                                                       require_model=not replaying)
+    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
+    if skip_batches > MAX_SKIP:
+        raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
+                         f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
+                         "within its epoch")
+    return spec
+
+
+def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_path: str | Path | None,
+                progress: ProgressFn | None) -> None:
+    """Every stage of the run's config into ``run.results`` (the target's step log to ``log_path``); a capture's
+    failing step replayed once more in the run's own precision (``run.replay``: transient or persistent)."""
+    cfg, hooked = run.config, bool(run.hook_list)
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         fp32 = run.results.get("fp32")
-        return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
-                            optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
-                            rng=rng, rng_restored=run.rng_restored, probe_hooks=name == cfg.target and bool(hooks_now),
+        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot,
+                            log=log, optimizer_state=start.optimizer if start else None,
+                            scaler_state=start.scaler if start else None, rng=start.rng if start is not None else None,
+                            rng_restored=run.rng_restored, probe_hooks=name == cfg.target and hooked,
                             ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
     for name in cfg.stage_list():
@@ -298,16 +325,6 @@ def triage(
         replays = [run.results[cfg.target], again]
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
                             sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring)
-    report = build_report(run, argv)
-    report.lint = code_findings(found, report.verdict.cause)
-    if script is not None:
-        report.config["script"] = str(script)
-    if checkpoint is not None:
-        report.config["checkpoint"] = str(checkpoint)
-    if skip_batches:
-        report.config["skip_batches"] = skip_batches
-    run.reset()
-    return report, run
 
 
 def lint_sources(spec_path: Path | None, script: str | Path | None) -> list[LintFinding]:
