@@ -16,9 +16,12 @@ from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
 from ampdoctor.engine.driver import NONFINITE_LOSS, NONFINITE_WEIGHTS, Driver, skip_reason, step_record
+from ampdoctor.engine.stages import error_kind
 from ampdoctor.engine.step import AMP, BF16, FP16_MASTER, FP16_PURE, FP32, Precision, TrainStep, forward_loss, get_loss
 from ampdoctor.input.batches import UNKNOWN_TARGET, Micro
 from ampdoctor.input.loss import model_loss
+from ampdoctor.records import StageError
+from ampdoctor.report.stages import error_hint, summary
 from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.tap import output_loss
 
@@ -211,3 +214,37 @@ def test_repro_script_runs_a_model_that_takes_a_subset_of_the_batch_keys(tmp_pat
     lines = [ln.split(":")[0].strip() for ln in out.stdout.splitlines() if "gradients finite" in ln]
     assert lines[0] == "fp32" and len(lines) >= 1
     assert "gradients finite: True" in out.stdout
+
+
+# the stages' codes, and their words at the report's edge -----------------------------------------------------
+
+def test_stage_errors_are_kinds_and_the_report_words_them() -> None:
+    cpu = torch.device("cpu")
+    onednn = RuntimeError("could not create a primitive descriptor for a matmul primitive")
+    assert error_kind(onednn, "amp", cpu) == "device_onednn" and error_kind(onednn, "fp32", cpu) == "raised"
+    assert error_kind(RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'"), "fp32", cpu) == "device_no_half"
+    assert error_kind(ValueError("shapes do not match"), "amp", cpu) == "raised"
+    assert "oneDNN" in error_hint("device_onednn") and "device limitation" in error_hint("device_no_half")
+    assert error_hint("raised").startswith("the stage stopped at this exception")
+
+
+def test_a_stage_that_stopped_is_a_code_and_a_sentence_in_the_report() -> None:
+    """A model whose loss goes NaN at step 1 without a GradScaler stops its fp32 stage there: the engine records
+    codes, the report's summary words them."""
+    from ampdoctor.engine.stages import StageContext, run_stage
+    from ampdoctor.input.batches import Batches
+    from ampdoctor.input.config import TriageConfig
+    from ampdoctor.input.spec import Spec
+
+    model = _mlp()
+    batches = Batches([(torch.randn(4, 4), torch.randn(4, 1)), (torch.full((4, 4), math.nan), torch.randn(4, 1))], cycled=True)
+    spec = Spec(Path("inline.py"), _mlp, lambda: batches.items, _mse, None)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    res = run_stage("fp32", StageContext(spec, model, init, batches, TriageConfig(steps=4, device="cpu"), torch.device("cpu")))
+    assert res.error is None and len(res.records) == 2
+    assert (res.stopped, res.stopped_step) == (NONFINITE_LOSS, 1)
+    assert res.records[1].skip_reason == "nonfinite_loss" and res.records[1].batch == 1
+    row = summary(res, None)
+    assert row.stopped == "loss became non-finite at step 1" and row.steps_run == 2
+    res.error = StageError("RuntimeError", "boom", 1, "0", error_hint("raised"), None, "raised")
+    assert summary(res, None).error is not None and "kind" not in summary(res, None).error  # (the JSON keeps its keys)

@@ -81,6 +81,12 @@ def loss_record(step: int, loss: torch.Tensor, lr: float | None, batch: int | No
                       grad_l2_post_clip=math.nan, skipped=True, skip_reason=NONFINITE_LOSS, scaler_scale=None)
 
 
+def blank_record(step: int, rank: int | None = None) -> StepRecord:
+    """The record of a step nothing measured (the Monitor while it is off): NaN figures, not skipped."""
+    return StepRecord(step=step, batch=None, lr=None, loss=math.nan, grad_l2_pre_clip=math.nan,
+                      grad_l2_post_clip=math.nan, skipped=False, skip_reason="", scaler_scale=None, rank=rank)
+
+
 @dataclass
 class Stepped:
     """One step the driver ran."""
@@ -221,5 +227,5 @@ class Driver:
                 return
 
 
-__all__ = ["NONFINITE_LOSS", "NONFINITE_WEIGHTS", "STOPS", "Driver", "Stepped", "Update", "loss_record", "skip_reason",
-           "step_record"]
+__all__ = ["NONFINITE_LOSS", "NONFINITE_WEIGHTS", "STOPS", "Driver", "Stepped", "Update", "blank_record", "loss_record",
+           "skip_reason", "step_record"]

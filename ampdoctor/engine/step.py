@@ -1,7 +1,7 @@
 """The one training step every path runs: triage stages, ``ampdoctor layers``, ``Monitor``.
 
-A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in the order the seed
-articles insist on::
+A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in PyTorch's AMP order (the
+loop around it, over batches and micro-batches, is ``engine.driver``)::
 
     zero_grad → forward + loss (under autocast) → loss check (on the device) → backward (scaled)
     → unscale_ → FP16 gradients copied to the FP32 master → global L2 norm and clip
