@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -16,8 +15,11 @@ from rich.text import Text
 from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.fmt import pow2
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.scaler import Envelope, LogDigest, ScaleDiagnosis, pow2
+from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.render.scaler_plot import scaler_png
+from ampdoctor.report.scaler import ScaleDiagnosis, worded
 from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStream, read_step_log
 
 MAX_LEDGER_ROWS = 20
@@ -51,10 +53,10 @@ def scaler(
         fail(f"{csv}: column scaler_scale, step {step}: {value:g} is not a loss scale "
              "(GradScaler's scale is a positive number); fix that row or leave the column empty")
         return
-    diag = dig.scale.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor) if dig.scale else None
+    diag = worded(dig.scale.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor)) if dig.scale else None
     _print(csv, notes, dig, diag, window, alert_rate)
     if plot is not None:
-        write_atomic(plot, _plot_png(dig, diag))
+        write_atomic(plot, scaler_png(dig, diag.pattern if diag else None))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
 
 
@@ -253,55 +255,6 @@ def _print(path: Path, notes: list[str], dig: LogDigest, diag: ScaleDiagnosis | 
         if diag.settings:
             args = ", ".join(f"{k}={v:g}" for k, v in diag.settings.items())  # numbers, as Python reads them
             out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
-
-
-def _series(env: Envelope) -> tuple[list[float], list[float]]:
-    """An envelope as one line: each bucket's minimum then its maximum at its first step (the series itself
-    when nothing was merged)."""
-    if env.width == 1:
-        return env.x.tolist(), env.lo.tolist()
-    return np.repeat(env.x, 2).tolist(), np.stack([env.lo, env.hi], axis=1).ravel().tolist()
-
-
-def _plot_png(dig: LogDigest, diag: ScaleDiagnosis | None) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    sk_steps, sk_scales = _series(dig.skip_env)
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    try:
-        if dig.has_scale:
-            xs, ys = _series(dig.scale_env)
-            ax1.step(xs, ys, where="post", color="tab:blue", label="scaler_scale")
-            ax1.set_yscale("log", base=2)
-            ax1.scatter(sk_steps, sk_scales, color="tab:red", marker="x", zorder=3, label="skipped")
-            ax1.set_title(f"GradScaler scale: {diag.pattern}" if diag else "GradScaler scale")
-        else:
-            ax1.text(0.5, 0.5, "no GradScaler in this run", ha="center", va="center", transform=ax1.transAxes)
-        ax1.set_ylabel("scale (log2)")
-        ax1.legend(loc="best")
-        env = dig.loss_env
-        if env.x.size:
-            xs, ys = _series(env)
-            ax2.plot(xs, ys, color="tab:green", label="loss")
-            lo, hi = float(env.lo.min()), float(env.hi.max())
-            if lo > 0 and hi / max(lo, 1e-300) > 1e3:
-                ax2.set_yscale("log")
-        for s in dict.fromkeys(dig.skip_env.x.tolist()):
-            ax2.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
-        ax2.set_xlabel("step")
-        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax2.set_ylabel("loss")
-        ax2.legend(loc="best")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
 
 
 __all__: list[Any] = ["scaler"]
