@@ -272,7 +272,8 @@ class Ctx:
         self.tgt = results.get(self.tgt_name)
         self.probe = results.get("fp16")
         told = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
-        self.story, self.scale = told if told is not None else (None, None)
+        self.story: ScalerStory | None = told[0] if told is not None else None
+        self.scale: ScaleFacts | None = told[1] if told is not None else None
 
     @cached_property
     def ratio(self) -> float | None:

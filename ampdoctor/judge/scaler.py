@@ -719,7 +719,7 @@ class ScaleTracker:
 
     def _gap(self, r: _Reading) -> int:
         """The median clean steps between later skips (growth_interval when there is no gap)."""
-        return int(_median_of(self.later_gaps)) if self.later_gaps else r.gi
+        return int(_median_of(self.later_gaps)) if self.later_gaps else r.gi  # type: ignore[arg-type]
 
     def _oscillating(self, r: _Reading, cycles: int, advice: list[Advice], settings: dict[str, float]) -> Oscillating:
         m = self._gap(r)
