@@ -16,28 +16,22 @@ from ampdoctor.report.words import scaler as words
 
 @dataclass
 class ScaleDiagnosis:
+    """``judge.scaler.ScaleFacts`` in words: its figures, each as the facts define it, with the class's
+    ``explanation`` and the ``recommendations`` in place of the finding and advice codes."""
+
     pattern: str
-    """calibrating | stable | climbing | saturated | oscillating | collapsed | never_growing | empty"""
     explanation: str
     calibration_skips: int
-    """Skips that took the scale to a new low on its way down from init_scale."""
     later_skips: list[int]
-    """Skipped steps that were not calibration skips."""
     growths: list[int]
-    """Steps whose scale is larger than the step before's (the growth happened in the step before's update)."""
     backoffs: list[int]
     recommendations: list[str] = field(default_factory=list)
     settings: dict[str, float] = field(default_factory=dict)
-    """Recommended ``init_scale``, ``growth_interval``, ``backoff_factor`` (only those worth changing)."""
     growth_interval: int | None = None
-    """Given, or inferred from the clean steps before each growth (None when neither)."""
     backoff_factor: float | None = None
-    """Given, or inferred from the scale ratio at each skip."""
     min_scale: float = math.nan
-    """The smallest scale of the history, ``final_scale`` included (so it is never above it)."""
     max_scale: float = math.nan
     final_scale: float = math.nan
-    """The scale after the last step's update, where the history shows it (else the last scale used)."""
 
 
 def worded(d: judge.ScaleFacts) -> ScaleDiagnosis:
