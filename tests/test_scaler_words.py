@@ -116,3 +116,9 @@ def test_the_growth_estimate_uses_the_configured_growth_interval() -> None:
         steps[gi] = out.fixes[0].facts["growth_steps"]
         assert steps[gi] == (k - 16) * gi  # from 2^16, one doubling every growth_interval clean steps
     assert steps[100] * 20 == steps[2000]
+
+
+def test_the_kernel_a_device_lacks_is_a_code() -> None:
+    assert rules.kernel_limit("could not create a primitive descriptor", "fp16", "cpu") == "onednn_fp16"
+    assert rules.kernel_limit("\"addmm_impl_cpu_\" not implemented for 'Half'", "bf16", "cuda") == "no_half_kernel"
+    assert rules.kernel_limit("oneDNN error", "bf16", "cpu") is None

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -1188,13 +1188,21 @@ _NO_HALF_KERNEL = "not implemented for 'Half'"
 _CPU_KERNEL_WORDS = ("primitive descriptor", "oneDNN")
 
 
+KernelLimit = Literal["onednn_fp16", "no_half_kernel"]
+"""A kernel the device lacks: oneDNN's FP16 primitive on the CPU (under amp or raw FP16), or torch's FP16 kernel."""
+
+
+def kernel_limit(message: str, stage: str, device: str) -> KernelLimit | None:
+    """The kernel an exception's message (torch's own words) says the device lacks, or None when it says no such thing."""
+    if device.split(":")[0] == "cpu" and stage in ("amp", "fp16") and any(w in message for w in _CPU_KERNEL_WORDS):
+        return "onednn_fp16"
+    return "no_half_kernel" if _NO_HALF_KERNEL in message else None
+
+
 def device_limited(err: StageError, stage: str, device: str) -> bool:
-    """The exception says the device has no FP16 kernel for an op (torch's own message: ``not implemented for
-    'Half'``; oneDNN's on the CPU, under amp or raw FP16): a limit of the device, not a NaN cause (verdict
-    ``inconclusive``)."""
-    if _NO_HALF_KERNEL in err.message:
-        return True
-    return device.split(":")[0] == "cpu" and stage in ("amp", "fp16") and any(w in err.message for w in _CPU_KERNEL_WORDS)
+    """The target raised because the device has no FP16 kernel for an op (``kernel_limit``): a limit of the device,
+    not a NaN cause (verdict ``inconclusive``)."""
+    return kernel_limit(err.message, stage, device) is not None
 
 
 def probe_on_flagged_batch(step: int, batch_of: Callable[[int], int], issues: list[DataIssue]) -> list[DataIssue]:
