@@ -192,9 +192,6 @@ class StageError:
     hint: str
     custom_function: str | None = None
     """Raised in the backward of this custom autograd.Function (its name), when it was one."""
-    kind: str = ""
-    """What the exception is to the diagnosis: 'device_onednn' | 'device_no_half' (a device limitation, not a
-    NaN cause) | 'raised' (``engine.stages.error_kind``); ``hint`` is its sentence."""
 
 
 @dataclass
@@ -240,9 +237,8 @@ class StageResult:
     stats: list[StepStats] = field(default_factory=list)
     error: StageError | None = None
     stopped: str | None = None
-    """Why the stage stopped before its last step: 'nonfinite_weights' | 'nonfinite_loss' (``engine.driver.STOPS``),
-    after ``stopped_step``; None when it ran every step."""
-    stopped_step: int | None = None
+    """Why the stage stopped after its last record: 'nonfinite_weights' | 'nonfinite_loss' (``engine.driver.STOPS``);
+    None when it ran every step."""
     optimizer_underflow: list[str] = field(default_factory=list)
     """Optimizer constants that round to 0 in FP16 (e.g. 'eps=1e-08')."""
     master_weights: bool = True

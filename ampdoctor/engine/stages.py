@@ -25,6 +25,7 @@ from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
+from ampdoctor.judge.rules import kernel_limit
 from ampdoctor.judge.scaler import EXPLODE_RATIO
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.report.stages import error_hint
@@ -45,17 +46,6 @@ def fp16_underflowing_constants(opt: torch.optim.Optimizer) -> list[str]:
             if isinstance(v, float) and 0 < abs(v) <= FP16.underflow_threshold:
                 out.append(f"{key}={v:g}")
     return sorted(set(out))
-
-
-def error_kind(e: BaseException, stage: str, device: torch.device) -> str:
-    """What a stage's exception is to the diagnosis: 'device_onednn' (oneDNN has no FP16 kernel for the op on the
-    CPU), 'device_no_half' (no FP16 kernel on this device), else 'raised'."""
-    msg = str(e)
-    if device.type == "cpu" and stage in ("amp", "fp16") and ("primitive descriptor" in msg or "oneDNN" in msg):
-        return "device_onednn"
-    if "not implemented for 'Half'" in msg:
-        return "device_no_half"
-    return "raised"
 
 
 @dataclass
@@ -237,8 +227,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
             if ctx.log is not None:
                 ctx.log.write(rec)
             snaps.after(rec.step, rec)
-        if driver.stop is not None:
-            result.stopped, result.stopped_step = driver.stop, driver.at
+        result.stopped = driver.stop
     except OutputError:  # the step log could not be written (a full disk): ampdoctor's own output, not data
         raise
     except SystemExit as e:  # the user's model, loss or scheduler exited: refuse in one line (not data, not exit 3)
@@ -253,12 +242,13 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
 
 
 def _stage_error(e: Exception, name: str, device: torch.device, step: int, st: _Stage) -> StageError:
-    """The exception as data: where it was raised (the module running, or whose backward node raised) and its kind."""
+    """The exception as data: where it was raised (the module running, or whose backward node raised), with the hint
+    its kind takes (``judge.rules.kernel_limit``)."""
     module = st.tracker.current
     bw = st.graph.blame(e) if module is None and st.graph is not None else None  # raised in backward: whose node raised
-    kind = error_kind(e, name, device)
+    hint = error_hint(kernel_limit(str(e), name, device.type))  # (a device without the op's FP16 kernel: say so)
     return StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                      step, bw.module if bw else module, error_hint(kind), bw.custom_function if bw else None, kind)
+                      step, bw.module if bw else module, hint, bw.custom_function if bw else None)
 
 
 def _detach(st: _Stage) -> None:

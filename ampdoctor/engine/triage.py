@@ -44,7 +44,7 @@ from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
 from ampdoctor.report import words
-from ampdoctor.report.build import code_findings, enrich, shift_steps
+from ampdoctor.report.build import code_findings, enrich, shift_steps, stage_summary
 from ampdoctor.report.model import Report
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import userhooks
@@ -607,7 +607,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
         verdict=verdict,
-        stages=[stage_report.summary(r, fp32) for r in results.values()],
+        stages=[stage_summary(r, fp32, step0) for r in results.values()],
         findings=findings,
         layers=diag.layers,
         scaler=scaler,

@@ -1,6 +1,6 @@
-"""The English of the triage stages and of where a triage started: why a stage raised or stopped, and the
+"""The English of the triage stages and of where a triage started: what to do about a stage's exception, and the
 report's notes on the batches, the device, the start (a capture, a checkpoint, a skipped dataloader) and the
-RNG. The engine hands codes and figures (``engine.stages``, ``engine.driver``, ``engine.triage``);
+RNG. The engine hands codes and figures (``engine.stages``, ``engine.triage``);
 ``report.stages`` picks the sentences from here.
 """
 
@@ -9,34 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# a stage that raised: what the exception is to the diagnosis ------------------------------------------------
+# a stage that raised: what to do about it -------------------------------------------------------------------
 
-ERROR_HINTS: Mapping[str, str] = {
-    "device_onednn": ("oneDNN has no FP16 kernel for this op on the CPU: a device limitation, not a NaN cause. "
-                      "Run triage with --device cuda, or keep this module in FP32 under autocast(enabled=False)."),
-    "device_no_half": "this op has no FP16 kernel on this device: a device limitation, not a NaN cause.",
-    "raised": "the stage stopped at this exception; fix it and rerun (the other stages still ran).",
+ERROR_HINTS: Mapping[str | None, str] = {
+    "onednn_fp16": ("oneDNN has no FP16 kernel for this op on the CPU: a device limitation, not a NaN cause. "
+                    "Run triage with --device cuda, or keep this module in FP32 under autocast(enabled=False)."),
+    "no_half_kernel": "this op has no FP16 kernel on this device: a device limitation, not a NaN cause.",
+    None: "the stage stopped at this exception; fix it and rerun (the other stages still ran).",
 }
-"""By ``StageError.kind``."""
+"""By the kernel the device lacks (``judge.rules.kernel_limit``); None: any other exception."""
 
 
-def error_hint(kind: str) -> str:
-    """What to do about a stage's exception, by its kind (``engine.stages.error_kind``)."""
-    return ERROR_HINTS.get(kind, ERROR_HINTS["raised"])
-
-
-# a stage that stopped early ------------------------------------------------------------------------------------
-
-STOPPED: Mapping[str, str] = {
-    "nonfinite_weights": "weights became non-finite at step {step}",
-    "nonfinite_loss": "loss became non-finite at step {step}",
-}
-"""By ``engine.driver.STOPS``; the step in the stage's own numbering (the report shifts it to the run's)."""
-
-
-def stopped(code: str, step: int) -> str:
-    """Why a stage stopped before its last step."""
-    return STOPPED[code].format(step=step)
+def error_hint(kind: str | None) -> str:
+    """What to do about a stage's exception."""
+    return ERROR_HINTS.get(kind, ERROR_HINTS[None])
 
 
 # the report's notes ------------------------------------------------------------------------------------------
@@ -116,5 +102,4 @@ def epochs(epoch: int, at: int, how: str) -> str:
     return head + " (each epoch iterated in order, as the run's loop does)"
 
 
-__all__ = ["CPU_AUTOCAST", "ERROR_HINTS", "MODEL_INPUTS", "STOPPED", "cycled", "epochs", "error_hint", "replayed", "rng",
-           "start", "stopped"]
+__all__ = ["CPU_AUTOCAST", "ERROR_HINTS", "MODEL_INPUTS", "cycled", "epochs", "error_hint", "replayed", "rng", "start"]
