@@ -142,7 +142,7 @@ def test_a_failure_inside_ampdoctor_turns_it_off_and_the_step_still_happens(wher
             raise RuntimeError("recorder exploded")
 
         monkeypatch.setattr(fused, "kernel", lambda: None)
-        monkeypatch.setattr(Hooks, "_on_forward", bad_forward)
+        monkeypatch.setattr(Hooks, "after_call", bad_forward)
     bad, w_bad, mon = _train(where)
     offs = [m for m in w_bad if isinstance(m, MonitorOffWarning)]
     assert len(offs) == 1, w_bad

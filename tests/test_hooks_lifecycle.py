@@ -17,7 +17,8 @@ from torch import nn
 from ampdoctor import Monitor
 from ampdoctor.engine.triage import triage
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.watch.hooks import Hooks, watchers
+from ampdoctor.watch.calls import watchers
+from ampdoctor.watch.hooks import Hooks
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
