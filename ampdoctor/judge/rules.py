@@ -40,6 +40,7 @@ from ampdoctor.records import (
     UserHook,
     nonfinite,
 )
+from ampdoctor.records import stats_at as _stats_at
 
 OUTLIER_RATIO = 1e3
 """A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""
@@ -112,13 +113,6 @@ def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
     """
     w = loss_window(target, fp32, MIN_STALL_STEPS)  # the windows, kept for the words
     return w.ratio if w is not None else None
-
-
-def _stats_at(res: StageResult, step: int) -> StepStats | None:
-    for s in res.stats:
-        if s.step == step:
-            return s
-    return None
 
 
 def underflowing_params(target: StageResult, fp32: StageResult, steps: int = 5) -> list[tuple[str, float]]:

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.records import MODEL
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.calls import call_wrapping_enabled, track_calls, unlisten_calls, uses_compile
-
-MODEL = "<model>"
 
 
 @dataclass(frozen=True)

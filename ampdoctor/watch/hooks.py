@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ampdoctor.formats import FP16, Format
-from ampdoctor.records import NCOLS, Call, StepStats
+from ampdoctor.records import MODEL, NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import fused
 from ampdoctor.watch.calls import (
@@ -203,7 +203,7 @@ class Hooks:
         self._root = weakref.ref(root)
         self._root_id = id(root)
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
-        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in named_modules(root)}
+        self._names: dict[int, str] = {id(m): n or MODEL for n, m in named_modules(root)}
         self._param_names = named_parameters(root)
         self._pgrad_keys: list[tuple[Hashable, torch.Tensor]] = [(("pgrad", n), p) for n, p in self._param_names]
         self._param_keys: list[Hashable] = [("param", n) for n, _ in self._param_names]
@@ -583,7 +583,7 @@ class ModuleTracker:
         """A compiled model: no hooks (dynamo would trace them), so no module is named."""
         self._wrap_call = call_wrapping_enabled() and not uses_compile(root)
         """Through the ``__call__`` wrapper (as ``Hooks``), else process-wide pre/post forward hooks."""
-        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
+        self._names: dict[int, str] = {id(m): n or MODEL for n, m in root.named_modules()}
         self.stack: list[str] = []
         self._handles: list[Any] = []
         self._listening = False
