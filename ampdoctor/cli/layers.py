@@ -77,7 +77,7 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
 
 @boundary
 def layers(
-    spec: Annotated[Path, typer.Argument(help=SPEC_HELP)],
+    spec: Annotated[Path, typer.Argument(help=SPEC_HELP + ".")],
     dtype: Annotated[str, typer.Option(help="Target format(s), comma-separated: fp16, bf16, fp8_e4m3, fp8_e5m2.")] = "fp16",
     steps: Annotated[int, typer.Option(help="FP32 reference steps (an optimizer step between them).")] = 3,
     scale: Annotated[str, typer.Option(help="Multiply gradients by this before the cast test (a GradScaler scale), "

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-SPEC_HELP = "Python file defining build_model() and build_dataloader() (see docs/spec-format.md)."
+SPEC_HELP = "Python file defining build_model() and build_dataloader() (see docs/spec-format.md)"
 
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")]
 Force = Annotated[bool, typer.Option(help="Overwrite existing output files.")]
