@@ -207,7 +207,7 @@ def _grad_overflow_probe_clean() -> Scenario:
 
 def _grad_overflow_probe_clean_no_evidence() -> Scenario:
     # the same skip with nothing that touches the scaled gradients: GradScaler overflowing times its scale and
-    # backing off is its normal working (issue 28), not AMP misuse
+    # backing off is its normal working, not AMP misuse
     amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF)
     amp.records[4].params_finite = False
     return rules.grad_overflow, ctx(three(amp=amp)), ("healthy", "head", 4, "amp"), {"variant": "scaler_normal"}
