@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, overload
+from typing import Any, Protocol, overload, runtime_checkable
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ FastCall = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], bool]
 holds no reference to its listener and returns whether to call the listener's ``take_acts()``."""
 
 
+@runtime_checkable
 class CallListener(Protocol):
     """Told after every module call while it listens (``listen_calls``)."""
 
@@ -46,6 +47,7 @@ class CallListener(Protocol):
         """A module call returned ``output`` (any module of the process: filter to your own)."""
 
 
+@runtime_checkable
 class NativeListener(CallListener, Protocol):
     """A listener whose calls a ``FastCall`` takes (``listen_calls(h, fast)``)."""
 
@@ -53,6 +55,7 @@ class NativeListener(CallListener, Protocol):
         """Take what the ``FastCall`` queued (called when it returned True)."""
 
 
+@runtime_checkable
 class CallTracker(Protocol):
     """Told around every module call while it listens (``track_calls``)."""
 
