@@ -62,6 +62,17 @@ def _whole(text: str | None, flag: str) -> int | None:
         raise UsageError(f"{flag} takes a whole number such as 50 (got {text!r})") from None
 
 
+def _ranks(spec: Path | None, from_capture: Path | None, nproc: int | None, names: SpecNames) -> Any:
+    """``--nproc N``: the capture replayed on N ranks under its layout (``engine.shard_replay``), or None."""
+    if nproc is None:
+        return None
+    if from_capture is None:
+        raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")
+    from ampdoctor.engine.shard_replay import replay_ranks
+
+    return replay_ranks(spec, from_capture, nproc, names)
+
+
 @app.command()
 @boundary
 def triage(
@@ -91,6 +102,7 @@ def triage(
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
     attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2), instead of reassembling them on one process.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr, write_json_stdout
@@ -118,6 +130,7 @@ def triage(
             from ampdoctor.engine.triage import triage as run_triage
 
             argv = ["ampdoctor", *sys.argv[1:]]
+            ranks = _ranks(spec, from_capture, nproc, names)
             if quiet or not err.is_terminal:
                 from ampdoctor.cli.progress import LineProgress
 
@@ -136,6 +149,8 @@ def triage(
                     report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
                                              checkpoint=checkpoint, skip_batches=skip_batches, script=script,
                                          attn_implementation=attn_implementation)
+            if ranks is not None:
+                ranks.apply(report)
             written: list[Path] = []
             if report_path:
                 from ampdoctor.cli.reports import write_report

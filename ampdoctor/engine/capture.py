@@ -610,7 +610,8 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
-            **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model)}}
+            **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model),
+                           "recipe": _recipe(self.model)}}
                if self.sharded and self.layout is not None else {}),
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
@@ -686,6 +687,17 @@ def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> lis
         return []
     names = {id(p): n for n, p in named_parameters(unwrap(model))}
     return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+
+
+def _recipe(model: nn.Module) -> dict[str, Any] | None:
+    """How the engine sharded the model (``engine.shards.recipe``), for a replay under the same layout; None
+    when it is not known (the capture is written all the same, and reassembles on one process)."""
+    from ampdoctor.engine.shards import recipe
+
+    try:
+        return recipe(model)
+    except Exception:
+        return None
 
 
 def _module_of(skip_reason: str) -> str | None:

@@ -97,6 +97,11 @@ def read_capture(path: str | Path) -> Captured:
     return _read_one(p)
 
 
+def read_rank(p: Path) -> Captured:
+    """One rank's capture folder alone (its own pieces of a sharded model, not reassembled)."""
+    return _read_one(p)
+
+
 def _read_one(p: Path) -> Captured:
     mf = p / MANIFEST
     manifest = read_manifest(mf)

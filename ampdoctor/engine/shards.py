@@ -183,15 +183,53 @@ class Shards:
         return out
 
     def _piece(self, t: torch.Tensor) -> dict[str, Any]:
-        if _is_dtensor(t):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
-            return {"shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset]}
         hit = self.flat.get(id(t))
         if hit is not None:
             return {"shape": hit[0], "flat": hit[1]}
-        return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
+        return dtensor_piece(t)
+
+
+def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
+    """Where this rank's piece of ``t`` sits in the whole tensor: a DTensor's shard at its global offset, or a
+    plain tensor whole (``{"shape": [...], "offset": [...]}``)."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+        return {"shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset]}
+    return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
+
+
+def _dtype_name(dt: Any) -> str | None:
+    return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else None
+
+
+def recipe(model: nn.Module) -> dict[str, Any] | None:
+    """How FSDP2 sharded the model, as much as a replay under the same layout needs (plain JSON, the manifest's
+    ``shards.recipe``): the modules ``fully_shard`` was applied to (the user's names, ``""`` the model, children
+    first), their ``MixedPrecisionPolicy`` and the mesh's shape. None for any other layout (FSDP1's wrapping and
+    a tensor-parallel plan are not recorded: a replay under them is refused)."""
+    inner = unwrap(model)
+    mods: list[str] = []
+    mp: dict[str, Any] | None = None
+    mesh: list[int] | None = None
+    for name, m in inner.named_modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        mods.append(user_name(name))
+        group = getattr(get(), "_fsdp_param_group", None)
+        pol = getattr(group, "mp_policy", None)
+        if pol is not None and mp is None:
+            mp = {k: _dtype_name(getattr(pol, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+            mp["cast_forward_inputs"] = bool(getattr(pol, "cast_forward_inputs", True))
+    for p in inner.parameters():
+        if _is_dtensor(p):
+            mesh = [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
+            break
+    if not mods or mesh is None:
+        return None
+    return {"engine": "fsdp2", "fully_shard": mods[::-1], "mp_policy": mp, "mesh": mesh}
 
 
 def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
@@ -216,4 +254,4 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> to
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble"]
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "recipe"]
