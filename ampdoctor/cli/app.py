@@ -64,10 +64,8 @@ def _whole(text: str | None, flag: str) -> int | None:
 
 def _ranks(spec: Path | None, from_capture: Path | None, nproc: int | None, names: SpecNames) -> Any:
     """``--nproc N``: the capture replayed on N ranks under its layout (``engine.shard_replay``), or None."""
-    if nproc is None:
+    if nproc is None or from_capture is None:
         return None
-    if from_capture is None:
-        raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")
     from ampdoctor.engine.shard_replay import replay_ranks
 
     return replay_ranks(spec, from_capture, nproc, names)
@@ -116,6 +114,8 @@ def triage(
                      "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             replaying = from_capture is not None or checkpoint is not None
+            if nproc is not None and from_capture is None:
+                raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")
             if spec is None and not replaying:
                 raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without "
                                  "one with --from CAPTURE or --checkpoint DIR")

@@ -188,8 +188,17 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict[str, Any] = {}
     try:
-        try:
-            job = _Rank(rank, spec_path, names, Path(folders[rank]))
+        try:  # every rank, first: the mesh (its process groups are collectives)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+        except Exception as e:
+            res["error"] = _line(e)
+            Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+            return
+        try:  # no collective in here: a rank that fails says so at the agreement below
+            job = _Rank(rank, spec_path, names, Path(folders[rank]), mesh)
+            job.model(job.stages[0])  # the layout rebuilt and checked against this rank's capture
         except Exception as e:
             job, res["error"] = None, _line(e)
         bad = torch.tensor([0.0 if job is not None else 1.0])
@@ -215,11 +224,12 @@ def _line(e: BaseException) -> str:
 class _Rank:
     """One rank's replay: its capture, the spec, and the recorded recipe."""
 
-    def __init__(self, rank: int, spec_path: str, names: tuple[str, ...] | None, folder: Path) -> None:
+    def __init__(self, rank: int, spec_path: str, names: tuple[str, ...] | None, folder: Path, mesh: Any) -> None:
         from ampdoctor.engine.replay import layout_optimizer, read_rank
         from ampdoctor.input.spec import SpecNames, importable, load_spec
 
         self.rank = rank
+        self.mesh = mesh
         with importable(Path(spec_path)):
             self.spec = load_spec(spec_path, SpecNames(*names) if names else None, require_data=False)
         self.cap = read_rank(folder)
@@ -235,7 +245,6 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from ampdoctor.engine.shards import dtensor_piece
@@ -243,14 +252,15 @@ class _Rank:
 
         torch.manual_seed(0)
         model = self.spec.build_model()
-        mesh = init_device_mesh("cpu", tuple(self.recipe["mesh"]))
+        if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
+            raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
         mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (self.recipe.get("mp_policy") or {}).items()}
         policy = MixedPrecisionPolicy(**mp) if stage != "fp32" and mp else MixedPrecisionPolicy()
         mods = dict(model.named_modules())
         for name in self.recipe["fully_shard"]:
             if name not in mods:
                 raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
-            fully_shard(mods[name], mesh=mesh, mp_policy=policy)
+            fully_shard(mods[name], mesh=self.mesh, mp_policy=policy)
         with torch.no_grad():
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 un = user_name(n)
