@@ -215,3 +215,14 @@ def test_watching_changes_nothing(fp16: Path, fp16_bare: Path) -> None:
         assert (a["skipped_steps"], a["global_steps"]) == (b["skipped_steps"], b["global_steps"]) == (2, 12)
         assert torch.equal(a["rng"], b["rng"])
         assert _ds(fp16, rank) == _ds(fp16_bare, rank)  # the same losses, norms and scales every step
+
+
+def test_zero3_turns_the_monitor_off_with_one_warning_and_trains_on(tmp_path: Path) -> None:
+    out = _torchrun(tmp_path / "z3", "--stage", "3", "--prec", "bf16", "--steps", "3")
+    for rank in (0, 1):
+        x = json.loads((out / f"zero3.rank{rank}.json").read_text())
+        assert "ZeRO stage 3 is not supported yet" in str(x["off"]) and len(x["losses"]) == 3
+        assert all(math.isfinite(v) for v in x["losses"])
+        assert not any(f.startswith(("steps", "cap")) for f in x["files"])  # watched nothing, wrote nothing
+        # one warning, from rank 0 only
+        assert [c for c, _ in x["said"]] == (["MonitorOffWarning"] if rank == 0 else [])

@@ -96,3 +96,39 @@ def test_triage_of_a_rank_without_its_siblings_is_one_line(tmp_path: Path) -> No
     r = CliRunner().invoke(app, ["triage", "--from", str(tmp_path / "cap.rank1")])
     assert r.exit_code == 2, r.output
     assert "rank 0's capture cap.rank0 is not beside it" in r.output and "Traceback" not in r.output
+
+
+def test_watch_turns_off_on_zero3_with_one_warning_and_touches_nothing() -> None:
+    import warnings
+
+    from ampdoctor.engine.monitor import MonitorOffWarning
+    from ampdoctor.integrations.deepspeed import watch
+
+    class DeepSpeedEngine(nn.Module):  # the engine's shape as far as watch reads it before it turns off
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.calls: list[str] = []
+
+        def zero_optimization_stage(self) -> int:
+            return 3
+
+        def backward(self, loss: torch.Tensor) -> None:
+            self.calls.append("backward")
+
+        def step(self) -> None:
+            self.calls.append("step")
+
+    eng = DeepSpeedEngine()
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mon = watch(eng, log=None)
+        eng.backward(torch.tensor(1.0))
+        eng.step()
+        mon.close()
+    off = [w for w in said if issubclass(w.category, MonitorOffWarning)]
+    assert len(off) == 1 and "ZeRO stage 3 is not supported yet" in str(off[0].message)
+    assert [w for w in said if "ampdoctor" in str(w.message)] == off  # nothing else said
+    assert mon.off is not None and "backward" not in eng.__dict__ and eng.calls == ["backward", "step"]
+    assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())

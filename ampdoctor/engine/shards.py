@@ -103,6 +103,9 @@ class Shards:
     def _counts(self, p: torch.Tensor) -> bool:
         if _is_dtensor(p):
             mesh = p.device_mesh  # type: ignore[attr-defined]
+            if mesh.ndim != 1 and self.problem is None:
+                self.problem = (f"a {mesh.ndim}-D device mesh {tuple(int(x) for x in mesh.shape)} (HSDP, data parallel x "
+                                "tensor parallel: the exchange would judge a replica's batch as the whole run's)")
             if mesh.size() != self.world and self.problem is None:
                 self.problem = (f"a DTensor mesh of {mesh.size()} rank(s) in a world of {self.world} (the replicas "
                                 "outside the mesh would count twice)")

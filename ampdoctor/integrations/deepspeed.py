@@ -56,8 +56,10 @@ def _check_engine(engine: Any) -> None:
     if type(engine).__name__ != "DeepSpeedEngine" and not any(c.__name__ == "DeepSpeedEngine" for c in type(engine).__mro__):
         raise UsageError(f"engine: watch takes the DeepSpeedEngine deepspeed.initialize returned, got {type(engine).__name__}")
     stage = int(engine.zero_optimization_stage())
-    if stage not in (1, 2):
+    if stage not in (0, 1, 2, 3):
         raise UsageError(f"engine: ZeRO stage {stage}; ampdoctor.integrations.deepspeed reads ZeRO stages 1 and 2")
+    if stage in (0, 3):
+        return
     opt = getattr(engine, "optimizer", None)
     if opt is None or not hasattr(opt, "bit16_groups"):
         raise UsageError("engine: no ZeRO optimizer (give deepspeed.initialize an optimizer or an optimizer config)")
@@ -402,6 +404,12 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     for k in ("max_norm", "inject_inf_at", "inject_spike_at", "amp_dtype"):
         if monitor_kwargs.get(k) is not None:
             raise UsageError(f"{k}: not with DeepSpeed (it clips, casts and steps itself; ampdoctor only observes it)")
+    stage = int(engine.zero_optimization_stage())
+    if stage not in (1, 2):
+        return _off(engine, f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: "
+                            + ("ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer")
+                            + "), so it watches nothing of this run; the training goes on unwatched",
+                    bool(monitor_kwargs.get("quiet", False)))
     monitor_kwargs.setdefault("capture_ranks", "all")
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -461,6 +469,17 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     engine.backward = watched_backward
     engine.step = watched_step
     mon._restore = ["backward", "step"]
+    return mon
+
+
+def _off(engine: Any, why: str, quiet: bool) -> DeepSpeedMonitor:
+    """A monitor that is off from the start, with one warning (from rank 0): it touches nothing of the engine
+    (built on an empty module), and every call on it returns at once."""
+    mon = Monitor(nn.Module(), None, None, log=None, distributed=False, quiet=quiet)
+    mon.__class__ = DeepSpeedMonitor
+    assert isinstance(mon, DeepSpeedMonitor)
+    mon.engine_ds, mon._restore, mon._grads = engine, [], []
+    mon._turn_off(why, warn=True, who=0)
     return mon
 
 
