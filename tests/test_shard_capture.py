@@ -48,7 +48,7 @@ def test_the_pieces_make_the_whole_model_and_optimizer_state(tmp_path: Path) -> 
     assert opt is not None
     assert torch.equal(opt["state"][0]["exp_avg"], W * 2) and torch.equal(opt["state"][1]["exp_avg"], B * 2)
     assert float(opt["state"][0]["step"]) == 3.0
-    assert "from the 2 ranks' captures of step 5" in words and "rank 1's" in words
+    assert "from the 2 ranks' shards (deepspeed) of step 5 on one process" in words and "rank 1's" in words
     nn.Linear(4, 3).load_state_dict(whole.model)  # loads into the model whole
 
 

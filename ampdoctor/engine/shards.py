@@ -236,22 +236,30 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
 
 
 def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
-    """The whole tensor from every rank's piece and its layout; raises ValueError when an element is missing."""
+    """The whole tensor from every rank's piece and its layout (``engine.shard_capture`` describes the format);
+    ValueError when the pieces disagree on its shape, one runs past it, or an element is in no piece."""
     shape = [int(x) for x in pieces[0][1]["shape"]]
-    dtype = pieces[0][0].dtype
+    dtype = next((t.dtype for t, _ in pieces if t.numel()), pieces[0][0].dtype)
     full = torch.zeros(shape, dtype=dtype)
     have = torch.zeros(shape, dtype=torch.bool)
     for t, lay in pieces:
+        if [int(x) for x in lay["shape"]] != shape:
+            raise ValueError(f"{name}: the ranks' pieces disagree on its shape ({lay['shape']} and {shape})")
         if "flat" in lay:
             k = int(lay["flat"])
+            if k + t.numel() > full.numel():
+                raise ValueError(f"{name}: a piece of {t.numel()} elements at {k} runs past its {full.numel()}")
             full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
             have.view(-1)[k: k + t.numel()] = True
-        else:
-            if list(t.shape) == shape and not any(int(o) for o in lay["offset"]) and bool(have.all()):
-                continue  # a replica of what is already there
-            sl = tuple(slice(int(o), int(o) + int(s)) for o, s in zip(lay["offset"], t.shape, strict=True))
-            full[sl] = t.to(dtype)
-            have[sl] = True
+            continue
+        off = [int(o) for o in lay["offset"]]
+        if len(off) != t.dim():
+            raise ValueError(f"{name}: a piece of {t.dim()} dimensions at an offset of {len(off)}")
+        if list(t.shape) == shape and not any(off) and bool(have.all()):
+            continue  # a replica of what is already there
+        sl = tuple(slice(o, o + s) for o, s in zip(off, t.shape, strict=True))
+        full[sl] = t.to(dtype)
+        have[sl] = True
     if not bool(have.all()):
         raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece")
     return full
