@@ -174,6 +174,17 @@ class Shards:
             name = self.named[j % n][0]
             (st.param if j >= n else st.pgrad)[name] = row
 
+    def failed_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a rank whose own rows failed adds to the SUM and the MAX (the sizes every rank uses): every row
+        marked held by nobody (``-inf`` in its 'held here' column), so every rank drops the step's reduced rows
+        rather than take wrong ones."""
+        n = len(self.named)
+        sums = torch.zeros((2 * n, NSUM), dtype=torch.float64, device=device)
+        sums[:, NSUM - 1] = -float("inf")
+        maxes = torch.zeros((2 * n, 2), dtype=torch.float64, device=device)
+        maxes[:, 1] = -float("inf")
+        return sums.reshape(-1), maxes.reshape(-1)
+
     # the capture ------------------------------------------------------------------------------------
     def layout(self, model: nn.Module) -> dict[str, Any]:
         """Where each tensor of ``capture.local_state(model)`` sits in the whole one (plain JSON):
@@ -190,6 +201,57 @@ class Shards:
         if hit is not None:
             return {"shape": hit[0], "flat": hit[1]}
         return dtensor_piece(t)
+
+
+def trip_stats(hooks: Any, step: int, inv_scale: float | None, shards: Shards | None, ranks: Any) -> StepStats:
+    """The sentinel tripped on a step not recorded: the parameter gradients (and weights with ``weights=True``)
+    taken in full now, on this step only (``hooks``: the monitor's ``watch.hooks.Hooks``; ``inv_scale``: the
+    gradients still carry the loss scale). Under a sharding engine with the ranks' exchange (``ranks``), every
+    rank trips at the same step and the pieces' rows are reduced across the ranks by name, in one SUM and one
+    MAX that every rank joins exactly once: a rank whose own part fails before them joins them all the same with
+    its rows marked held by nobody (``Shards.failed_tables``: every rank then drops that step's rows), and
+    raises after them (its monitor turns off and joins the next exchange flagged off)."""
+    if shards is None or ranks is None:
+        hooks.begin_step(step, record=True)
+        hooks.after_backward(inv_scale)
+        hooks.after_step()
+        st = hooks.end_step()
+        st.extra["sentinel_trip"] = 1.0
+        return st
+    import torch.distributed as dist
+
+    ns, nm = shards.sizes(True)
+    nrow = len(shards.counts)
+    joined = [False]
+
+    def join(sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+        joined[0] = True
+        dist.all_reduce(sums, group=ranks.group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ranks.group)
+        return torch.cat([sums, maxes])
+
+    def reduce(keys: list[Hashable], rows: torch.Tensor) -> torch.Tensor:
+        try:
+            sums, maxes = shards.tables(keys, rows)
+        except Exception:
+            sums, maxes = shards.failed_tables(rows.device)
+        return join(sums, maxes)
+
+    try:
+        hooks.begin_step(step, record=True)
+        hooks.after_backward(inv_scale)
+        hooks.after_step()
+        st = hooks.end_step(reduce)
+    except Exception:
+        if not joined[0]:
+            dev = next((p.device for _, p in shards.named), torch.device("cpu"))
+            join(*shards.failed_tables(dev))
+        raise
+    got = hooks.exchanged
+    if got is not None:
+        shards.apply(st, got[: ns - nrow], got[ns - nrow: ns - nrow + nm])
+    st.extra["sentinel_trip"] = 1.0
+    return st
 
 
 def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
@@ -265,4 +327,4 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> to
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "recipe"]
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "dtensor_piece", "recipe", "trip_stats"]
