@@ -544,6 +544,11 @@ class Capture:
         tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
         return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
+    def _shards(self) -> dict[str, Any]:
+        """The manifest's ``shards`` (``engine.shard_capture`` describes it): where this rank's pieces sit, the
+        optimizer state's parameter names, and how the engine sharded the model."""
+        return {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model), "recipe": _recipe(self.model)}
+
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -610,9 +615,7 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
-            **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model),
-                           "recipe": _recipe(self.model)}}
-               if self.sharded and self.layout is not None else {}),
+            **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
             **extra,
             "optimizer_layout": optimizer_layout(self.optimizer, self.model),
             "model_identity": model_identity(self.model),

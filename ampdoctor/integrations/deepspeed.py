@@ -493,6 +493,13 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
         cap.optimizer = _layout_optimizer(engine, cap.layout_ds)
         cap.settings.update(deepspeed={"zero_stage": int(engine.zero_optimization_stage()),
                                        "precision": "fp16" if fp16 else "bf16" if amp is not None else "fp32"})
+    _wrap(mon, engine)
+    return mon
+
+
+def _wrap(mon: DeepSpeedMonitor, engine: Any) -> None:
+    """``engine.backward`` notes each micro-batch's loss; ``engine.step`` at the accumulation boundary runs the
+    monitor's two points around DeepSpeed's step (``close()`` restores both)."""
     backward, step = engine.backward, engine.step
     gas = max(1, int(engine.gradient_accumulation_steps() or 1))
 
@@ -521,7 +528,6 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     engine.backward = watched_backward
     engine.step = watched_step
     mon._restore = ["backward", "step"]
-    return mon
 
 
 def _no_backward(mon: Monitor) -> None:
