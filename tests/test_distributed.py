@@ -270,7 +270,9 @@ def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
 
 
 def test_nproc_refuses_a_wrong_count_another_layout_and_a_whole_capture_in_one_line(
-        fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path) -> None:
+        fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path, tp_run: tuple[Path, list[dict[str, object]]]) -> None:
+    code, _, err = _nproc(tp_run[0] / "cap.rank1", "2")  # a tensor-parallel plan is not recorded
+    assert code == 2 and "records no sharding recipe for its tensor_parallel layout" in err and "drop --nproc" in err
     out, _ = fsdp2_run
     code, _, err = _nproc(out / "cap.rank1", "3")
     assert code == 2 and "--nproc 3" in err and "give --nproc 2" in err and "Traceback" not in err

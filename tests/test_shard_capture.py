@@ -132,3 +132,23 @@ def test_watch_turns_off_on_zero3_with_one_warning_and_touches_nothing() -> None
     assert [w for w in said if "ampdoctor" in str(w.message)] == off  # nothing else said
     assert mon.off is not None and "backward" not in eng.__dict__ and eng.calls == ["backward", "step"]
     assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())
+
+
+def test_nproc_on_a_deepspeed_capture_is_one_line_with_or_without_deepspeed(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from ampdoctor.cli.app import app
+    from ampdoctor.engine import shard_replay
+
+    _pair(tmp_path)
+    spec = tmp_path / "spec.py"
+    spec.write_text("from torch import nn\n\ndef build_model():\n    return nn.Linear(4, 3)\n")
+    args = ["triage", str(spec), "--from", str(tmp_path / "cap.rank1"), "--nproc", "2"]
+    monkeypatch.setattr(shard_replay, "_installed", lambda m: m != "deepspeed")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "DeepSpeed is not installed here; drop --nproc" in r.stderr, r.output
+    monkeypatch.setattr(shard_replay, "_installed", lambda m: True)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "records no sharding recipe for its deepspeed layout" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
