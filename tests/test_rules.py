@@ -151,7 +151,7 @@ def _custom_function() -> Scenario:
 
 
 def _target_raised() -> Scenario:
-    err = StageError("NotImplementedError", "no Half kernel", 1, "enc", "a device limitation: rerun on a GPU")
+    err = StageError("NotImplementedError", "\"addmm_impl_cpu_\" not implemented for 'Half'", 1, "enc", "a device limitation: rerun on a GPU")
     return (rules.target_raised, ctx(three(amp=stage("amp", error=err))), ("inconclusive", "enc", 1, "amp"),
             {"device_limit": True})
 

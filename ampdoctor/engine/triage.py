@@ -34,8 +34,8 @@ from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import words
-from ampdoctor.report.build import code_findings, enrich, shift_steps
-from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.report.build import code_findings, enrich, shift_steps, stage_summary
+from ampdoctor.report.model import Report
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.steplog import StepLogWriter
@@ -189,28 +189,6 @@ def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict
     if op is not None:
         op.loss_only = info.get("loss_only", False)
     return op
-
-
-def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
-    recs = res.records
-    fp32_loss = None
-    if fp32 is not None and fp32.records and recs:
-        fp32_loss = fp32.records[min(len(fp32.records), len(recs)) - 1].loss  # same step, same batch
-    return StageSummary(
-        name=res.name,
-        steps_run=len(recs),
-        first_nonfinite_step=res.first_nonfinite_step,
-        skipped_steps=res.skipped_steps,
-        final_scale=recs[-1].scaler_scale if recs and recs[-1].scaler_scale is not None else None,
-        final_loss=recs[-1].loss if recs else None,
-        fp32_loss=fp32_loss,
-        losses=[r.loss for r in recs],
-        scales=[r.scaler_scale for r in recs],
-        grad_norms=[r.grad_l2_pre_clip for r in recs],
-        error=asdict(res.error) if res.error else None,
-        stopped=res.stopped,
-        master_weights=res.master_weights,
-    )
 
 
 @spec_importable
@@ -653,7 +631,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
         verdict=verdict,
-        stages=[_summary(r, fp32) for r in results.values()],
+        stages=[stage_summary(r, fp32, step0) for r in results.values()],
         findings=findings,
         layers=diag.layers,
         scaler=scaler,
