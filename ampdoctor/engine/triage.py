@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
+from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.shard_capture import reassemble
@@ -23,11 +23,11 @@ from ampdoctor.engine.step import batch_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
 from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
-from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
+from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
@@ -429,7 +429,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     opt = make_optimizer(spec.build_optimizer, model)
     scaler = torch.amp.GradScaler(device.type)
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
-    lacks = load_checkpoint_into(state, model, opt, scaler)
+    lacks = load_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
     step0 = state.next_step if state.next_step is not None else skip_batches
     loader_note: list[str] = []
@@ -511,7 +511,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
         spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
         said.append(f"the loss is {type(model).__name__}.training_step (the spec has no loss_fn)")
-    load_into(model, cap.model, cap.path)
+    load_into(cap, model)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
     try:  # the optimizer (the spec's, or rebuilt from the capture's layout) and its state must fit the model

@@ -41,6 +41,7 @@ from ampdoctor.records import (
     UserHook,
     nonfinite,
 )
+from ampdoctor.records import stats_at as _stats_at
 
 
 @dataclass
@@ -102,13 +103,6 @@ def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
     """
     w = loss_window(target, fp32, MIN_STALL_STEPS)  # the windows, kept for the words
     return w.ratio if w is not None else None
-
-
-def _stats_at(res: StageResult, step: int) -> StepStats | None:
-    for s in res.stats:
-        if s.step == step:
-            return s
-    return None
 
 
 def underflowing_params(target: StageResult, fp32: StageResult, steps: int = 5) -> list[tuple[str, float]]:
