@@ -43,8 +43,7 @@ from ampdoctor.judge.rules import (
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
-from ampdoctor.report import words
-from ampdoctor.report.build import code_findings, enrich, shift_steps, stage_summary
+from ampdoctor.report.build import code_findings, enrich, replayed_scaler, shift_steps, stage_summary, worded
 from ampdoctor.report.model import Report
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import userhooks
@@ -478,7 +477,7 @@ def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:
     have = {(h.kind, h.target, h.name) for h in now}
     kept = [h for h in run_hooks if (h.kind, h.target, h.name) in have]
     lost = [h for h in run_hooks if (h.kind, h.target, h.name) not in have]
-    return words.hooks_kept([h.describe() for h in kept], [h.describe() for h in lost], len(run_hooks))
+    return stage_report.hooks_kept([h.describe() for h in kept], [h.describe() for h in lost], len(run_hooks))
 
 
 def _failed(res: StageResult) -> bool:
@@ -596,7 +595,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     diag = _diagnosis(run, start_words)
     rp = run.replay
     step0 = rp.step0 if rp is not None else run.step0
-    verdict, findings, fixes, scaler = words.write(diag)
+    verdict, findings, fixes, scaler = worded(diag)
     run.reset()
     fp32 = results.get("fp32")
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
@@ -618,14 +617,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     )
     enrich(report, results)
     if rp is not None and report.scaler is not None:
-        # a replay's few steps are no scale history: the run's own is in its step log
-        report.scaler.pattern = "replay"
-        amp = results.get("amp")
-        first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
-        if first is not None:  # the captured scale, not the spec's default
-            report.scaler.init_scale = first
-        report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
-        report.scaler.explanation = words.replay_scaler(report.scaler.init_scale, len(batches.items), rp.manifest)
+        replayed_scaler(report.scaler, results.get("amp"), len(batches.items), rp.manifest)
     _start_config(report, run)
     if step0:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)

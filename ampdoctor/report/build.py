@@ -11,15 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
 from ampdoctor.formats import FP16
 from ampdoctor.judge import locate
+from ampdoctor.judge.rules import Diagnosis
 from ampdoctor.lint import BY_CODE, LintFinding
 from ampdoctor.records import NCOLS, Col, StageResult, StepStats
 from ampdoctor.report import words
-from ampdoctor.report.model import CodeFinding, LayerStep, Report, StageSummary
+from ampdoctor.report.model import CodeFinding, Finding, LayerStep, Report, ScalerStory, StageSummary, Verdict
 
 Key = tuple[str, str]
 """(module or parameter name, kind)"""
@@ -200,3 +202,19 @@ def code_findings(found: Iterable[LintFinding], cause: str) -> list[CodeFinding]
     out = [CodeFinding(f.path, f.line, f.col, f.code, f.message, BY_CODE[f.code].fix, cause in BY_CODE[f.code].explains)
            for f in found]
     return sorted(out, key=lambda c: (not c.explains, c.path, c.line, c.col, c.code))
+
+
+def worded(diag: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory | None]:
+    """The diagnosis in words: the verdict, the findings, the fixes and GradScaler's story (``words.write``)."""
+    return words.write(diag)
+
+
+def replayed_scaler(story: ScalerStory, amp: StageResult | None, steps: int, manifest: dict[str, Any]) -> None:
+    """GradScaler's story of a replay: its few steps are no scale history (the run's own is in its step log). The
+    scale it started from is the captured one, already proven, so a skip in the replay is no calibration."""
+    story.pattern = "replay"
+    first = next((r.scaler_scale for r in amp.records if r.scaler_scale is not None), None) if amp is not None else None
+    if first is not None:  # the captured scale, not the spec's default
+        story.init_scale = first
+    story.calibration_skips = 0
+    story.explanation = words.replay_scaler(story.init_scale, steps, manifest)

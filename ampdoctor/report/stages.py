@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ampdoctor.report import words as all_words
 from ampdoctor.report.words import stages as words
 
 
@@ -56,3 +57,8 @@ def notes(*, said: list[str], start_note: str, replay: Mapping[str, Any] | None,
 
 
 __all__ = ["epochs", "error_hint", "notes", "rng", "start"]
+
+
+def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
+    """The note on the user's gradient hooks the stages kept and lost (``words.hooks_kept``)."""
+    return all_words.hooks_kept(kept, lost, total)
