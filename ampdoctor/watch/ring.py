@@ -140,13 +140,10 @@ class Ring:
         act = st.act
         if act:
             tids, mi = self._plan(st)
-            got = [act.get(t) for t in tids]
-            if any(r is None for r in got):  # (an output without a row, e.g. an integer tensor's: left out)
-                keep = [k for k, r in enumerate(got) if r is not None]
-                mi = mi[keep]
-                rows = [got[k] for k in keep]
-            else:
-                rows = got
+            found = [act.get(t) for t in tids]
+            rows: list[np.ndarray] = [x for x in found if x is not None]
+            if len(rows) < len(found):  # (an output without a row: left out)
+                mi = mi[[k for k, x in enumerate(found) if x is not None]]
             if rows:
                 r = np.concatenate(rows).reshape(len(rows), -1)  # (np.stack costs ~2 us a row)
                 n = len(self.names)
