@@ -74,9 +74,10 @@ from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.input.batches import Micro, named_tensors
 from ampdoctor.judge.history import DEFAULT_HORIZON
-from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
+from ampdoctor.judge.scaler import SkipLedger, skip_ledger
 from ampdoctor.notify import alert, say
 from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.report.scaler import ScaleDiagnosis, diagnose_scale, no_scale_history
 from ampdoctor.report.words import spike_message
 from ampdoctor.watch import fused, userhooks
 from ampdoctor.watch.fused import start_build
@@ -1319,7 +1320,7 @@ class Monitor:
         """Scale-history diagnosis of the run so far (needs a GradScaler)."""
         steps, scales, skipped = self.scale_history()
         if self.scaler is None or not self.scale_changes:
-            return ScaleDiagnosis("empty", "no GradScaler: no scale history", 0, [], [], [])
+            return no_scale_history()
         sc = self.scaler
         return diagnose_scale(scales, skipped, growth_interval=sc.get_growth_interval(),
                               backoff_factor=sc.get_backoff_factor(), steps=steps)
