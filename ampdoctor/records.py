@@ -121,20 +121,68 @@ def nonfinite(row: np.ndarray) -> float:
 
 @dataclass
 class StepRecord:
-    """One step of one stage: the step-log columns, plus what the stage measured."""
+    """One step, as a triage stage or the Monitor saw it: the step-log columns, plus what was measured.
+
+    Built by ``engine.driver.step_record`` (its skip reason by ``engine.driver.skip_reason``)."""
 
     step: int
-    batch: int
-    lr: float
+    batch: int | None
+    """The index of the step's batch in the cached batches (a stage's; None in the user's own loop)."""
+    lr: float | None
     loss: float
     grad_l2_pre_clip: float
     grad_l2_post_clip: float
     skipped: bool
     skip_reason: str
+    """'' | 'nonfinite_loss' | 'nonfinite_grad[:<module>]' | 'nonfinite_from_rank:<r>' | 'skipped_by_caller' on a
+    skipped step; 'applied:<reason>' on a step applied with a non-finite loss or gradient."""
     scaler_scale: float | None
+    """The scale this step used (None without a GradScaler)."""
     params_finite: bool = True
     update_swallowed_frac: float | None = None
     """fp16 stage: share of non-zero updates that FP16 weights would round away."""
+    scale_after: float | None = None
+    """The scale after this step's ``scaler.update()``."""
+    skip_rate: float = 0.0
+    """The Monitor's rolling skip rate over its last ``window`` steps, this one included."""
+    nonfinite_params: list[str] = field(default_factory=list)
+    """Parameters whose gradient held NaN/Inf (all of them on recorded steps; else the first)."""
+    nonfinite_count: int = 0
+    """How many parameters had a non-finite gradient."""
+    injected: str = ""
+    """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
+    stats: StepStats | None = None
+    """The Monitor's per-layer statistics of this step (``keep_stats``; a stage keeps them in ``StageResult.stats``)."""
+    tripped: bool = False
+    """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
+    ``full_after`` steps are recorded in full)."""
+    capture: str = ""
+    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
+    rank: int | None = None
+    """Under torch.distributed: this process's rank."""
+    ranks: Any = None
+    """Under torch.distributed: the ranks that saw a non-finite value at this step, the same on every rank
+    (an ``engine.ranks.RankView``)."""
+    capture_held: int | None = None
+    """With a capture armed: the host bytes it holds after this step."""
+    step_convention: str | None = None
+    """Under a framework: what ``step`` counts (``STEP_CONVENTIONS``)."""
+
+    def row(self) -> dict[str, Any]:
+        """The Monitor's step-log row (standard columns, then its extra columns)."""
+        names = self.nonfinite_params[:8]
+        more = self.nonfinite_count - len(names)
+        return {
+            "step": self.step, "lr": self.lr, "grad_l2_pre_clip": self.grad_l2_pre_clip,
+            "grad_l2_post_clip": self.grad_l2_post_clip, "loss": self.loss, "skipped": self.skipped,
+            "skip_reason": self.skip_reason, "scaler_scale": self.scaler_scale, "scale_after": self.scale_after,
+            "skip_rate": round(self.skip_rate, 6),
+            "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
+            **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
+            **({"step_convention": self.step_convention} if self.step_convention is not None else {}),
+            **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
+               if self.rank is not None else {}),
+        }
 
 
 @dataclass
@@ -193,6 +241,8 @@ class StageResult:
     stats: list[StepStats] = field(default_factory=list)
     error: StageError | None = None
     stopped: str | None = None
+    """Why the stage stopped after its last record: 'nonfinite_weights' | 'nonfinite_loss' (``engine.driver.STOPS``);
+    None when it ran every step."""
     optimizer_underflow: list[str] = field(default_factory=list)
     """Optimizer constants that round to 0 in FP16 (e.g. 'eps=1e-08')."""
     master_weights: bool = True

@@ -76,16 +76,14 @@ REPRO = '''"""Replay ampdoctor's failing step: {cause} in stage {stage!r} at ste
 Run: python repro.py [cpu|cuda]   (ampdoctor must be importable; the spec file must still exist)
 """
 
-import contextlib
-import copy
 import math
 import sys
 from pathlib import Path
 
 import torch
 
-from ampdoctor.engine.step import get_loss
-from ampdoctor.input.batches import cast_floating, split, to_device
+from ampdoctor.engine.step import Precision, forward_loss
+from ampdoctor.input.batches import to_device
 from ampdoctor.input.spec import SpecNames, importable, load_spec
 
 HERE = Path(__file__).resolve().parent
@@ -101,8 +99,8 @@ def run(precision: str) -> None:
     model = spec.build_model().to(DEVICE).float()
     model.load_state_dict(torch.load(HERE / "weights.pt", map_location=DEVICE))
     batch = to_device(torch.load(HERE / "batch.pt", weights_only=False), DEVICE)
-    if precision == "fp16":
-        model, batch = copy.deepcopy(model).half(), cast_floating(batch, torch.float16)
+    policy = Precision.for_stage(precision)  # what the stage computes: fp16 weights, an autocast dtype
+    model = policy.cast_model(model)
     seen = []
 
     def watch(mod, args, out):
@@ -114,11 +112,7 @@ def run(precision: str) -> None:
 
     handle = dict(model.named_modules()).get(MODULE) if MODULE else None
     handle = handle.register_forward_hook(watch) if handle is not None else None
-    ctx = (torch.autocast(DEVICE.type, dtype=torch.float16) if precision == "amp"
-           else torch.autocast(DEVICE.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
-    args, kwargs, target = split(batch)
-    with ctx:
-        loss = get_loss(model(*args, **kwargs), target, spec.loss_fn)
+    loss = forward_loss(model, batch, spec.loss_fn, policy)[1]  # the stages' own forward and loss
     loss.backward()
     grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
     print(f"{{precision:>5}}: loss {{float(loss.detach()):.6g}}, gradients finite: {{grads_ok}}")

@@ -35,10 +35,11 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ampdoctor.engine.driver import Driver
 from ampdoctor.engine.step import FP32, TrainStep, default_optimizer
 from ampdoctor.errors import BatchError, SpecError, UsageError
 from ampdoctor.formats import Format, get_format
-from ampdoctor.input.batches import Batches, materialise, to_device
+from ampdoctor.input.batches import Batches, materialise
 from ampdoctor.judge.opscan import InnerOp, InnerOps
 from ampdoctor.judge.ranges import (  # noqa: F401 - re-exported: the layers API reads as one module
     COLUMNS,
@@ -263,25 +264,23 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
     torch.manual_seed(seed)
     # the one step recipe, FP32; a plain loop applies whatever its gradients hold
     recipe = TrainStep(model, opt, None, precision=FP32, hooks=hooks, skip_nonfinite=False, max_norm=max_norm)
+    driver = Driver(recipe, loss_fn, device)
     try:
         with hooks:
             model.train()
             for step in range(steps):
                 if progress is not None:
                     progress(step)
-                hooks.begin_step(step)
+                driver.begin(step)
+                scan = InnerOps(model) if inner is not None and step == 0 else None
                 try:
-                    if inner is not None and step == 0:
-                        with InnerOps(model) as scan:
-                            loss = recipe.forward(to_device(batches[step], device), loss_fn)
-                        inner.extend(scan.ops)
-                    else:
-                        loss = recipe.forward(to_device(batches[step], device), loss_fn)
-                    recipe.backward(loss)
+                    driver.accumulate(batches[step], _within(scan) if scan is not None else None)
                 except Exception as e:  # user code: say where, keep the original as the cause
                     raise SpecError(f"the FP32 reference step {step} raised {type(e).__name__}: {str(e).strip()[:200]}") from e
-                m, _ = recipe.measure(loss)  # the one host copy of this step
-                recipe.apply(m)
+                if scan is not None and inner is not None:
+                    inner.extend(scan.ops)
+                m, _ = driver.measure()  # the one host copy of this step
+                driver.apply(m)
                 assert m.stats is not None
                 records.extend(_records(_step_tensors(m.stats, len(fmts), owner), step, fmts, scales, tolerance))
     finally:
@@ -290,6 +289,11 @@ def _run(model: nn.Module, batches: Batches, fmts: Sequence[Format], scales: Seq
         if optimizer is not None and opt_state is not None:
             optimizer.load_state_dict(opt_state)
     return records
+
+
+def _within(scan: InnerOps) -> Callable[[], InnerOps]:
+    """The context each forward of a step runs in: the op scan (``opscan.InnerOps``)."""
+    return lambda: scan
 
 
 INNER_OPS = 64

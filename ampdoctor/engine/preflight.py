@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import SpecError
-from ampdoctor.input.batches import Batches, describe_layout, filter_kwargs, layout, split, to_device
-from ampdoctor.input.rebuild import TrainingStepLoss
+from ampdoctor.input.batches import Batches, describe_layout, layout, to_device
 from ampdoctor.input.spec import Spec, call_user, check_optimizer, where
 
 MAX_LAYOUTS = 8
@@ -87,12 +86,10 @@ def scheduler(spec: Spec, opt: torch.optim.Optimizer) -> None:
 def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.device) -> None:
     """One FP32 forward + loss on the first batch (with autograd: the loss must reach the weights)
     and, without autograd, on the first batch of each other layout; the model's state is put back."""
-    from ampdoctor.engine.step import get_loss
-
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # a forward may move BatchNorm statistics
     name = spec.path.name
     try:
-        loss = _forward(spec, model, batches.items[0], device, grad=True, index=0, get_loss=get_loss)
+        loss = _forward(spec, model, batches.items[0], device, grad=True, index=0)
         if not loss.is_floating_point():
             raise SpecError(f"{name}: the loss has dtype {str(loss.dtype).replace('torch.', '')}; return a "
                             "floating-point loss (e.g. cross_entropy on logits), not a count or an argmax")
@@ -109,7 +106,7 @@ def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.de
             seen.add(lay)
             if len(seen) > MAX_LAYOUTS + 1:
                 break
-            _forward(spec, model, b, device, grad=False, index=i, get_loss=get_loss,
+            _forward(spec, model, b, device, grad=False, index=i,
                      differs=f"; batch {i} holds {describe_layout(b)} where batch 0 holds {describe_layout(batches.items[0])}")
     finally:
         model.load_state_dict(state)
@@ -117,14 +114,12 @@ def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.de
 
 
 def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, grad: bool, index: int,
-             get_loss: Any, differs: str = "") -> torch.Tensor:
+             differs: str = "") -> torch.Tensor:
+    from ampdoctor.engine.step import forward_loss
+
     try:
         with torch.set_grad_enabled(grad):
-            if isinstance(spec.loss_fn, TrainingStepLoss):
-                return spec.loss_fn.of(model, to_device(batch, device))
-            args, kwargs, target = split(to_device(batch, device))
-            out = model(*args, **filter_kwargs(model, kwargs))
-            return get_loss(out, target, spec.loss_fn)  # type: ignore[no-any-return]
+            return forward_loss(model, to_device(batch, device), spec.loss_fn)[1]
     except SystemExit as e:
         raise SpecError(f"{where(e, spec.path)}: the model or loss_fn called sys.exit({'' if e.code is None else repr(e.code)}) "
                         "on a batch; ampdoctor runs them itself, so raise an exception (or return) instead of exiting") from None

@@ -21,6 +21,7 @@ from torch import nn
 
 from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
 from ampdoctor.engine.shards import ENGINES, assemble
+from ampdoctor.engine.step import Precision
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import (
@@ -80,9 +81,10 @@ class Captured:
 
     @property
     def precision(self) -> str:
-        """The run's own precision: amp | bf16 | fp32 (what the Monitor saw)."""
+        """The run's own precision as the triage stage that replays it (``Precision.for_stage``): amp | bf16 | fp32,
+        what the Monitor saw (an FP16 autocast without a GradScaler, ``fp16_autocast``, replays as amp)."""
         p = str(self.manifest.get("precision", "amp"))
-        return p if p in ("amp", "bf16", "fp32") else "amp"
+        return p if p in Precision.STAGES and Precision.for_stage(p).weights == torch.float32 else "amp"
 
 
 def _load(path: Path, name: str) -> Any:

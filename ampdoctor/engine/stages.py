@@ -17,27 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.step import TrainStep, make_optimizer, stage_precision
+from ampdoctor.engine.driver import Driver, Update
+from ampdoctor.engine.step import Measured, Precision, TrainStep, make_optimizer
 from ampdoctor.errors import OutputError, SpecError
 from ampdoctor.formats import FP16
-from ampdoctor.input.batches import Batches, micro_batches, to_device
+from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
+from ampdoctor.judge.rules import kernel_limit
 from ampdoctor.judge.scaler import EXPLODE_RATIO
 from ampdoctor.records import StageError, StageResult, StepRecord
+from ampdoctor.report.stages import error_hint
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.blame import GraphRecorder
 from ampdoctor.watch.hooks import Hooks, ModuleTracker
 from ampdoctor.watch.steplog import StepLogWriter
 
 ProgressFn = Callable[[str, int], None]
-
-
-
-
-
-
 
 
 def fp16_underflowing_constants(opt: torch.optim.Optimizer) -> list[str]:
@@ -49,18 +46,6 @@ def fp16_underflowing_constants(opt: torch.optim.Optimizer) -> list[str]:
             if isinstance(v, float) and 0 < abs(v) <= FP16.underflow_threshold:
                 out.append(f"{key}={v:g}")
     return sorted(set(out))
-
-
-def _error_hint(e: BaseException, stage: str, device: torch.device) -> str:
-    msg = str(e)
-    if device.type == "cpu" and stage in ("amp", "fp16") and ("primitive descriptor" in msg or "oneDNN" in msg):
-        return (
-            "oneDNN has no FP16 kernel for this op on the CPU: a device limitation, not a NaN cause. "
-            "Run triage with --device cuda, or keep this module in FP32 under autocast(enabled=False)."
-        )
-    if "not implemented for 'Half'" in msg:
-        return "this op has no FP16 kernel on this device: a device limitation, not a NaN cause."
-    return "the stage stopped at this exception; fix it and rerun (the other stages still ran)."
 
 
 @dataclass
@@ -93,47 +78,58 @@ class StageContext:
     with a norm ``EXPLODE_RATIO`` times FP32's, or a non-finite one, keeps a snapshot (``StageResult.applied_snapshot``)."""
 
 
-def run_stage(name: str, ctx: StageContext) -> StageResult:
-    """Run one stage from the initial weights through ``TrainStep``; never raises for errors in user code."""
-    cfg = ctx.config
+@dataclass
+class _Stage:
+    """What one stage trains and watches, built by ``_build``."""
+
+    run_model: nn.Module
+    """The model the forward runs: the FP32 model, or an FP16 copy (fp16)."""
+    master: list[torch.nn.Parameter] | None
+    """FP32 master weights (fp16 with master weights): the FP32 model's parameters."""
+    driver: Driver
+    hooks: Hooks | None
+    tracker: ModuleTracker
+    graph: GraphRecorder | None
+    probe: userhooks.Probe | None
+
+
+def _start(name: str, ctx: StageContext, result: StageResult) -> tuple[Precision, nn.Module, nn.Module | None]:
+    """The stage's start: the initial weights and seed (or the run's RNG), its policy, the model it runs."""
     model = ctx.model
     model.load_state_dict(ctx.init_state)
     model.train()
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(ctx.config.seed)
     restored = restore_rng(ctx.rng)  # the run's own draws (dropout, a timestep drawn in the step), over the seed
     if ctx.rng_restored is not None:
         ctx.rng_restored[:] = restored
-    result = StageResult(name)
-    prec = stage_precision(name, cfg.target)
-    low = prec.weights != torch.float32
-    run_model = copy.deepcopy(model).to(prec.weights) if low else model
-    master = list(model.parameters()) if low and prec.master else None
-    run_params = list(run_model.parameters())
+    prec = Precision.for_stage(name, ctx.config.target)
+    result.master_weights = prec.master
+    run_model = prec.cast_model(model)
+    return prec, run_model, model if run_model is not model and prec.master else None
+
+
+def _build(name: str, ctx: StageContext, result: StageResult) -> _Stage:
+    """The stage's model, optimizer (the spec's, over what this stage trains), scheduler, GradScaler, hooks and
+    recipe, from the initial weights."""
+    cfg = ctx.config
+    prec, run_model, master_of = _start(name, ctx, result)
+    master = list(master_of.parameters()) if master_of is not None else None
     # the spec's optimizer over what this stage trains: the FP32 master (fp32, amp, bf16, fp16 with master
     # weights) or the FP16 model itself (pure FP16); build_optimizer may take the model or named parameters
-    opt = make_optimizer(ctx.spec.build_optimizer, model if master is not None or not low else run_model)
+    owner = ctx.model if master is not None or run_model is ctx.model else run_model
+    opt = make_optimizer(ctx.spec.build_optimizer, owner)
     sched = (call_user(ctx.spec.build_scheduler, opt, what="build_scheduler(optimizer)", path=ctx.spec.path)
              if ctx.spec.build_scheduler is not None else None)
     if ctx.optimizer_state is not None:
         opt.load_state_dict(copy.deepcopy(ctx.optimizer_state))  # state cast to the parameters' dtype
-    owner = model if master is not None or not low else run_model
     pname = {id(p): n for n, p in owner.named_parameters()}
     result.weight_decay = {pname[id(p)]: float(g.get("weight_decay") or 0.0) for g in opt.param_groups for p in g["params"]
                            if id(p) in pname and float(g.get("weight_decay") or 0.0) > 0}
-    result.master_weights = prec.master
     if name == "fp16":
         result.optimizer_underflow = fp16_underflowing_constants(opt)
-    scaler = (
-        torch.amp.GradScaler(
-            ctx.device.type,
-            init_scale=cfg.init_scale,
-            growth_factor=cfg.growth_factor,
-            backoff_factor=cfg.backoff_factor,
-            growth_interval=cfg.growth_interval,
-        )
-        if prec.loss_scaling
-        else None
-    )
+    scaler = (torch.amp.GradScaler(ctx.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
+                                   backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)
+              if prec.loss_scaling else None)
     if scaler is not None and ctx.scaler_state is not None:
         scaler.load_state_dict(dict(ctx.scaler_state))
     hooks = Hooks(run_model, track=True) if ctx.with_monitor else None
@@ -143,115 +139,124 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
     # without a scaler a stage does what a plain loop does: it applies whatever its gradients hold
     recipe = TrainStep(run_model, opt, scaler, precision=prec, hooks=hooks, max_norm=cfg.max_norm, master=master,
                        skip_nonfinite=scaler is not None, scheduler=sched)
-    step = 0
-    prev: dict[str, torch.Tensor] | None = None
-    rng_before: torch.Tensor | None = None
-    snap_src: list[tuple[str, torch.Tensor]] = []
+    driver = Driver(recipe, ctx.spec.loss_fn, ctx.device, stop_at_nonfinite_loss=scaler is None, check_weights=True)
+    if name == "fp16":
+        driver.update = _lost_updates_of(recipe, master, list(run_model.parameters()))
     probe = userhooks.Probe(run_model) if ctx.probe_hooks else None
+    return _Stage(run_model, master, driver, hooks, tracker, graph, probe)
+
+
+def _lost_updates_of(recipe: TrainStep, master: list[torch.nn.Parameter] | None,
+                     run_params: list[torch.nn.Parameter]) -> Update:
+    """The fp16 stage's update: each applied step also measures the share of its update FP16 weights lose (with
+    FP32 master weights: the share FP16 storage would round away; pure FP16: the weights it left unchanged)."""
+
+    def update(m: Measured) -> float | None:
+        if m.skip and recipe.skip_nonfinite:
+            recipe.apply(m)
+            return None
+        trained = master if master is not None else run_params
+        before = _flat(trained)
+        grads = [p.grad for p in run_params]
+        recipe.apply(m)
+        return float(_swallowed_fraction(before, trained) if master is not None else _lost_updates(before, run_params, grads))
+
+    return update
+
+
+class _Snapshots:
+    """The target stage's copies of the weights before a step, for the FP32 re-check: before the first faulty
+    step (``StageResult.snapshot``) and before the first step applied with an exploding or non-finite gradient
+    norm (``StageResult.applied_snapshot``, with the RNG state it began with)."""
+
+    def __init__(self, ctx: StageContext, result: StageResult, run_model: nn.Module) -> None:
+        self.on, self.ref, self.result, self.run_model = ctx.snapshot, ctx.ref_norms, result, run_model
+        self.prev: dict[str, torch.Tensor] | None = None
+        self.rng_before: torch.Tensor | None = None
+        self.src: list[tuple[str, torch.Tensor]] = []
+
+    def before(self) -> None:
+        res = self.result
+        if not (self.on and (res.snapshot_step is None or res.applied_step is None)):
+            return
+        self.rng_before = torch.get_rng_state()
+        # weights before this step, for the FP32 re-check; copied into the same buffers each step
+        if self.prev is None:
+            self.src = list(self.run_model.state_dict().items())
+            self.prev = {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in self.src}
+        else:
+            torch._foreach_copy_(list(self.prev.values()), [v.detach() for _, v in self.src])
+
+    def after(self, step: int, rec: StepRecord) -> None:
+        res, prev = self.result, self.prev
+        if not self.on or prev is None:
+            return
+        if res.applied_step is None and not rec.skipped and _exploded(rec.grad_l2_pre_clip, self.ref, step):
+            res.applied_snapshot = {k: v.clone() for k, v in prev.items()}  # (prev is reused for the other snapshot)
+            res.applied_step, res.applied_rng = step, self.rng_before
+        if res.snapshot_step is None and (rec.skipped or not rec.params_finite or not math.isfinite(rec.loss)):
+            # (a copy while prev is still refreshed each step for the applied snapshot)
+            res.snapshot = prev if res.applied_step is not None else {k: v.clone() for k, v in prev.items()}
+            res.snapshot_step = step
+
+
+def run_stage(name: str, ctx: StageContext) -> StageResult:
+    """Run one stage from the initial weights through the driver; never raises for errors in user code."""
+    result = StageResult(name)
+    st = _build(name, ctx, result)
+    driver, probe = st.driver, st.probe
+    snaps = _Snapshots(ctx, result, st.run_model)
+
+    def before(step: int) -> None:
+        if ctx.progress:
+            ctx.progress(name, step)
+        snaps.before()
+
     try:
         if probe is not None:
             probe.attach()
-        if hooks is not None:
-            hooks.attach()
-        else:
-            tracker.attach()
-        for step in range(cfg.steps):
-            if ctx.progress:
-                ctx.progress(name, step)
-            batch = to_device(ctx.batches[step], ctx.device)
-            if ctx.snapshot and (result.snapshot_step is None or result.applied_step is None):
-                rng_before = torch.get_rng_state()
-                # weights before this step, for the FP32 re-check; copied into the same buffers each step
-                if prev is None:
-                    snap_src = list(run_model.state_dict().items())
-                    prev = {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in snap_src}
-                else:
-                    torch._foreach_copy_(list(prev.values()), [v.detach() for _, v in snap_src])
-            if hooks is not None:
-                hooks.begin_step(step)
-            micro = micro_batches(batch)
-            bad_loss: torch.Tensor | None = None
-            for i, b in enumerate(micro):  # gradient accumulation: each micro-batch's loss divided by their number
-                loss = recipe.forward(b, ctx.spec.loss_fn, zero_grad=i == 0)
-                if len(micro) > 1:
-                    loss = loss / len(micro)
-                if scaler is None and not bool(torch.isfinite(loss)):
-                    bad_loss = loss
-                    break
-                recipe.backward(loss)
-            if bad_loss is not None:
-                loss = bad_loss
-                # a plain loop would back-propagate NaN into the weights; nothing more to learn from
-                # the backward, so record the step (its forward statistics) and stop after it
-                st = hooks.end_step() if hooks is not None and hooks.recording else None
-                if st is not None:
-                    result.stats.append(st)
-                lr = opt.param_groups[0].get("lr", float("nan"))
-                rec = StepRecord(step, ctx.batches.index(step), float(lr), float(loss.detach().float()), math.nan, math.nan,
-                                 True, "nonfinite_loss", None, True, None)
-            else:
-                m, _ = recipe.measure(None)  # the step's loss: the sum over its micro-batches
-                swallowed = None
-                if name == "fp16" and not (m.skip and recipe.skip_nonfinite):
-                    trained = master if master is not None else run_params
-                    before = _flat(trained)
-                    grads = [p.grad for p in run_params]
-                    recipe.apply(m)
-                    swallowed = float(_swallowed_fraction(before, trained) if master is not None
-                                      else _lost_updates(before, run_params, grads))
-                else:
-                    recipe.apply(m)
-                if m.stats is not None:
-                    result.stats.append(m.stats)
-                skipped = m.skip and recipe.skip_nonfinite
-                rec = StepRecord(step, ctx.batches.index(step), float(m.lr if m.lr is not None else math.nan), m.loss,
-                                 m.grad_l2_pre_clip, m.grad_l2_post_clip, skipped, m.reason if skipped else "", m.scale,
-                                 recipe.weights_finite(), swallowed)
+        (st.hooks or st.tracker).attach()
+        for done in driver.steps(ctx.config.steps, ctx.batches.__getitem__, ctx.batches.index, before):
+            rec = done.record
+            if done.stats is not None:
+                result.stats.append(done.stats)
             result.records.append(rec)
-            if probe is not None:
-                seen = probe.take()
-                if seen:
-                    result.hook_inputs_nonfinite[step] = seen
+            seen = probe.take() if probe is not None else None
+            if seen:
+                result.hook_inputs_nonfinite[rec.step] = seen
             if ctx.log is not None:
                 ctx.log.write(rec)
-            loss_finite = math.isfinite(rec.loss)
-            if (ctx.snapshot and result.applied_step is None and prev is not None and not rec.skipped
-                    and _exploded(rec.grad_l2_pre_clip, ctx.ref_norms, step)):
-                result.applied_snapshot = {k: v.clone() for k, v in prev.items()}  # (prev is reused for the other snapshot)
-                result.applied_step, result.applied_rng = step, rng_before
-            if ctx.snapshot and result.snapshot_step is None and (rec.skipped or not rec.params_finite or not loss_finite):
-                # (a copy while prev is still refreshed each step for the applied snapshot)
-                result.snapshot = (prev if result.applied_step is not None or prev is None
-                                   else {k: v.clone() for k, v in prev.items()})
-                result.snapshot_step = step
-            if not rec.params_finite:
-                result.stopped = f"weights became non-finite at step {step}"
-                break
-            if not loss_finite and scaler is None:
-                result.stopped = f"loss became non-finite at step {step}"
-                break
+            snaps.after(rec.step, rec)
+        result.stopped = driver.stop
     except OutputError:  # the step log could not be written (a full disk): ampdoctor's own output, not data
         raise
     except SystemExit as e:  # the user's model, loss or scheduler exited: refuse in one line (not data, not exit 3)
         raise SpecError(f"{where(e, ctx.spec.path)}: your code called sys.exit({'' if e.code is None else repr(e.code)}) "
-                        f"at step {step} of stage {name}; ampdoctor runs it itself, so raise an exception instead of exiting") from None
+                        f"at step {driver.at} of stage {name}; ampdoctor runs it itself, so raise an exception instead of exiting") from None
     except Exception as e:  # user code failing is data, not a crash
-        module = tracker.current
-        bw = graph.blame(e) if module is None and graph is not None else None  # raised in backward: whose node raised
-        result.error = StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                                  step, bw.module if bw else module, _error_hint(e, name, ctx.device),
-                                  bw.custom_function if bw else None)
+        result.error = _stage_error(e, name, ctx.device, driver.at, st)
     finally:
-        if graph is not None:
-            graph.remove()
-        if probe is not None:
-            probe.detach()
-        result.moved = weight_movement(run_model if master is None and low else model, ctx.init_state)
-        if hooks is not None:
-            hooks.detach()
-        else:
-            tracker.detach()
+        _detach(st)
+        result.moved = weight_movement(st.run_model if st.master is None else ctx.model, ctx.init_state)
     return result
+
+
+def _stage_error(e: Exception, name: str, device: torch.device, step: int, st: _Stage) -> StageError:
+    """The exception as data: where it was raised (the module running, or whose backward node raised), with the hint
+    its kind takes (``judge.rules.kernel_limit``)."""
+    module = st.tracker.current
+    bw = st.graph.blame(e) if module is None and st.graph is not None else None  # raised in backward: whose node raised
+    hint = error_hint(kernel_limit(str(e), name, device.type))  # (a device without the op's FP16 kernel: say so)
+    return StageError(type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
+                      step, bw.module if bw else module, hint, bw.custom_function if bw else None)
+
+
+def _detach(st: _Stage) -> None:
+    if st.graph is not None:
+        st.graph.remove()
+    if st.probe is not None:
+        st.probe.detach()
+    (st.hooks or st.tracker).detach()
 
 
 def _exploded(norm: float, ref: list[float] | None, step: int) -> bool:

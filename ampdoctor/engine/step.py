@@ -1,7 +1,7 @@
 """The one training step every path runs: triage stages, ``ampdoctor layers``, ``Monitor``.
 
-A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in the order the seed
-articles insist on::
+A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in PyTorch's AMP order (the
+loop around it, over batches and micro-batches, is ``engine.driver``)::
 
     zero_grad → forward + loss (under autocast) → loss check (on the device) → backward (scaled)
     → unscale_ → FP16 gradients copied to the FP32 master → global L2 norm and clip
@@ -20,12 +20,13 @@ since PyTorch 1.6, with fallbacks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
 from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
+from ampdoctor.input.loss import is_loss, loss_candidate, model_loss
 from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
@@ -59,6 +61,37 @@ class Precision:
     master: bool = True
     loss_scaling: bool = False
 
+    STAGES: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "amp", "bf16")
+    """The triage stages, each a policy (``for_stage``)."""
+
+    @classmethod
+    def for_stage(cls, stage: str, target: str = "") -> Precision:
+        """The policy of a triage stage: fp32, fp16 (raw ``model.half()``: FP32 master weights, unless fp16 is
+        the target, which trains pure FP16 as ``model.half()`` training does), amp (FP16 autocast with a
+        GradScaler), bf16 (BF16 autocast). A stage name it does not know is a ValueError."""
+        if stage == "fp16":
+            return FP16_PURE if target == "fp16" else FP16_MASTER
+        policies = {"fp32": FP32, "amp": AMP, "bf16": BF16}
+        if stage not in policies:
+            raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(cls.STAGES)}")
+        return policies[stage]
+
+    @classmethod
+    def for_autocast(cls, dtype: torch.dtype | None, loss_scaling: bool) -> Precision:
+        """The policy of a loop that runs FP32 weights under ``torch.autocast(dtype)`` (None: no autocast), with
+        or without a GradScaler: the user's own loop as the Monitor sees it."""
+        name = "amp" if dtype == torch.float16 else "bf16" if dtype == torch.bfloat16 else "fp32"
+        return cls(name, autocast=dtype, loss_scaling=loss_scaling)
+
+    def autocast_on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` with this policy's dtype on ``device`` (disabled without one)."""
+        dt = self.autocast
+        return torch.autocast(device.type, dtype=dt or torch.float32, enabled=dt is not None)
+
+    def cast_model(self, model: nn.Module) -> nn.Module:
+        """The model this policy's forward runs: a copy in the policy's weight dtype (the model itself in FP32)."""
+        return copy.deepcopy(model).to(self.weights) if self.weights != torch.float32 else model
+
 
 FP32 = Precision("fp32")
 FP16_MASTER = Precision("fp16", weights=torch.float16, master=True)
@@ -67,13 +100,6 @@ FP16_PURE = Precision("fp16", weights=torch.float16, master=False)
 """Everything in FP16, the optimizer state too: what ``model.half()`` training does."""
 AMP = Precision("amp", autocast=torch.float16, loss_scaling=True)
 BF16 = Precision("bf16", autocast=torch.bfloat16)
-
-
-def stage_precision(stage: str, target: str) -> Precision:
-    """The policy of a triage stage; the fp16 stage keeps FP32 master weights unless it is the target."""
-    if stage == "fp16":
-        return FP16_PURE if target == "fp16" else FP16_MASTER
-    return {"fp32": FP32, "amp": AMP, "bf16": BF16}[stage]
 
 
 def forward_probe(output: Any) -> torch.Tensor:
@@ -87,43 +113,49 @@ def forward_probe(output: Any) -> torch.Tensor:
 
 
 def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
-    """The scalar loss: loss_fn(output, target), or the model's own loss.
+    """The scalar loss: loss_fn(output, target), or the model's own loss (``input.loss``: a one-element
+    tensor, any shape, is the loss).
 
     With ``UNKNOWN_TARGET`` (a captured call of the model, its targets outside it): the model's own loss
     when its output carries one, else ``forward_probe`` (the forward alone is replayed)."""
     if target is UNKNOWN_TARGET:
-        own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(own, torch.Tensor) and own.numel() == 1:
-            return own.reshape(())
-        return forward_probe(output)
-    if loss_fn is not None:
-        loss = loss_fn(output, target)
-    elif isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, dict) and "loss" in output:
-        loss = output["loss"]
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    else:
+        own = model_loss(output)
+        return own if own is not None else forward_probe(output)
+    loss = loss_fn(output, target) if loss_fn is not None else loss_candidate(output)
+    if loss is None:
         raise TypeError(
             f"the model returned {type(output).__name__} with no loss; define loss_fn(output, target) in the spec"
         )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    if not is_loss(loss):
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
-    return loss.reshape(())
+    return loss.reshape(())  # type: ignore[no-any-return]
 
 
 def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, torch.Tensor]:
-    """(the model's output, the scalar loss) of one batch already on the device: ``model(inputs)`` then
-    ``get_loss``; for a LightningModule's ``TrainingStepLoss``, its ``training_step`` on the whole batch (the
-    output is the loss)."""
+    """(the model's output, the scalar loss) of one batch already on the device: ``model(inputs)`` (keyword
+    inputs its forward does not take are left out: ``filter_kwargs``) then ``get_loss``; for a LightningModule's
+    ``TrainingStepLoss``, its ``training_step`` on the whole batch (the output is the loss)."""
     if isinstance(loss_fn, TrainingStepLoss):
         loss = loss_fn.of(model, batch)
         return loss, loss
     args, kwargs, target = split(batch)
     out = model(*args, **filter_kwargs(model, kwargs))
     return out, get_loss(out, target, loss_fn)
+
+
+def forward_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None,
+                 precision: Precision = FP32) -> tuple[Any, torch.Tensor]:
+    """The forward and the loss of one batch (already on the device) as ``precision`` computes them: its
+    floating inputs cast to the policy's weight dtype, under its autocast; ``model`` runs as given (in the
+    policy's weights: ``Precision.cast_model``). Every forward+loss of ampdoctor's goes through here: the
+    recipe's, triage's replays and checks, the preflight and the dump's repro script."""
+    if precision.weights != torch.float32:
+        batch = cast_floating(batch, precision.weights)
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    with precision.autocast_on(device):
+        return batch_loss(model, batch, loss_fn)
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -190,6 +222,49 @@ class Measured:
     will_skip: bool | None = None
     """What the step will do: with a GradScaler where the caller steps, GradScaler's own verdict (its
     found-inf flags: a non-finite loss with finite gradients is applied); else ``skip``."""
+
+
+_SET_LATER: Any = None
+"""A ``_Step`` field the part of the recipe that computes it sets (before any later part reads it)."""
+
+
+@dataclass
+class _Step:
+    """What one ``measure`` carries from one part of the recipe to the next (device tensors, then host figures)."""
+
+    observe: bool
+    noted: torch.Tensor | float | None = None
+    already: bool = False
+    """GradScaler's found-inf flags were taken before ``measure`` (the caller's ``unscale_``)."""
+    label: str = ""
+    scaled: bool = False
+    gparams: list[torch.nn.Parameter] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    idx_params: list[torch.nn.Parameter] | None = None
+    """The parameters ``first_nonfinite`` indexes (sharded and reduced: all of the optimizer's)."""
+    shard_sums: bool = False
+    dev: torch.device = torch.device("cpu")
+    per: torch.Tensor | None = None
+    nbad: torch.Tensor = _SET_LATER
+    first_bad: torch.Tensor = _SET_LATER
+    sq: torch.Tensor | None = None
+    pre: torch.Tensor = _SET_LATER
+    """The measured global norm before the clip (the skip decision reads it)."""
+    pre_out: torch.Tensor = _SET_LATER
+    """The pre-clip norm reported: the caller's own where it clipped, else ``pre``."""
+    post: torch.Tensor = _SET_LATER
+    loss_ok: torch.Tensor = _SET_LATER
+    loss_known: bool = False
+    loss_val: torch.Tensor = _SET_LATER
+    found: torch.Tensor = _SET_LATER
+    found_by_norms: bool = True
+    scale_t: torch.Tensor = _SET_LATER
+    tracker: torch.Tensor = _SET_LATER
+    lr: Any = None
+    st: StepStats | None = None
+    vals: list[float] = field(default_factory=list)
+    exchanged: np.ndarray | None = None
+    tripped: bool = False
 
 
 _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale", "growth_tracker",
@@ -291,8 +366,7 @@ class TrainStep:
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` with the policy's dtype on the model's device (disabled without one)."""
-        dt = self.precision.autocast
-        return torch.autocast(self.device.type, dtype=dt or torch.float32, enabled=dt is not None)
+        return self.precision.autocast_on(self.device)
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -307,10 +381,7 @@ class TrainStep:
         device) under autocast."""
         if zero_grad:
             self.zero_grad()
-        if self.precision.weights != torch.float32:
-            batch = cast_floating(batch, self.precision.weights)
-        with self.autocast():
-            return batch_loss(self.model, batch, loss_fn)[1]
+        return forward_loss(self.model, batch, loss_fn, self.precision)[1]
 
     # backward and the one copy -------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -354,19 +425,31 @@ class TrainStep:
         recipe): it unscales, clips, and a non-finite loss forces the skip by *setting* the found-inf
         flag to 1 (fused optimizers skip only on exactly 1).
         """
+        s = self._unscale(before_unscale, observe)
+        self._norms(s)
+        self._loss_of_step(s, loss)
+        self._found(s)
+        self._host_copy(s)
+        if s.shard_sums and s.exchanged is not None:
+            self._whole_model(s)
+        return self._measured(s), s.label
+
+    def _unscale(self, before_unscale: Callable[[], str] | None, observe: bool) -> _Step:
+        """The fault injection's label, then ``unscale_`` (the owned path) and the FP32 master gradients."""
         sc = self.scaler
-        noted, self.clip_norm = self.clip_norm, None
-        already = bool(self.scaler_found()) if sc is not None else False
-        label = before_unscale() if before_unscale is not None else ""
+        s = _Step(observe=observe)
+        s.noted, self.clip_norm = self.clip_norm, None
+        s.already = bool(self.scaler_found()) if sc is not None else False
+        s.label = before_unscale() if before_unscale is not None else ""
         if observe and self.max_norm is not None:
             raise UsageError("max_norm clips inside Monitor.step(), which owns the step; where your loop steps the "
                              "optimizer, clip it yourself (after scaler.unscale_) and leave max_norm out")
-        scaled = sc is not None and not already and observe  # gradients still carry the loss scale
-        if sc is not None and not already and self.optimizer is not None and not observe:
+        s.scaled = sc is not None and not s.already and observe  # gradients still carry the loss scale
+        if sc is not None and not s.already and self.optimizer is not None and not observe:
             sc.unscale_(self.optimizer)
         self.grad_inv_scale = None
-        self.grads_scaled = scaled
-        if scaled and self.hooks is not None and self.hooks.recording:
+        self.grads_scaled = s.scaled
+        if s.scaled and self.hooks is not None and self.hooks.recording:
             assert sc is not None
             if self._scale_hint is None:
                 self._scale_hint = sc.get_scale()  # (a sync, once: afterwards the last host copy tells it)
@@ -374,170 +457,195 @@ class TrainStep:
         if self.master is not None:
             for p32, p16 in zip(self.master, self.model_params, strict=True):
                 p32.grad = None if p16.grad is None else p16.grad.float()
-        # global L2 norm over the optimizer's parameters; per-parameter norms in float32 (an FP16
-        # gradient's norm would overflow before its elements do)
-        gparams = [p for p in self.params if p.grad is not None]
-        sh = self.shards
-        grads = [p.grad if sh is None else local(p.grad) for p in gparams if p.grad is not None]
-        rx = self.ranks
-        shard_sums = sh is not None and rx is not None  # the norms are reduced across the ranks at the host copy
-        dev = grads[0].device if grads else self.device
-        per: torch.Tensor | None = None
+        return s
+
+    def _norms(self, s: _Step) -> None:
+        """Global L2 norm over the optimizer's parameters (per-parameter norms in float32: an FP16 gradient's
+        norm would overflow before its elements do), the count of non-finite ones, and the clip."""
+        sc, sh = self.scaler, self.shards
+        s.gparams = [p for p in self.params if p.grad is not None]
+        grads = [p.grad if sh is None else local(p.grad) for p in s.gparams if p.grad is not None]
+        s.grads = grads
+        s.shard_sums = sh is not None and self.ranks is not None  # the norms are reduced across the ranks at the host copy
+        dev = s.dev = grads[0].device if grads else self.device
         if grads:
             per = fused_norms(grads) if dev.type == "cpu" else None  # one C++ call on the CPU (watch.fused)
             if per is None:
                 norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
                 per = torch.stack(norms if all(n.device == dev for n in norms) else [n.to(dev) for n in norms])
-            if scaled:  # the norms GradScaler's unscale_ would give, from the scaled gradients (nothing written)
+            if s.scaled:  # the norms GradScaler's unscale_ would give, from the scaled gradients (nothing written)
                 inv = getattr(sc, "_scale", None)
                 inv_t = (inv.double().reciprocal().float() if inv is not None
                          else torch.full((), 1.0 / sc.get_scale(), device=dev))  # type: ignore[union-attr]
                 per = per * inv_t.to(per.device)
+            s.per = per
             pre = torch.linalg.vector_norm(per, 2.0)
             bad = ~torch.isfinite(per)
-            nbad = bad.sum()
-            first_bad = bad.to(torch.float32).argmax()
+            s.nbad = bad.sum()
+            s.first_bad = bad.to(torch.float32).argmax()
         else:
             pre = torch.zeros((), device=dev)
-            nbad = first_bad = torch.zeros((), device=dev)
-        sq: torch.Tensor | None = None
-        if shard_sums:
+            s.nbad = s.first_bad = torch.zeros((), device=dev)
+        if s.shard_sums:
             assert sh is not None
             present = [i for i, p in enumerate(self.params) if p.grad is not None]
-            sq = sh.sums(per, present, dev)  # this rank's sums of squares, one per parameter (replicas: 0)
-        if self.max_norm is not None and grads and not observe and not shard_sums:
-            torch.nn.utils.clip_grads_with_norm_(gparams, self.max_norm, pre)
-            post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
+            s.sq = sh.sums(s.per, present, dev)  # this rank's sums of squares, one per parameter (replicas: 0)
+        if self.max_norm is not None and grads and not s.observe and not s.shard_sums:
+            torch.nn.utils.clip_grads_with_norm_(s.gparams, self.max_norm, pre)
+            s.post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
-            post = pre
-        pre_out = pre
-        if observe and noted is not None and not scaled:  # the caller clipped: its own pre-clip norm, ours after it
-            pre_out = (local(noted).detach().reshape(()).to(dev) if isinstance(noted, torch.Tensor)  # (FSDP2's: a DTensor)
-                       else torch.full((), float(noted), device=dev))
-        loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
-        # the step's loss: the sum over its micro-batches when gradients accumulated, else the one given
+            s.post = pre
+        s.pre = s.pre_out = pre
+        noted = s.noted
+        if s.observe and noted is not None and not s.scaled:  # the caller clipped: its own pre-clip norm, ours after it
+            s.pre_out = (local(noted).detach().reshape(()).to(dev) if isinstance(noted, torch.Tensor)  # (FSDP2's: a DTensor)
+                     else torch.full((), float(noted), device=dev))
+
+    def _loss_of_step(self, s: _Step, loss: torch.Tensor | None) -> None:
+        """The step's loss: the sum over its micro-batches when gradients accumulated, else the one given."""
+        dev = s.dev
+        s.loss_ok = self._loss_ok if self._loss_ok is not None else torch.ones((), dtype=torch.bool, device=dev)
         loss_sum = self._loss_sum
         self._loss_ok = self._loss_sum = None
-        loss_known = loss_sum is not None or loss is not None
+        s.loss_known = loss_sum is not None or loss is not None
         if loss_sum is not None:
-            loss_val = loss_sum
+            s.loss_val = loss_sum
         else:
-            loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
-        # the skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours
+            s.loss_val = loss.detach().reshape(()) if loss is not None else torch.full((), float("nan"), device=dev)
+
+    def _found(self, s: _Step) -> None:
+        """The skip decision, on the device: the scaler's found-inf (plus a non-finite loss), else ours."""
+        sc, dev = self.scaler, s.dev
         if sc is not None:
             fi = self.scaler_found()
             # set, never add: every optimizer GradScaler drives (fused Adam/AdamW too) skips on found_inf == 1
             force: torch.Tensor | None = None
-            if label.startswith("inf") and already:  # an injected Inf after the flags were taken (asked for)
+            if s.label.startswith("inf") and s.already:  # an injected Inf after the flags were taken (asked for)
                 force = torch.ones((), device=dev)
-            elif not observe:  # the recipe owns the step: a non-finite loss skips it and backs the scale off
-                force = (~loss_ok.to(dev)).to(torch.float32)
+            elif not s.observe:  # the recipe owns the step: a non-finite loss skips it and backs the scale off
+                force = (~s.loss_ok.to(dev)).to(torch.float32)
             if force is not None:
                 for t in fi.values():
                     torch.maximum(t, force.to(t.device, t.dtype), out=t)
-            found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (nbad > 0).float()
-            found_by_norms = not fi
+            s.found = torch.stack([t.to(dev, torch.float32) for t in fi.values()]).sum() if fi else (s.nbad > 0).float()
+            s.found_by_norms = not fi
             s_dev: torch.Tensor | None = getattr(sc, "_scale", None)
             t_dev: torch.Tensor | None = getattr(sc, "_growth_tracker", None)
-            scale_t = s_dev if s_dev is not None else torch.full((), sc.get_scale(), device=dev)
-            tracker = t_dev if t_dev is not None else torch.zeros((), device=dev)
+            s.scale_t = s_dev if s_dev is not None else torch.full((), sc.get_scale(), device=dev)
+            s.tracker = t_dev if t_dev is not None else torch.zeros((), device=dev)
         else:
-            found = ((~torch.isfinite(pre)) | (~loss_ok.to(dev))).to(torch.float32)
-            found_by_norms = True
-            scale_t = tracker = torch.full((), float("nan"), device=dev)
+            s.found = ((~torch.isfinite(s.pre)) | (~s.loss_ok.to(dev))).to(torch.float32)
+            s.found_by_norms = True
+            s.scale_t = s.tracker = torch.full((), float("nan"), device=dev)
+
+    def _host_copy(self, s: _Step) -> None:
+        """The step's one host copy: the packed scalars, with the per-layer statistics on recorded steps, each
+        gradient's norm in sentinel mode, and the ranks' exchange under torch.distributed."""
+        dev = s.dev
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
+        s.lr = lr
         lr_t = lr if isinstance(lr, torch.Tensor) else torch.full((), float("nan"), device=dev)
         packed = torch.stack([t.detach().reshape(()).to(dev, torch.float64) for t in
-                              (loss_val, pre_out, post, found, scale_t, tracker, nbad, first_bad, lr_t)])
+                              (s.loss_val, s.pre_out, s.post, s.found, s.scale_t, s.tracker, s.nbad, s.first_bad, lr_t)])
         hooks = self.hooks
-        recording = hooks is not None and hooks.recording
-        tripped = False
-        exchanged: np.ndarray | None = None
-        if hooks is not None and recording:
-            hooks.after_backward(self.grad_inv_scale)  # parameter gradients, as the optimizer will see them
-            # the weights this step's forward used: queued before the update, so StepStats.param holds them
-            hooks.after_step()
-            hooks.add_scalars(_PACKED, packed)
-            if self.ring_figures is not None and per is not None:
-                hooks.add_tail(*self.ring_figures(gparams, per))
-            cur = hooks.current
+        if hooks is not None and hooks.recording:
+            self._recorded_copy(s, hooks, packed)
+            return
+        rx = self.ranks
+        parts = [packed]
+        nper = 0
+        if self.sentinel is not None and s.per is not None and not s.shard_sums:  # each gradient's L2 norm (no extra pass)
+            parts.append(s.per.to(packed.device, torch.float64))
+            nper = s.per.numel()
+        if rx is not None:
+            parts.append(rx.exchange(rx.local_row(dev, s.loss_ok, s.nbad, s.first_bad), s.sq).to(packed.device))
+        host = (torch.cat(parts) if len(parts) > 1 else packed).cpu().numpy()
+        if nper:
+            gnorms = host[len(_PACKED): len(_PACKED) + nper]
+            s.tripped = bool(not np.isfinite(gnorms).all() or (gnorms > self.sentinel).any())
+        if rx is not None:
+            s.exchanged = host[len(_PACKED) + nper:]
+        s.vals = host[: len(_PACKED)].tolist()
 
-            def exchange(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:
-                assert rx is not None
-                row = rx.local_row(dev, loss_ok, nbad, first_bad, cur, keys, rows)
-                if sq is None:
-                    return rx.exchange(row)
-                assert sh is not None
-                sums, maxes = sh.tables(keys, rows)  # the parameter rows, reduced in the same collective
-                return rx.exchange(row, torch.cat([sq, sums.to(sq.device)]), maxes)
+    def _recorded_copy(self, s: _Step, hooks: Hooks, packed: torch.Tensor) -> None:
+        """A recorded step's host copy: the hooks' rows and the packed scalars (and the exchange) together."""
+        rx, sh, sq, dev = self.ranks, self.shards, s.sq, s.dev
+        hooks.after_backward(self.grad_inv_scale)  # parameter gradients, as the optimizer will see them
+        # the weights this step's forward used: queued before the update, so StepStats.param holds them
+        hooks.after_step()
+        hooks.add_scalars(_PACKED, packed)
+        if self.ring_figures is not None and s.per is not None:
+            hooks.add_tail(*self.ring_figures(s.gparams, s.per))
+        cur = hooks.current
 
-            st: StepStats | None = hooks.end_step(None if rx is None else exchange)  # the one host copy
-            assert st is not None
-            vals = [st.extra[n] for n in _PACKED]
-            exchanged = hooks.exchanged
-        else:
-            st = None
-            parts = [packed]
-            nper = 0
-            if self.sentinel is not None and per is not None and not shard_sums:  # each gradient's L2 norm (no extra pass)
-                parts.append(per.to(packed.device, torch.float64))
-                nper = per.numel()
-            if rx is not None:
-                parts.append(rx.exchange(rx.local_row(dev, loss_ok, nbad, first_bad), sq).to(packed.device))
-            host = (torch.cat(parts) if len(parts) > 1 else packed).cpu().numpy()
-            if nper:
-                gnorms = host[len(_PACKED): len(_PACKED) + nper]
-                tripped = bool(not np.isfinite(gnorms).all() or (gnorms > self.sentinel).any())
-            if rx is not None:
-                exchanged = host[len(_PACKED) + nper:]
-            vals = host[: len(_PACKED)].tolist()
-        loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = vals
-        idx_params = gparams
-        if shard_sums and exchanged is not None:
+        def exchange(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:
+            assert rx is not None
+            row = rx.local_row(dev, s.loss_ok, s.nbad, s.first_bad, cur, keys, rows)
+            if sq is None:
+                return rx.exchange(row)
             assert sh is not None
-            # the whole model's norms from every rank's sums of squares (what clip_grad_norm_ computes)
-            n0 = rx.world * SLOTS  # type: ignore[union-attr]
-            g = np.asarray(exchanged[n0: n0 + len(self.params)], dtype=np.float64)
-            per_g = np.sqrt(g)
-            clipped_by_caller = observe and noted is not None and not scaled  # pre_f: the caller's clip_grad_norm_
-            total_f = float(np.sqrt(g.sum()))
-            post_f = total_f
-            pre_f = pre_f if clipped_by_caller else total_f
-            badv = ~np.isfinite(per_g)
-            nbad_f, first_f = float(badv.sum()), float(np.argmax(badv)) if badv.any() else 0.0
-            idx_params = self.params
-            if self.max_norm is not None and gparams and not observe:
-                coef = torch.clamp(self.max_norm / (torch.tensor(pre_f, dtype=torch.float32) + 1e-6), max=1.0)
-                torch._foreach_mul_(grads, coef.to(dev))  # every rank scales its pieces by the global factor
-                post_f = pre_f * min(1.0, float(self.max_norm / (np.float32(pre_f) + 1e-6)))
-            if sc is None:  # the whole model's gradients, and this rank's loss
-                found_f = float(nbad_f > 0 or not math.isfinite(total_f) or (loss_known and not math.isfinite(loss_f)))
-            elif found_by_norms:  # GradScaler has not unscaled yet: the global norms say what it will find
-                found_f = float(nbad_f > 0)
-            if st is None and self.sentinel is not None:
-                tripped = bool(badv.any() or (per_g > self.sentinel).any())
-            if st is not None:
-                n1 = n0 + len(self.params)
-                ns, nm = sh.sizes(True)
-                sh.apply(st, exchanged[n1: n0 + ns], exchanged[n0 + ns: n0 + ns + nm])
+            sums, maxes = sh.tables(keys, rows)  # the parameter rows, reduced in the same collective
+            return rx.exchange(row, torch.cat([sq, sums.to(sq.device)]), maxes)
+
+        st: StepStats | None = hooks.end_step(None if rx is None else exchange)  # the one host copy
+        assert st is not None
+        s.st = st
+        s.vals = [st.extra[n] for n in _PACKED]
+        s.exchanged = hooks.exchanged
+
+    def _whole_model(self, s: _Step) -> None:
+        """A sharded model: the whole model's norms from every rank's sums of squares (what clip_grad_norm_
+        computes), its clip by the global factor, and the skip from them."""
+        sh, rx, sc, exchanged = self.shards, self.ranks, self.scaler, s.exchanged
+        assert sh is not None and rx is not None and exchanged is not None
+        loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = s.vals
+        n0 = rx.world * SLOTS
+        g = np.asarray(exchanged[n0: n0 + len(self.params)], dtype=np.float64)
+        per_g = np.sqrt(g)
+        clipped_by_caller = s.observe and s.noted is not None and not s.scaled  # pre_f: the caller's clip_grad_norm_
+        total_f = float(np.sqrt(g.sum()))
+        post_f = total_f
+        pre_f = pre_f if clipped_by_caller else total_f
+        badv = ~np.isfinite(per_g)
+        nbad_f, first_f = float(badv.sum()), float(np.argmax(badv)) if badv.any() else 0.0
+        s.idx_params = self.params
+        if self.max_norm is not None and s.gparams and not s.observe:
+            coef = torch.clamp(self.max_norm / (torch.tensor(pre_f, dtype=torch.float32) + 1e-6), max=1.0)
+            torch._foreach_mul_(s.grads, coef.to(s.dev))  # every rank scales its pieces by the global factor
+            post_f = pre_f * min(1.0, float(self.max_norm / (np.float32(pre_f) + 1e-6)))
+        if sc is None:  # the whole model's gradients, and this rank's loss
+            found_f = float(nbad_f > 0 or not math.isfinite(total_f) or (s.loss_known and not math.isfinite(loss_f)))
+        elif s.found_by_norms:  # GradScaler has not unscaled yet: the global norms say what it will find
+            found_f = float(nbad_f > 0)
+        if s.st is None and self.sentinel is not None:
+            s.tripped = bool(badv.any() or (per_g > self.sentinel).any())
+        if s.st is not None:
+            n1 = n0 + len(self.params)
+            ns, nm = sh.sizes(True)
+            sh.apply(s.st, exchanged[n1: n0 + ns], exchanged[n0 + ns: n0 + ns + nm])
+        s.vals = [loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f]
+
+    def _measured(self, s: _Step) -> Measured:
+        """The host's figures into the step's verdict: skip or not, why, which parameters, the scale after."""
+        sc, st, lr = self.scaler, s.st, s.lr
+        loss_f, pre_f, post_f, found_f, scale_f, tracker_f, nbad_f, first_f, lr_f = s.vals
         lr_out = float(lr) if isinstance(lr, (int, float)) else (lr_f if isinstance(lr, torch.Tensor) else None)
-        skip = found_f > 0 or (loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
+        skip = found_f > 0 or (s.loss_known and not math.isfinite(loss_f))  # no loss given: NaN in the log, not a skip
         # what the step will do: GradScaler skips on its found-inf alone where the caller steps (observe)
-        will_skip = (found_f > 0) if (observe and sc is not None) else skip
+        will_skip = (found_f > 0) if (s.observe and sc is not None) else skip
         # which parameters, and which module, held the non-finite gradients
         recorded = st is not None and bool(st.pgrad)
         if st is not None and recorded and nbad_f > 0:  # (no non-finite norm: no non-finite element either)
             bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
-        elif recorded:
-            bad_params = []
-        elif nbad_f > 0:
-            bad_params = [self.names[id(idx_params[int(first_f)])]]
+        elif not recorded and nbad_f > 0:
+            idx = s.idx_params if s.idx_params is not None else s.gparams
+            bad_params = [self.names[id(idx[int(first_f)])]]
         else:
             bad_params = []
         count = len(bad_params) if recorded else int(nbad_f)
         reason = ""
         if skip:
-            reason = ("nonfinite_loss" if loss_known and not math.isfinite(loss_f)
+            reason = ("nonfinite_loss" if s.loss_known and not math.isfinite(loss_f)
                       else self.grad_reason(st if recorded else None, bad_params))
         scale = scale_f if sc is not None else None
         if sc is not None:
@@ -549,10 +657,11 @@ class TrainStep:
             self._scale_hint = after_skip if will_skip else after_ok
         else:
             after_ok = after_skip = None
+        rx, exchanged = self.ranks, s.exchanged
         return Measured(loss_f, pre_f, post_f, skip, reason, scale, after_ok, after_skip, lr_out,
                         bad_params, count, st, int(tracker_f) if sc is not None and math.isfinite(tracker_f) else None,
-                        tripped, rx.decode(exchanged) if rx is not None and exchanged is not None else None,
-                        will_skip=will_skip), label
+                        s.tripped, rx.decode(exchanged) if rx is not None and exchanged is not None else None,
+                        will_skip=will_skip)
 
     def grad_reason(self, st: StepStats | None, bad_params: list[str]) -> str:
         """'nonfinite_grad:<module>': the first module in backward whose gradient went non-finite."""
@@ -593,4 +702,4 @@ class TrainStep:
 
 
 __all__ = ["AMP", "BF16", "FP16_MASTER", "FP16_PURE", "FP32", "Measured", "Precision", "TrainStep", "default_optimizer", "make_optimizer", "optimizer_argument",
-           "get_loss", "stage_precision"]
+           "batch_loss", "forward_loss", "get_loss"]

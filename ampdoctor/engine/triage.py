@@ -19,10 +19,10 @@ from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import batch_loss, make_optimizer
+from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
-from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input.batches import Batches, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
@@ -30,9 +30,19 @@ from ampdoctor.input.loading import load_batches
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
-from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
+from ampdoctor.judge.rules import (
+    Diagnosis,
+    HookCheck,
+    HookCheckFn,
+    Recheck,
+    diagnose,
+    not_reproduced,
+    shift_diagnosis,
+    stall_ratio,
+)
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
+from ampdoctor.report import stages as stage_report
 from ampdoctor.report import words
 from ampdoctor.report.build import code_findings, enrich, shift_steps, stage_summary
 from ampdoctor.report.model import Report
@@ -105,8 +115,7 @@ def hook_check(model: nn.Module, spec: Spec, batches: Batches, results: dict[str
                     stack.enter_context(userhooks.disabled(model))
                 try:
                     for b in micro:
-                        with torch.autocast(device.type, dtype=torch.float16):
-                            loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1]
+                        loss = forward_loss(model, to_device(b, device), spec.loss_fn, AMP)[1]
                         (loss.float() * (scale / len(micro))).backward()
                 except Exception:
                     return None
@@ -144,7 +153,7 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         lv, worst, worst_abs = 0.0, micro[0], -1.0
         try:
             for b in micro:  # an accumulated step: each micro-batch's loss divided by their number
-                loss = batch_loss(model, to_device(b, device), spec.loss_fn)[1] / len(micro)
+                loss = forward_loss(model, to_device(b, device), spec.loss_fn)[1] / len(micro)
                 loss.backward()
                 li = float(loss.detach())
                 lv += li
@@ -172,16 +181,13 @@ def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict
                        device: torch.device) -> NonfiniteOp | None:
     """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
     model.load_state_dict(state)
-    run_model = copy.deepcopy(model).half() if stage == "fp16" else model
+    prec = Precision.for_stage(stage) if stage in Precision.STAGES else FP32  # ('initial': the FP32 start)
+    run_model = prec.cast_model(model)
     b = to_device(batch, device)
-    if stage == "fp16":
-        b = cast_floating(b, torch.float16)
-    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(stage)
     info: dict[str, bool] = {}
 
     def run() -> None:
-        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
-            out, loss = batch_loss(run_model, b, spec.loss_fn)
+        out, loss = forward_loss(run_model, b, spec.loss_fn, prec)
         others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
         info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
 
@@ -226,21 +232,7 @@ def triage(
     device = resolve_device(cfg.device)
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
-    replaying = from_capture is not None or checkpoint is not None
-    if spec_path is None:
-        if not replaying:
-            raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without one "
-                             "with --from CAPTURE or --checkpoint DIR")
-        spec = no_spec(from_capture if from_capture is not None else checkpoint, names)  # type: ignore[arg-type]
-    else:
-        spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None,
-                                                                       require_model=not replaying)
-    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
-        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
-    if skip_batches > MAX_SKIP:
-        raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
-                         f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
-                         "within its epoch")
+    spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
     cap: Captured | None = None
     start: StartState | None = None
@@ -269,13 +261,54 @@ def triage(
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
                            if checkpoint is not None else ""))
-    rng = start.rng if start is not None else None
+    _run_stages(run, cap, start, log_path, progress)
+    report = build_report(run, argv)
+    report.lint = code_findings(found, report.verdict.cause)
+    if script is not None:
+        report.config["script"] = str(script)
+    if checkpoint is not None:
+        report.config["checkpoint"] = str(checkpoint)
+    if skip_batches:
+        report.config["skip_batches"] = skip_batches
+    run.reset()
+    return report, run
+
+
+def _checked_spec(spec_path: str | Path | Spec | None, names: SpecNames | None, from_capture: str | Path | None,
+                  checkpoint: str | Path | None, skip_batches: int) -> Spec:
+    """The spec (or the stand-in of a replay without one), after the checks of triage's arguments."""
+    if from_capture is not None and checkpoint is not None:
+        raise UsageError("--from and --checkpoint both say where to start; give one")
+    replaying = from_capture is not None or checkpoint is not None
+    if spec_path is None:
+        if not replaying:
+            raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without one "
+                             "with --from CAPTURE or --checkpoint DIR")
+        spec = no_spec(from_capture if from_capture is not None else checkpoint, names)  # type: ignore[arg-type]
+    else:
+        spec = spec_path if isinstance(spec_path, Spec) else load_spec(spec_path, names, require_data=from_capture is None,
+                                                                       require_model=not replaying)
+    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+        raise UsageError(f"--skip-batches must be 0 or more (got {skip_batches!r})")
+    if skip_batches > MAX_SKIP:
+        raise UsageError(f"--skip-batches {str(skip_batches)[:24]}{'...' if len(str(skip_batches)) > 24 else ''} is more "
+                         f"batches than a dataloader is skipped through (at most {MAX_SKIP:,}); give the run's position "
+                         "within its epoch")
+    return spec
+
+
+def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_path: str | Path | None,
+                progress: ProgressFn | None) -> None:
+    """Every stage of the run's config into ``run.results`` (the target's step log to ``log_path``); a capture's
+    failing step replayed once more in the run's own precision (``run.replay``: transient or persistent)."""
+    cfg, hooked = run.config, bool(run.hook_list)
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         fp32 = run.results.get("fp32")
-        return StageContext(spec, model, init_state, batches, cfg, device, progress, snapshot=snapshot, log=log,
-                            optimizer_state=start.optimizer if start else None, scaler_state=start.scaler if start else None,
-                            rng=rng, rng_restored=run.rng_restored, probe_hooks=name == cfg.target and bool(hooks_now),
+        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot,
+                            log=log, optimizer_state=start.optimizer if start else None,
+                            scaler_state=start.scaler if start else None, rng=start.rng if start is not None else None,
+                            rng_restored=run.rng_restored, probe_hooks=name == cfg.target and hooked,
                             ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
     for name in cfg.stage_list():
@@ -292,16 +325,6 @@ def triage(
         replays = [run.results[cfg.target], again]
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
                             sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring)
-    report = build_report(run, argv)
-    report.lint = code_findings(found, report.verdict.cause)
-    if script is not None:
-        report.config["script"] = str(script)
-    if checkpoint is not None:
-        report.config["checkpoint"] = str(checkpoint)
-    if skip_batches:
-        report.config["skip_batches"] = skip_batches
-    run.reset()
-    return report, run
 
 
 def lint_sources(spec_path: Path | None, script: str | Path | None) -> list[LintFinding]:
@@ -368,15 +391,12 @@ def _epoch_iter(loader: Any, epoch: int) -> Any:
 def _epoch_words(loader: Any, epoch: int, at: int) -> str:
     """How the skip reached epoch ``epoch`` (batch ``at`` of it), and whether its order is the run's."""
     samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-    head = f"the skip went through {epoch} whole epoch(s) of the dataloader and on to batch {at} of epoch {epoch}"
     if any(callable(getattr(x, "set_epoch", None)) for x in [loader, *samplers]):
-        return head + " (set_epoch called for each, as the run's loop does)"
-    rnd = next((x for x in samplers if isinstance(x, torch.utils.data.RandomSampler)), None)
-    if rnd is not None and rnd.generator is None:
-        return (head + "; its RandomSampler has no generator, so each epoch's order was drawn from the global RNG "
-                "here, not as the run drew it: the batches after the first epoch may not be the run's (give the "
-                "DataLoader a seeded generator, or use --from a capture)")
-    return head + " (each epoch iterated in order, as the run's loop does)"
+        how = "set_epoch"
+    else:
+        rnd = next((x for x in samplers if isinstance(x, torch.utils.data.RandomSampler)), None)
+        how = "global_rng" if rnd is not None and rnd.generator is None else "in_order"
+    return stage_report.epochs(epoch, at, how)
 
 
 class _Epochs:
@@ -535,7 +555,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     batches = Batches(cap.batches, cycled=False)
     try:
         with torch.no_grad():
-            batch_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)
+            forward_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)
     except Exception as e:
         raise CaptureError(f"{cap.path}: the captured batch does not run through the spec's model "
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
@@ -546,32 +566,9 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
 def start_of(run: Run) -> str:
     """Where every stage started, as the report says it: 'the initial weights', 'the captured weights at step
     8,217', 'checkpoint-130'."""
-    if run.start_kind == "capture" and run.replay is not None:
-        return f"the captured weights at step {run.replay.step0:,}"
-    if run.start_kind == "checkpoint":
-        return run.start_label or f"the checkpoint of step {run.step0:,}"
-    return "the initial weights"
-
-
-def _rng_words(run: Run, rp: Replay | None) -> str:
-    """Whether the run's RNG states were restored before every stage, and what that means for a step that
-    draws randomness (dropout, a timestep drawn in the step)."""
-    got = ", ".join(run.rng_restored)
-    if rp is not None:
-        if not run.rng_restored:
-            return (f"RNG not restored: the capture holds no rng.pt, so every stage is seeded with --seed {run.config.seed}; "
-                    "a step that draws randomness draws other numbers than the run's")
-        after = rp.manifest.get("rng_after_step")
-        if isinstance(after, int) and after >= rp.step0:
-            return (f"RNG restored before every stage and replay ({got}) from rng.pt, which was taken after step "
-                    f"{after:,}'s own draws: a step that draws randomness (dropout, a timestep or noise drawn in the step) "
-                    "replays the same draws every time, the ones that followed the run's, not the run's own")
-        return f"RNG restored before every stage and replay ({got}) from rng.pt: the replayed steps draw what the run drew"
-    if not run.rng_restored:
-        return (f"RNG not restored: the checkpoint holds no RNG state, so every stage is seeded with --seed {run.config.seed}; "
-                "a step that draws randomness draws other numbers than the run's")
-    return (f"RNG restored before every stage ({got}) from the checkpoint's RNG state, saved with it after step "
-            f"{run.step0:,}: a step that draws randomness draws what the run drew next")
+    if run.start_kind == "capture":
+        return stage_report.start("capture", run.replay.step0) if run.replay is not None else stage_report.start("init", 0)
+    return stage_report.start(run.start_kind, run.step0, run.start_label)
 
 
 def _optimizer_state_fits(opt: torch.optim.Optimizer, want: list[set[str]], where: Path) -> None:
@@ -596,33 +593,12 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     """Diagnose the run's stage results and build the Report (the FP32 re-check replays from ``run``)."""
     cfg, results, batches, device = run.config, run.results, run.batches, run.device
     start_words = start_of(run)
-    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device, run.replay.step0 if run.replay
-                         is not None else run.step0, "initial" if run.start_kind == "init" else start_words)
-    phase = run.replay.manifest.get("scaler_phase") if run.replay is not None else None  # (what GradScaler was doing)
-    hcheck = hook_check(run.model, run.spec, batches, results, device, run.hook_list)
-    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
-                    hook_list=run.hook_list, hook_check=hcheck,
-                    scaler_phase=phase if isinstance(phase, str) else None,
-                    step0=run.replay.step0 if run.replay is not None else run.step0,  # the story in the run's steps
-                    resumed=run.start_kind != "init")
+    diag = _diagnosis(run, start_words)
     rp = run.replay
     step0 = rp.step0 if rp is not None else run.step0
-    if rp is not None:
-        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
-        if transient is not None:
-            diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
-    if step0:
-        diag = shift_diagnosis(diag, step0)  # the run's own steps, before any word is written
-    diag.outcome.facts.setdefault("start", start_words)  # where the stages started, in the words' own terms
     verdict, findings, fixes, scaler = words.write(diag)
     run.reset()
     fp32 = results.get("fp32")
-    notes = []
-    if batches.cycled:
-        notes.append(f"the dataloader yields {len(batches.items)} batch(es); they were cycled to make {cfg.steps} steps")
-    if device.type == "cpu":
-        notes.append("ran on the CPU: CPU autocast keeps softmax, exp, pow, layer_norm, sum and mean in FP16 where "
-                     "CUDA autocast runs them in FP32, so a verdict can differ on a GPU")
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
     cfg_dict = asdict(cfg)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
@@ -638,7 +614,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         fixes=fixes,
         environment=environment(device, argv),
         config=cfg_dict,
-        notes=notes,
+        notes=_notes(run),
     )
     enrich(report, results)
     if rp is not None and report.scaler is not None:
@@ -650,34 +626,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
             report.scaler.init_scale = first
         report.scaler.calibration_skips = 0  # the run's scale, already proven: a skip here is no calibration
         report.scaler.explanation = words.replay_scaler(report.scaler.init_scale, len(batches.items), rp.manifest)
-    if rp is not None:
-        m = rp.manifest
-        report.config["from_capture"] = str(rp.capture)
-        report.config["replay_step0"] = rp.step0
-        world = int(m.get("world_size") or 1)
-        if world > 1:
-            report.config["capture_rank"] = m.get("rank")
-            who = f" on rank {m.get('rank')} of {world}"
-            ranks = (f"; ranks that saw it: {m['ranks']}" if m.get("ranks") else "") + (
-                f" (only rank {m.get('first_rank')} in its own batch or forward: the others were clean)"
-                if m.get("others_clean") and m.get("first_rank") is not None else "")
-        else:
-            who = ranks = ""
-        report.notes.insert(0, f"replayed from the capture {rp.capture} of step {m.get('step')} ({m.get('reason')}){who}: "
-                               f"{len(batches.items)} step(s) from the run's step {rp.step0}; the {rp.precision} replay "
-                               f"failed again {rp.reproduced} of {rp.replays} times{ranks}")
-        if any(isinstance(b, ModelInputs) for it in batches.items for b in micro_batches(it)):
-            report.notes.insert(1, "the capture kept the model's own inputs (no batch= was passed), not the targets of "
-                                   "its loss: the replay ran the forward alone, which tells data from forward range; a failure "
-                                   "in backward is not re-reached this way: pass batch= (mon.step(loss, batch=...))")
-    if run.start:
-        report.notes.insert(0, run.start)
-        report.config["start_step"] = step0
-    if rp is not None or run.start:
-        report.notes.insert(1 if (rp is not None or run.start) else 0, _rng_words(run, rp))
-        report.config["rng_restored"] = list(run.rng_restored)
-    for i, n in enumerate(run.said):
-        report.notes.insert(i, n)
+    _start_config(report, run)
     if step0:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)
@@ -686,3 +635,59 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         if told is not None:
             report.findings.append(told)
     return report
+
+
+def _diagnosis(run: Run, start_words: str) -> Diagnosis:
+    """The rules over the stage results (with the FP32 re-check and the hooks' check replaying from ``run``), a
+    replay that did not fail again judged transient, shifted to the run's own steps before any word is written."""
+    cfg, results, batches, device = run.config, run.results, run.batches, run.device
+    rp = run.replay
+    step0 = rp.step0 if rp is not None else run.step0
+    recheck = recheck_fn(run.model, run.spec, batches, run.init_state, results, device, step0,
+                         "initial" if run.start_kind == "init" else start_words)
+    phase = rp.manifest.get("scaler_phase") if rp is not None else None  # (what GradScaler was doing)
+    hcheck = hook_check(run.model, run.spec, batches, results, device, run.hook_list)
+    diag = diagnose(results, batches, cfg, recheck, device=str(device), model_hooks=run.user_hooks,
+                    hook_list=run.hook_list, hook_check=hcheck,
+                    scaler_phase=phase if isinstance(phase, str) else None,
+                    step0=step0,  # the story in the run's steps
+                    resumed=run.start_kind != "init")
+    if rp is not None:
+        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
+        if transient is not None:
+            diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
+    if step0:
+        diag = shift_diagnosis(diag, step0)  # the run's own steps, before any word is written
+    diag.outcome.facts.setdefault("start", start_words)  # where the stages started, in the words' own terms
+    return diag
+
+
+def _notes(run: Run) -> list[str]:
+    """The report's notes, from what the run was and where it started (``report.stages.notes``)."""
+    rp, batches = run.replay, run.batches
+    replay = None if rp is None else {
+        "capture": rp.capture, "manifest": rp.manifest, "n_steps": len(batches.items), "step0": rp.step0,
+        "precision": rp.precision, "reproduced": rp.reproduced, "replays": rp.replays}
+    model_inputs = rp is not None and any(isinstance(b, ModelInputs) for it in batches.items for b in micro_batches(it))
+    rng_note = (stage_report.rng(rp is not None, run.rng_restored, run.config.seed, rp.step0 if rp is not None else run.step0,
+                                 rp.manifest if rp is not None else None) if rp is not None or run.start else None)
+    return stage_report.notes(said=run.said, start_note=run.start, replay=replay, rng_note=rng_note,
+                              model_inputs=model_inputs,
+                              cycled=(len(batches.items), run.config.steps) if batches.cycled else None,
+                              cpu=run.device.type == "cpu")
+
+
+def _start_config(report: Report, run: Run) -> None:
+    """Where the stages started, in the report's config: the capture replayed (and the rank), the start step, the
+    RNG states restored."""
+    rp = run.replay
+    if rp is not None:
+        m = rp.manifest
+        report.config["from_capture"] = str(rp.capture)
+        report.config["replay_step0"] = rp.step0
+        if int(m.get("world_size") or 1) > 1:
+            report.config["capture_rank"] = m.get("rank")
+    if run.start:
+        report.config["start_step"] = rp.step0 if rp is not None else run.step0
+    if rp is not None or run.start:
+        report.config["rng_restored"] = list(run.rng_restored)

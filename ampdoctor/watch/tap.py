@@ -19,20 +19,15 @@ import torch
 from torch import nn
 
 from ampdoctor.input.batches import Micro, ModelInputs
+from ampdoctor.input.loss import model_loss
 from ampdoctor.watch.calls import call_wrapping_enabled, listen_calls, remove_hooks, track_calls, unlisten_calls, uses_compile
 from ampdoctor.watch.hooks import unwrap
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model returned: ``output.loss``, ``output["loss"]``, or a scalar tensor output."""
-    loss = None
-    if isinstance(output, dict):
-        loss = output.get("loss")
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    elif isinstance(output, torch.Tensor) and output.dim() == 0:
-        loss = output
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+    """The loss a model returned (``output.loss``, ``output["loss"]`` or the output itself), by the one rule of
+    ``input.loss``: a one-element tensor, any shape, is the loss."""
+    return model_loss(output)
 
 
 class ForwardTap:
