@@ -243,6 +243,63 @@ def test_fsdp2_capture_reassembles_on_one_process_and_replays_to_data(
     assert _replay(out / "cap")["verdict"] == rep["verdict"]  # the name given to Monitor(capture=...) reads the same
 
 
+def _nproc(cap: Path, n: str, spec: Path = WORKER) -> tuple[int, str, str]:
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(cap), "--nproc", n, "--json", "-", "-q"])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
+        fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
+    out, _ = fsdp2_run
+    rec = json.loads((out / "cap.rank0" / "manifest.json").read_text())["shards"]["recipe"]
+    assert rec == {"engine": "fsdp2", "fully_shard": ["head", "mid", "embed", ""], "mesh": [2],
+                   "mp_policy": {"param_dtype": "float16", "reduce_dtype": "float32", "output_dtype": None,
+                                 "cast_forward_inputs": True}}
+    code, stdout, _ = _nproc(out / "cap.rank1", "2")
+    assert code in (0, 1), stdout
+    rep = json.loads(stdout)
+    assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5
+    ran = rep["config"]["replayed_on"]
+    assert ran["nproc"] == 2 and list(ran["stages"]) == ["fp32", "amp"]
+    for st in ran["stages"].values():  # every rank its own shard and batch: rank 1's input, at embed, in FP32 too
+        assert st["first_fault"] == [5, 1, "input", "embed", True] and st["off"] is None
+        assert [s["step"] for s in st["steps"]] == [5] and st["steps"][0]["skipped"]
+    assert rep["notes"][0].startswith("replayed on 2 ranks under fsdp2 (fully_shard of head, mid, embed, the model on a "
+                                      "mesh of (2,), MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32))")
+    assert not any("on one process" in n and "reassembled" in n for n in rep["notes"][:1])
+
+
+def test_nproc_refuses_a_wrong_count_another_layout_and_a_whole_capture_in_one_line(
+        fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path, tp_run: tuple[Path, list[dict[str, object]]]) -> None:
+    code, _, err = _nproc(tp_run[0] / "cap.rank1", "2")  # a tensor-parallel plan is not recorded
+    assert code == 2 and "records no sharding recipe for its tensor_parallel layout" in err and "drop --nproc" in err
+    out, _ = fsdp2_run
+    code, _, err = _nproc(out / "cap.rank1", "3")
+    assert code == 2 and "--nproc 3" in err and "give --nproc 2" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = _nproc(next(full_run.glob("cap*")), "2", SAMPLE)  # DDP: one process's whole model
+    assert code == 2 and "whole model" in err and "drop --nproc" in err
+    r = CliRunner().invoke(app, ["triage", str(SAMPLE), "--nproc", "2"])
+    assert r.exit_code == 2 and "give --from CAPTURE_DIR" in r.stderr
+
+
+@pytest.mark.slow
+def test_nproc_a_rank_that_cannot_set_up_stops_every_rank_in_one_line(
+        fsdp2_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
+    import shutil
+
+    out, _ = fsdp2_run
+    for k in (0, 1):
+        shutil.copytree(out / f"cap.rank{k}", tmp_path / f"cap.rank{k}")
+    mf = tmp_path / "cap.rank1" / "manifest.json"
+    m = json.loads(mf.read_text())
+    m["shards"]["model"]["embed.weight"]["offset"] = [0, 0]  # rank 1 claims rank 0's rows: not the layout rebuilt
+    mf.write_text(json.dumps(m))
+    code, _, err = _nproc(tmp_path / "cap.rank1", "2")  # rank 0 set up fine and must not wait forever
+    assert code == 2 and "the replay on 2 ranks failed" in err and "rank 1: CaptureError: embed.weight" in err
+    assert "rank 0: stopped: another rank could not set up" in err
+
+
 @pytest.mark.slow
 def test_fsdp2_bf16_sentinel_mode_logs_the_global_norm_and_names_rank1(tmp_path: Path) -> None:
     _, res = _sharded("fsdp2_bf16", tmp_path, "sentinel")

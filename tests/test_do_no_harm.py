@@ -267,7 +267,7 @@ def test_the_forward_only_replay_says_so_and_a_sharded_capture_is_one_line(tmp_p
     mf.write_text(json.dumps({**m, "sharded": "fsdp2", "rank": 1, "world_size": 2, "shards": {"model": layout}}))
     (tmp_path / "cap").rename(tmp_path / "cap.rank1")  # one rank's shard, the other rank's folder missing
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap.rank1")])
-    assert r.exit_code == 2 and "rank(s) 0 of 2 have none next to it" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "rank 0's capture cap.rank0 is not beside it" in r.output and "Traceback" not in r.output
 
 
 def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:

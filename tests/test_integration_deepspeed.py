@@ -64,6 +64,12 @@ def fp16_zero1(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def fp16_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fp16 run in sentinel mode (full_every=4)."""
+    return _torchrun(tmp_path_factory.mktemp("ds") / "sentinel", *RUN, "--keep-batch", "--mode", "sentinel")
+
+
+@pytest.fixture(scope="module")
 def fp16_bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _torchrun(tmp_path_factory.mktemp("ds") / "bare", *RUN, "--bare")
 
@@ -196,9 +202,12 @@ def test_triage_replays_the_capture_without_deepspeed(which: str, request: pytes
     assert rep["config"]["target"] == ("amp" if which == "fp16" else "bf16")
 
 
-def test_watching_changes_nothing(fp16: Path, fp16_bare: Path) -> None:
-    """With and without the monitor, over a NaN step and an overflow step: every weight, FP32 master partition,
-    optimizer state tensor, loss scaler field and RNG state ends bit-identical."""
+@pytest.mark.parametrize("which", ["fp16", "fp16_sentinel"])
+def test_watching_changes_nothing(which: str, fp16_bare: Path, request: pytest.FixtureRequest) -> None:
+    """With and without the monitor (full statistics, or sentinel mode), over a NaN step and an overflow step:
+    every weight, FP32 master partition, optimizer state tensor, loss scaler field and RNG state ends
+    bit-identical."""
+    fp16: Path = request.getfixturevalue(which)
     for rank in (0, 1):
         a = torch.load(fp16 / f"final.rank{rank}.pt", weights_only=False)
         b = torch.load(fp16_bare / f"final.rank{rank}.pt", weights_only=False)
@@ -215,3 +224,46 @@ def test_watching_changes_nothing(fp16: Path, fp16_bare: Path) -> None:
         assert (a["skipped_steps"], a["global_steps"]) == (b["skipped_steps"], b["global_steps"]) == (2, 12)
         assert torch.equal(a["rng"], b["rng"])
         assert _ds(fp16, rank) == _ds(fp16_bare, rank)  # the same losses, norms and scales every step
+
+
+def test_zero3_turns_the_monitor_off_with_one_warning_and_trains_on(tmp_path: Path) -> None:
+    out = _torchrun(tmp_path / "z3", "--stage", "3", "--prec", "bf16", "--steps", "3")
+    for rank in (0, 1):
+        x = json.loads((out / f"zero3.rank{rank}.json").read_text())
+        assert "ZeRO stage 3 is not supported yet" in str(x["off"]) and len(x["losses"]) == 3
+        assert all(math.isfinite(v) for v in x["losses"])
+        assert not [f for f in x["files"] if not f.startswith("zero3.")]  # watched nothing, wrote nothing
+        # one warning, from rank 0 only
+        assert [c for c, _ in x["said"]] == (["MonitorOffWarning"] if rank == 0 else [])
+
+
+def test_sentinel_mode_reduces_p_norms_between_full_steps_and_logs_deepspeeds_norm(fp16_sentinel: Path) -> None:
+    """Sentinel mode (full_every=4): a step not recorded all-reduces each parameter's sum of squares and a flag
+    (P + 1 numbers), not the model-sized gradient; the logged norm is still DeepSpeed's, and rank 1's NaN at
+    step 5 is named."""
+    run = fp16_sentinel
+    n_params = 4  # embed.weight, embed.bias, head.weight, head.bias
+    for rank in (0, 1):
+        f = _log(run, rank)
+        for r in _ds(run, rank):
+            if r["applied"]:
+                assert math.isclose(float(f.loc[r["step"], "grad_l2_pre_clip"]), r["norm"], rel_tol=1e-5), (rank, r)
+        seen = parse_column(str(f.loc[5, "ranks"]))  # (not recorded: rank 1 is named from its loss)
+        assert (1, "loss", "embed") in seen and [r for r, k, _ in seen if k != "grad"] == [1]
+        assert bool(f.loc[5, "skipped"]) and not any(bool(f.loc[s, "skipped"]) for s in range(5))
+        sizes = json.loads((run / f"watch.rank{rank}.json").read_text())["reduced"]
+        small, large = n_params + 1, max(sizes)
+        assert sizes.count(small) == 12  # one a step
+        # the whole gradient on the recorded steps only: 0, 4 (full_every) and 6..11 (full_after the trip at 5)
+        assert large == 8 * 32 + 32 + 32 * 4 + 4 and sizes.count(large) == 8 and len(sizes) == 20
+        assert sizes[:4] == [small, large, small, small]
+
+
+def test_loss_backward_instead_of_engine_backward_is_said_once(tmp_path: Path) -> None:
+    run = _torchrun(tmp_path / "direct", "--stage", "1", "--prec", "bf16", "--nan-step", "-1", "--steps", "3",
+                    "--direct-backward")
+    for rank in (0, 1):
+        said = json.loads((run / f"watch.rank{rank}.json").read_text())["said"]
+        want = ["engine.step() came without engine.backward(loss)"] if rank == 0 else []
+        assert [m.split(": ", 1)[1][:48] for _, m in said] == want, said
+        assert len(_ds(run, rank)) == 3

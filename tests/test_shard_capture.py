@@ -48,7 +48,7 @@ def test_the_pieces_make_the_whole_model_and_optimizer_state(tmp_path: Path) -> 
     assert opt is not None
     assert torch.equal(opt["state"][0]["exp_avg"], W * 2) and torch.equal(opt["state"][1]["exp_avg"], B * 2)
     assert float(opt["state"][0]["step"]) == 3.0
-    assert "from the 2 ranks' captures of step 5" in words and "rank 1's" in words
+    assert "from the 2 ranks' shards (deepspeed) of step 5 on one process" in words and "rank 1's" in words
     nn.Linear(4, 3).load_state_dict(whole.model)  # loads into the model whole
 
 
@@ -96,3 +96,59 @@ def test_triage_of_a_rank_without_its_siblings_is_one_line(tmp_path: Path) -> No
     r = CliRunner().invoke(app, ["triage", "--from", str(tmp_path / "cap.rank1")])
     assert r.exit_code == 2, r.output
     assert "rank 0's capture cap.rank0 is not beside it" in r.output and "Traceback" not in r.output
+
+
+def test_watch_turns_off_on_zero3_with_one_warning_and_touches_nothing() -> None:
+    import warnings
+
+    from ampdoctor.engine.monitor import MonitorOffWarning
+    from ampdoctor.integrations.deepspeed import watch
+
+    class DeepSpeedEngine(nn.Module):  # the engine's shape as far as watch reads it before it turns off
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.calls: list[str] = []
+
+        def zero_optimization_stage(self) -> int:
+            return 3
+
+        def backward(self, loss: torch.Tensor) -> None:
+            self.calls.append("backward")
+
+        def step(self) -> None:
+            self.calls.append("step")
+
+    eng = DeepSpeedEngine()
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mon = watch(eng, log=None)
+        eng.backward(torch.tensor(1.0))
+        eng.step()
+        mon.close()
+    off = [w for w in said if issubclass(w.category, MonitorOffWarning)]
+    assert len(off) == 1 and "ZeRO stage 3 is not supported yet" in str(off[0].message)
+    assert [w for w in said if "ampdoctor" in str(w.message)] == off  # nothing else said
+    assert mon.off is not None and "backward" not in eng.__dict__ and eng.calls == ["backward", "step"]
+    assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())
+
+
+def test_nproc_on_a_deepspeed_capture_is_one_line_with_or_without_deepspeed(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from ampdoctor.cli.app import app
+    from ampdoctor.engine import shard_replay
+
+    _pair(tmp_path)
+    spec = tmp_path / "spec.py"
+    spec.write_text("from torch import nn\n\ndef build_model():\n    return nn.Linear(4, 3)\n")
+    args = ["triage", str(spec), "--from", str(tmp_path / "cap.rank1"), "--nproc", "2"]
+    monkeypatch.setattr(shard_replay, "_installed", lambda m: m != "deepspeed")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "DeepSpeed is not installed here; drop --nproc" in r.stderr, r.output
+    monkeypatch.setattr(shard_replay, "_installed", lambda m: True)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "records no sharding recipe for its deepspeed layout" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output

@@ -85,3 +85,83 @@ def test_a_replica_counts_once_in_the_norm() -> None:
     sh = Shards("fsdp1", model, params, rank=1, world=2)  # FULL_SHARD-like: every rank's slice counts
     assert sh.sums(per, [0, 1], torch.device("cpu")).tolist() == [9.0, 16.0]
     assert sh.sums(per[1:], [1], torch.device("cpu")).tolist() == [0.0, 16.0]  # a parameter without a gradient here
+
+
+def test_a_2d_mesh_and_fsdp1_flat_parameters_turn_the_monitor_off_with_one_warning() -> None:
+    """HSDP (a 2-D mesh) and FSDP1 with use_orig_params=False: one MonitorOffWarning each, no raise, the loop
+    trains on (one process over gloo: every layout here is the same as on N ranks)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "tests" / "assets" / "unsupported_worker.py"), "hsdp", "fsdp1_flat"],
+                       capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {x["setup"]: x for x in map(json.loads, r.stdout.splitlines())}
+    for setup, why in (("hsdp", "2-D device mesh (1, 1)"), ("fsdp1_flat", "use_orig_params=False")):
+        x = got[setup]
+        assert x["steps"] == 3 and x["off"] is not None and why in x["off"]
+        assert [c for c, _ in x["said"]] == ["MonitorOffWarning"] and why in x["said"][0][1]
+
+
+class _TripHooks:
+    """The monitor's hooks as ``trip_stats`` drives them: ``fail`` raises in after_backward (a rank-local failure
+    before the rows are reduced); else end_step hands its rows to the exchange."""
+
+    def __init__(self, rows: dict[str, torch.Tensor], fail: bool = False) -> None:
+        self.rows, self.fail, self.exchanged = rows, fail, None
+
+    def begin_step(self, step: int, record: bool = False) -> None:
+        self.step = step
+
+    def after_backward(self, inv: float | None) -> None:
+        if self.fail:
+            raise RuntimeError("statistics exploded on this rank")
+
+    def after_step(self) -> None:
+        pass
+
+    def end_step(self, exchange=None):  # type: ignore[no-untyped-def]
+        keys = [("pgrad", n) for n in self.rows]
+        got = exchange(keys, tensor_stats(list(self.rows.values()), FP16))
+        self.exchanged = got.numpy()
+        return StepStats(self.step)
+
+
+def test_a_sentinel_trip_whose_rows_fail_on_one_rank_still_joins_both_reductions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No collective that only one rank joins: the failing rank joins the SUM and the MAX with the sizes the others
+    use, its rows marked held by nobody, then raises; the rank that did not fail drops that step's rows."""
+    import types
+
+    import torch.distributed as dist
+
+    from ampdoctor.engine.shards import trip_stats
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    sh = Shards("fsdp1", model, list(model.parameters()), rank=0, world=2)
+    calls: list[tuple[int, object]] = []
+    sent: dict[str, torch.Tensor] = {}
+
+    def all_reduce(t: torch.Tensor, op: object = dist.ReduceOp.SUM, group: object = None) -> None:
+        calls.append((t.numel(), op))
+        key = "max" if op == dist.ReduceOp.MAX else "sum"
+        if key in sent:  # the other rank's contribution
+            t.copy_(torch.maximum(t, sent[key]) if key == "max" else t + sent[key])
+        else:
+            sent[key] = t.clone()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    ranks = types.SimpleNamespace(group=None)
+    with pytest.raises(RuntimeError, match="exploded"):  # rank 1: fails before its rows, joins, then raises
+        trip_stats(_TripHooks({}, fail=True), 7, None, sh, ranks)
+    ns, nm = sh.sizes(True)
+    want = [(ns - len(sh.counts), dist.ReduceOp.SUM), (nm, dist.ReduceOp.MAX)]
+    assert calls == want
+    st = trip_stats(_TripHooks({"0.weight": torch.ones(4, 3)}), 7, None, sh, ranks)  # rank 0: its rows are fine
+    assert calls == want * 2  # the same two collectives, the same sizes
+    assert st.pgrad == {} and st.extra["sentinel_trip"] == 1.0  # dropped, not one rank's rows taken as the whole
+    sent.clear()
+    st = trip_stats(_TripHooks({"0.weight": torch.ones(4, 3)}), 7, None, sh, types.SimpleNamespace(group=None))
+    assert float(st.pgrad["0.weight"][Col.NUMEL]) == 12  # alone (nothing from another rank): its own rows

@@ -96,6 +96,7 @@ def triage(
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
     attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2), instead of reassembling them on one process.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
@@ -108,7 +109,10 @@ def triage(
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                      "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
+            if nproc is not None and from_capture is None:
+                raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")
             sp, cfg = _spec_and_config(spec, names, given, device, from_capture, checkpoint)
+            ranks = _ranks(spec, from_capture, nproc, names)
             from ampdoctor.cli.progress import progress_display
             from ampdoctor.engine.triage import triage as run_triage
 
@@ -116,6 +120,8 @@ def triage(
                 report, run = run_triage(sp, cfg, names=names, progress=progress, argv=["ampdoctor", *sys.argv[1:]],
                                          log_path=log, from_capture=from_capture, checkpoint=checkpoint,
                                          skip_batches=skip_batches, script=script, attn_implementation=attn_implementation)
+            if ranks is not None:
+                ranks.apply(report)
             written = _write_outputs(report, run, report_path, dump_dir)
     except KeyboardInterrupt:
         kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
@@ -123,6 +129,15 @@ def triage(
         return
     _show(report, human, json_path, written, quiet)
     raise typer.Exit(report.exit_code)
+
+
+def _ranks(spec: Path | None, from_capture: Path | None, nproc: int | None, names: SpecNames) -> Any:
+    """``--nproc N``: the capture replayed on N ranks under its layout (``engine.shard_replay``), or None."""
+    if nproc is None or from_capture is None:
+        return None
+    from ampdoctor.engine.shard_replay import replay_ranks
+
+    return replay_ranks(spec, from_capture, nproc, names)
 
 
 def _spec_and_config(spec: Path | None, names: SpecNames, given: dict[str, Any], device: str,

@@ -554,6 +554,11 @@ class Capture:
         tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
         return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
 
+    def _shards(self) -> dict[str, Any]:
+        """The manifest's ``shards`` (``engine.shard_capture`` describes it): where this rank's pieces sit, the
+        optimizer state's parameter names, and how the engine sharded the model."""
+        return {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model), "recipe": _recipe(self.model)}
+
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -655,8 +660,7 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
-            **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model)}}
-               if self.sharded and self.layout is not None else {}),
+            **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
         }
 
     def _save(self, files: dict[str, Any], stats: StepStats | None, tables: dict[str, str], manifest: str) -> Path:
@@ -713,6 +717,17 @@ def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> lis
         return []
     names = {id(p): n for n, p in named_parameters(unwrap(model))}
     return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+
+
+def _recipe(model: nn.Module) -> dict[str, Any] | None:
+    """How the engine sharded the model (``engine.shards.recipe``), for a replay under the same layout; None
+    when it is not known (the capture is written all the same, and reassembles on one process)."""
+    from ampdoctor.engine.shards import recipe
+
+    try:
+        return recipe(model)
+    except Exception:
+        return None
 
 
 def _module_of(skip_reason: str) -> str | None:

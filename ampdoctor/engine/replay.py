@@ -9,8 +9,6 @@ batch since, the failing one last. Errors are one line (``CaptureError``), never
 
 from __future__ import annotations
 
-import glob
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,6 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
-from ampdoctor.engine.shards import ENGINES, assemble
 from ampdoctor.engine.step import Precision
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
@@ -106,13 +103,20 @@ def read_capture(path: str | Path) -> Captured:
     each other, and a damaged one is one line naming the file and the field."""
     p = Path(path)
     group = rank_captures(p)
-    if group:
-        return _assemble(p, group)
+    if group:  # every rank's shard of a sharded step, put together (engine.shard_capture: the one reader)
+        from ampdoctor.engine.shard_capture import reassemble_group
+
+        return reassemble_group(p, group)
     if not p.is_dir():
         raise CaptureError(f"{p}: no such capture folder; pass the folder Monitor(capture=...) wrote")
     mf = p / MANIFEST
     if not mf.exists():
         raise CaptureError(f"{p}: no {MANIFEST}; this is not an ampdoctor capture folder")
+    return _read_one(p)
+
+
+def read_rank(p: Path) -> Captured:
+    """One rank's capture folder alone (its own pieces of a sharded model, not reassembled)."""
     return _read_one(p)
 
 
@@ -149,87 +153,11 @@ def _read_one(p: Path) -> Captured:
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
 
 
-_RANK = re.compile(r"^(.*)\.rank(\d+)$")
-
-
 def rank_captures(p: Path) -> dict[int, Path]:
-    """The per-rank capture folders of one sharded run's step: ``cap.rank0``, ``cap.rank1``... next to ``p``
-    (``p`` itself one of them, or the ``capture=`` name the run was given), when ``p`` names a sharded capture;
-    else empty (a whole model's capture is read alone)."""
-    m = _RANK.match(p.name)
-    base = m.group(1) if m else p.name
-    if m and not (p / MANIFEST).is_file():
-        return {}
-    if not m and p.is_dir():
-        return {}
-    found = {int(mm.group(2)): q for q in sorted(p.parent.glob(f"{glob.escape(base)}.rank*"))
-             if (mm := _RANK.match(q.name)) is not None and mm.group(1) == base and (q / MANIFEST).is_file()}
-    one = p / MANIFEST if m else (next(iter(found.values())) / MANIFEST if found else None)
-    if one is None:
-        return {}
-    own = read_manifest(one)
-    if own.get("sharded") not in ENGINES or not own.get("shards"):  # (DeepSpeed's: engine.shard_capture)
-        return {}
-    return found
+    """The per-rank capture folders of one sharded step beside ``p`` (``engine.shard_capture.rank_folders``)."""
+    from ampdoctor.engine.shard_capture import rank_folders
 
-
-def _assemble(p: Path, group: dict[int, Path]) -> Captured:
-    """One process's view of a sharded step: every rank's shard of the state put back into whole tensors (by the
-    layouts their manifests hold), the batch, RNG and scaler of the rank that went first."""
-    caps: dict[int, Captured] = {}
-    for r, q in sorted(group.items()):
-        caps[r] = _read_one(q)
-    first = next(iter(caps.values()))
-    step, world, engine = first.step, int(first.manifest.get("world_size") or 1), first.manifest.get("sharded")
-    same = {r: c for r, c in caps.items() if c.step == step and c.manifest.get("sharded") == engine}
-    missing = [r for r in range(world) if r not in same]
-    if missing or not engine:
-        raise CaptureError(f"{p}: a sharded capture is replayed from every rank's shard of the step; rank(s) "
-                           f"{', '.join(map(str, missing)) or '?'} of {world} have none next to it (copy every "
-                           f"cap.rankN folder of step {step} together)")
-    if len({c.from_snapshot for c in same.values()}) > 1 or len({c.start.step0 for c in same.values()}) > 1:
-        raise CaptureError(f"{p}: the ranks' captures of step {step} start from different states (state.pt on some, "
-                           "snapshot.pt on others); capture again")
-    named = _RANK.match(p.name)
-    want = same[0].manifest.get("first_rank")
-    lead = int(want) if isinstance(want, int) and want in same else (int(named.group(2)) if named else 0)
-    lead_cap = same[lead]
-    layouts = {r: c.manifest["shards"]["model"] for r, c in same.items()}
-    try:
-        model = {k: assemble([(same[r].model[k], layouts[r][k]) for r in sorted(same)], k) for k in layouts[lead]}
-        opt = _assemble_optimizer(same, layouts)
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise CaptureError(f"{p}: the ranks' shards do not fit together ({type(e).__name__}: {str(e)[:160]}); "
-                           "capture again") from None
-    said = (f"reassembled the whole model from the {world} ranks' shards ({engine}) of step {step} on one process; "
-            f"replayed rank {lead}'s batch")
-    return Captured(lead_cap.path, lead_cap.manifest, model, StartState(opt, lead_cap.start.scaler, lead_cap.start.step0),
-                    lead_cap.batches, lead_cap.from_snapshot, rng=lead_cap.rng, assembled=said)
-
-
-def _assemble_optimizer(caps: dict[int, Captured], layouts: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
-    ranks = sorted(caps)
-    states = {r: caps[r].start.optimizer for r in ranks}
-    if any(s is None for s in states.values()):
-        return None
-    lead = states[ranks[0]]
-    assert lead is not None
-    names = caps[ranks[0]].manifest["shards"].get("optimizer_params") or []
-    out_state: dict[Any, Any] = {}
-    keys = {k for s in states.values() if s is not None for k in s.get("state", {})}
-    for idx in sorted(keys, key=lambda k: int(k)):
-        name = names[int(idx)] if int(idx) < len(names) else None
-        have = [r for r in ranks if idx in states[r]["state"]]  # type: ignore[index]
-        entry: dict[str, Any] = {}
-        for k, v in states[have[0]]["state"][idx].items():  # type: ignore[index]
-            if name is not None and isinstance(v, torch.Tensor) and v.dim() > 0 and name in caps[have[0]].model and \
-                    tuple(v.shape) == tuple(caps[have[0]].model[name].shape):
-                pieces = [(states[r]["state"][idx][k], layouts[r][name]) for r in have]  # type: ignore[index]
-                entry[k] = assemble(pieces, f"optimizer state {k} of {name}")
-            else:
-                entry[k] = v
-        out_state[idx] = entry
-    return {"state": out_state, "param_groups": lead["param_groups"]}
+    return rank_folders(p)
 
 
 def _batch(b: Any, where: Path, i: int) -> Any:

@@ -1,93 +1,78 @@
-"""The per-rank captures of one sharded step, reassembled into one process's whole state.
+"""The one reader of a sharded step's per-rank captures (FSDP1, FSDP2, tensor parallelism, DeepSpeed ZeRO).
 
-Under a sharding engine each rank writes its own capture folder (``cap.rank0``, ``cap.rank1`` ...), with
-no collective: its ``state.pt`` / ``snapshot.pt`` hold this rank's piece of each tensor, and the
-manifest's ``shards`` says where each piece sits in the whole tensor (plain JSON)::
+Under a sharding engine each rank writes its own capture folder (``cap.rank0``, ``cap.rank1`` ...), with no
+collective: its ``state.pt`` / ``snapshot.pt`` hold this rank's piece of each tensor (plain tensors, no
+engine class), and the manifest's ``sharded`` names the engine and ``shards`` says where each piece sits in
+the whole tensor (plain JSON)::
 
-    "sharded": "deepspeed",
-    "shards": {"model": {"embed.weight": {"shape": [16, 8], "flat": 106}, ...},
-               "optimizer_params": ["embed.weight", "embed.bias", ...]}
+    "sharded": "fsdp2",
+    "shards": {"model": {"embed.weight": {"shape": [32, 8], "offset": [16, 0]},
+                         "head.weight": {"shape": [1, 6], "offset": [1, 0]}, ...},
+               "optimizer_params": ["embed.weight", "embed.bias", ...],
+               "recipe": {"engine": "fsdp2", "fully_shard": ["head", "mid", "embed", ""], "mesh": [2],
+                          "mp_policy": {"param_dtype": "float16", ...}}}
 
-A piece is either ``{"shape": [...], "flat": k}`` (elements ``k ..`` of the flattened tensor: a ZeRO
-partition's fragment, FSDP1's slice of a flat parameter) or ``{"shape": [...], "offset": [...]}`` (a block
-at that offset: a DTensor's shard, or the whole tensor). The optimizer state's entry ``i`` belongs to the
-parameter ``optimizer_params[i]`` and its tensors are pieces laid out as that parameter's.
+A piece is either ``{"shape": [...], "offset": [...]}``, a block at that offset (a DTensor's shard under FSDP2
+or tensor parallelism; a replica or a plain tensor: the whole tensor at 0), or ``{"shape": [...], "flat": k}``,
+elements ``k ..`` of the flattened tensor (a ZeRO partition's fragment, FSDP1's slice of a flat parameter). A
+rank may hold an empty piece. The optimizer state's entry ``i`` belongs to the parameter
+``optimizer_params[i]``; its tensors shaped like that rank's piece of the parameter are pieces laid out as
+it, the rest (a step count) are taken from the first rank that has the entry. ``recipe`` (FSDP2 only) is how
+the model was sharded, for ``triage --from --nproc N`` (``engine.shard_replay``).
 
-``reassemble`` reads every rank's folder of the same step beside the one given, checks they belong
-together, and returns one ``Captured`` with the whole model state and optimizer state, the batches of
-the rank given. Reading imports no engine: a sharded capture is triaged where DeepSpeed or FSDP are not
-installed.
+``reassemble_group`` reads every rank's folder of the same step, checks that they belong together (rank,
+step, world size, engine, starting state) and returns one ``Captured``: the whole model and optimizer state,
+and the batches, RNG and scaler state of the rank that went first (the manifest's ``first_rank``, else the
+rank whose folder was named). Reading imports no engine: a sharded capture is triaged where DeepSpeed or FSDP
+are not installed.
 """
 
 from __future__ import annotations
 
+import glob
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampdoctor.engine.replay import Captured, read_capture
+from ampdoctor.engine.replay import Captured, StartState, read_rank
+from ampdoctor.engine.shards import assemble
 from ampdoctor.errors import CaptureError
+from ampdoctor.input.capture_schema import read_manifest
 
-_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<tail>(-\d+)?)$")
-
-
-def siblings(cap: Captured) -> list[Path]:
-    """The folders of every rank's capture of this step, rank 0 first (``cap.rank0``, ``cap.rank1`` ...)."""
-    m = cap.manifest
-    world = int(m.get("world_size") or 1)
-    rank = int(m.get("rank") or 0)
-    hit = _RANK.match(cap.path.name)
-    if hit is None or int(hit.group("rank")) != rank:
-        raise CaptureError(f"{cap.path}: a {m.get('sharded')} capture of rank {rank} of {world}, but its folder is not named "
-                           "<name>.rank<N>, so the other ranks' captures cannot be found beside it")
-    out = []
-    for r in range(world):
-        p = cap.path.with_name(f"{hit.group('base')}.rank{r}{hit.group('tail')}")
-        if not p.is_dir():
-            raise CaptureError(f"{cap.path}: rank {r}'s capture {p.name} is not beside it; the {world} ranks' captures of "
-                               f"step {m.get('step')} together hold the model (copy every {hit.group('base')}.rank* folder)")
-        out.append(p)
-    return out
+MANIFEST = "manifest.json"
+_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)$")
 
 
-def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
-    """The whole tensor from every rank's piece and its layout; ValueError when an element is in no piece."""
-    shape = [int(x) for x in pieces[0][1]["shape"]]
-    dtype = next((t.dtype for t, _ in pieces if t.numel()), pieces[0][0].dtype)
-    full = torch.zeros(shape, dtype=dtype)
-    have = torch.zeros(shape, dtype=torch.bool)
-    for t, lay in pieces:
-        if [int(x) for x in lay["shape"]] != shape:
-            raise ValueError(f"{name}: the ranks' pieces disagree on its shape ({lay['shape']} and {shape})")
-        if "flat" in lay:
-            k = int(lay["flat"])
-            if k + t.numel() > full.numel():
-                raise ValueError(f"{name}: a piece of {t.numel()} elements at {k} runs past its {full.numel()}")
-            full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
-            have.view(-1)[k: k + t.numel()] = True
-        else:
-            off = [int(o) for o in lay["offset"]]
-            if len(off) != t.dim():
-                raise ValueError(f"{name}: a piece of {t.dim()} dimensions at an offset of {len(off)}")
-            sl = tuple(slice(o, o + s) for o, s in zip(off, t.shape, strict=True))
-            full[sl] = t.to(dtype)
-            have[sl] = True
-    if not bool(have.all()):
-        raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece")
-    return full
+def rank_folders(p: Path) -> dict[int, Path]:
+    """The per-rank capture folders of one sharded step (``<base>.rank<N>`` beside ``p``; ``p`` one of them or
+    the ``capture=`` name the run was given), when ``p`` names a sharded capture with a layout; else empty (a
+    whole model's capture, or one rank's of DDP, is read alone)."""
+    m = _RANK.match(p.name)
+    base = m.group("base") if m else p.name
+    if m and not (p / MANIFEST).is_file():
+        return {}
+    if not m and p.is_dir():
+        return {}
+    found = {int(mm.group("rank")): q for q in sorted(p.parent.glob(f"{glob.escape(base)}.rank*"))
+             if (mm := _RANK.match(q.name)) is not None and mm.group("base") == base and (q / MANIFEST).is_file()}
+    one = p if m else (next(iter(found.values())) if found else None)
+    if one is None:
+        return {}
+    own = read_manifest(one / MANIFEST)
+    if not own.get("sharded") or not own.get("shards"):
+        return {}
+    return found
 
 
-def _layout(cap: Captured) -> tuple[dict[str, Any], list[str]]:
+def _layout(cap: Captured) -> tuple[dict[str, Any], list[str | None]]:
     sh = cap.manifest.get("shards")
     if not isinstance(sh, dict) or not isinstance(sh.get("model"), dict):
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest.get('sharded')} model but its manifest has no field shards (where each piece "
                            "sits); it cannot be reassembled: capture again with this ampdoctor")
-    model = sh["model"]
-    for n, lay in model.items():
+    for n, lay in sh["model"].items():
         if not (isinstance(lay, dict) and isinstance(lay.get("shape"), list)
                 and (isinstance(lay.get("flat"), int) or isinstance(lay.get("offset"), list))):
             raise CaptureError(f"{cap.path}: field shards.model[{n!r}] is not {{'shape': [...], 'flat': k}} or "
@@ -95,31 +80,46 @@ def _layout(cap: Captured) -> tuple[dict[str, Any], list[str]]:
     params = sh.get("optimizer_params") or []
     if not isinstance(params, list) or not all(isinstance(x, str) or x is None for x in params):
         raise CaptureError(f"{cap.path}: field shards.optimizer_params is not a list of parameter names; the capture is damaged")
-    return model, params
+    return sh["model"], params
 
 
-def reassemble(cap: Captured) -> tuple[Captured, str]:
-    """Every rank's capture of this step, read and put together on this process: (the whole state as one
-    ``Captured``, what was done, in words for the report). Raises ``CaptureError`` (one line)."""
-    m = cap.manifest
-    folders = siblings(cap)
+def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captured]:
+    """Every rank's capture, rank 0 first, checked to be the same step of the same run."""
+    world = int(m.get("world_size") or 1)
+    named = _RANK.match(p.name)
+    base = named.group("base") if named else p.name
     caps: list[Captured] = []
-    for r, p in enumerate(folders):
-        c = cap if p == cap.path else read_capture(p)
+    for r in range(world):
+        q = group.get(r)
+        if q is None:
+            raise CaptureError(f"{p}: rank {r}'s capture {base}.rank{r} is not beside it; the {world} ranks' captures of "
+                               f"step {m.get('step')} together hold the model (copy every {base}.rank* folder)")
+        c = read_rank(q)
         cm = c.manifest
         if (int(cm.get("rank") or 0), cm.get("step"), cm.get("world_size"), cm.get("sharded")) != (
                 r, m.get("step"), m.get("world_size"), m.get("sharded")):
-            raise CaptureError(f"{p}: not rank {r}'s capture of the same {m.get('sharded')} step {m.get('step')} "
+            raise CaptureError(f"{q}: not rank {r}'s capture of the same {m.get('sharded')} step {m.get('step')} "
                                f"(it holds rank {cm.get('rank')}'s step {cm.get('step')} of {cm.get('world_size')})")
-        if c.from_snapshot != cap.from_snapshot or c.start.step0 != cap.start.step0:
-            raise CaptureError(f"{p}: rank {r}'s capture starts from step {c.start.step0}, rank {cap.manifest.get('rank')}'s "
-                               f"from {cap.start.step0}; the ranks' captures do not belong together (capture again)")
+        if caps and (c.from_snapshot != caps[0].from_snapshot or c.start.step0 != caps[0].start.step0):
+            raise CaptureError(f"{q}: rank {r}'s capture starts from step {c.start.step0}, rank 0's from "
+                               f"{caps[0].start.step0}; the ranks' captures do not belong together (capture again)")
         caps.append(c)
+    return caps
+
+
+def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
+    """One process's view of a sharded step (see the module): raises ``CaptureError`` (one line)."""
+    given = group.get(int(_RANK.match(p.name).group("rank"))) if _RANK.match(p.name) else None  # type: ignore[union-attr]
+    m = read_manifest((given or group.get(0) or next(iter(group.values()))) / MANIFEST)
+    caps = _read_all(p, group, m)
     layouts = [_layout(c) for c in caps]
-    names = list(layouts[0][0])
+    want = caps[0].manifest.get("first_rank")
+    named = _RANK.match(p.name)
+    lead = int(want) if isinstance(want, int) and 0 <= want < len(caps) else (int(named.group("rank")) if named else 0)
+    lead = lead if lead < len(caps) else 0
     model: dict[str, torch.Tensor] = {}
     try:
-        for n in names:
+        for n in layouts[lead][0]:
             pieces = []
             for c, (lay, _) in zip(caps, layouts, strict=True):
                 if n not in c.model or n not in lay:
@@ -127,44 +127,68 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
                 pieces.append((c.model[n], lay[n]))
             model[n] = assemble(pieces, n)
         optimizer = _optimizer(caps, layouts)
-    except ValueError as e:
-        raise CaptureError(f"{cap.path}: the ranks' pieces do not make the whole model ({e}); the captures are "
-                           "damaged or from different runs (capture again)") from None
-    whole = replace(cap, model=model, start=replace(cap.start, optimizer=optimizer))
-    words = (f"the whole model and optimizer state reassembled on one process from the {len(caps)} ranks' captures of "
-             f"step {m.get('step')} ({m.get('sharded')}: {', '.join(p.name for p in folders)}); the replayed batch is "
-             f"rank {m.get('rank')}'s")
-    return whole, words
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CaptureError(f"{p}: the ranks' pieces do not make the whole model ({e}); the captures are damaged or "
+                           "from different runs (capture again)") from None
+    own = caps[lead]
+    engine, step = m.get("sharded"), m.get("step")
+    said = (f"reassembled the whole model from the {len(caps)} ranks' shards ({engine}) of step {step} on one process; "
+            f"replayed rank {lead}'s batch")
+    return Captured(own.path, own.manifest, model, StartState(optimizer, own.start.scaler, own.start.step0),
+                    own.batches, own.from_snapshot, rng=own.rng, assembled=said, ring=own.ring)
 
 
-def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str]]]) -> dict[str, Any] | None:
-    """The whole optimizer state: each entry's tensors assembled like its parameter; scalars (a step count) from
-    rank 0."""
-    first = caps[0].start.optimizer
-    if first is None:
+def reassemble(cap: Captured) -> tuple[Captured, str]:
+    """``cap`` (one rank's capture) with every other rank's of its step put together: (the whole state, what was
+    done in words). A capture ``read_capture`` already reassembled is returned as it is."""
+    if cap.assembled is not None:
+        return cap, cap.assembled
+    named = _RANK.match(cap.path.name)
+    if named is None or int(named.group("rank")) != int(cap.manifest.get("rank") or 0):
+        raise CaptureError(f"{cap.path}: a {cap.manifest.get('sharded')} capture of rank {cap.manifest.get('rank')} of "
+                           f"{cap.manifest.get('world_size')}, but its folder is not named <name>.rank<N>, so the other "
+                           "ranks' captures cannot be found beside it")
+    base = named.group("base")
+    group = {int(mm.group("rank")): q for q in sorted(cap.path.parent.glob(f"{glob.escape(base)}.rank*"))
+             if (mm := _RANK.match(q.name)) is not None and mm.group("base") == base and (q / MANIFEST).is_file()}
+    whole = reassemble_group(cap.path, group)
+    assert whole.assembled is not None
+    return whole, whole.assembled
+
+
+def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str | None]]]) -> dict[str, Any] | None:
+    """The whole optimizer state: each entry's tensors shaped like the rank's piece of its parameter assembled like
+    it; the rest (a step count) from the first rank that has the entry."""
+    states = [c.start.optimizer for c in caps]
+    if any(s is None for s in states):
         return None
-    lay0, params = layouts[0]
-    state: dict[Any, dict[str, Any]] = {}
-    for i, st in first["state"].items():
-        idx = int(i)
+    first = states[0]
+    assert first is not None
+    params = layouts[0][1]
+    keys = sorted({int(k) for s in states if s is not None for k in s.get("state", {})})
+    out: dict[int, dict[str, Any]] = {}
+    for idx in keys:
         name = params[idx] if idx < len(params) else None
-        if name is None or name not in lay0:
+        if name is None or name not in layouts[0][0]:
             raise ValueError(f"optimizer state entry {idx} names no parameter of the capture")
-        out: dict[str, Any] = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() >= 1:  # a piece (a step count is a 0-d tensor or a number)
-                pieces = []
-                for c, (lay, _) in zip(caps, layouts, strict=True):
-                    opt = c.start.optimizer
-                    part = opt["state"].get(i, opt["state"].get(idx)) if opt is not None else None
-                    if part is None or k not in part:
-                        raise ValueError(f"{name}: rank {c.manifest.get('rank')}'s optimizer state has no {k!r}")
-                    pieces.append((part[k], lay[name]))
-                out[k] = assemble(pieces, f"{name} ({k})")
+        have = [(r, _entry(s, idx)) for r, s in enumerate(states) if _entry(s, idx) is not None]
+        entry: dict[str, Any] = {}
+        for k, v in have[0][1].items():  # type: ignore[union-attr]
+            r0 = have[0][0]
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(caps[r0].model[name].shape):
+                entry[k] = assemble([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}")  # type: ignore[index]
             else:
-                out[k] = v
-        state[idx] = out
-    return {"state": state, "param_groups": first["param_groups"]}
+                entry[k] = v
+        out[idx] = entry
+    return {"state": out, "param_groups": first["param_groups"]}
 
 
-__all__ = ["assemble", "reassemble", "siblings"]
+def _entry(state: dict[str, Any] | None, idx: int) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    st = state.get("state", {})
+    got = st.get(idx, st.get(str(idx)))
+    return got if isinstance(got, dict) else None
+
+
+__all__ = ["assemble", "reassemble", "reassemble_group", "rank_folders"]

@@ -103,6 +103,9 @@ class Shards:
     def _counts(self, p: torch.Tensor) -> bool:
         if _is_dtensor(p):
             mesh = p.device_mesh  # type: ignore[attr-defined]
+            if mesh.ndim != 1 and self.problem is None:
+                self.problem = (f"a {mesh.ndim}-D device mesh {tuple(int(x) for x in mesh.shape)} (HSDP, data parallel x "
+                                "tensor parallel: the exchange would judge a replica's batch as the whole run's)")
             if mesh.size() != self.world and self.problem is None:
                 self.problem = (f"a DTensor mesh of {mesh.size()} rank(s) in a world of {self.world} (the replicas "
                                 "outside the mesh would count twice)")
@@ -171,6 +174,17 @@ class Shards:
             name = self.named[j % n][0]
             (st.param if j >= n else st.pgrad)[name] = row
 
+    def failed_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a rank whose own rows failed adds to the SUM and the MAX (the sizes every rank uses): every row
+        marked held by nobody (``-inf`` in its 'held here' column), so every rank drops the step's reduced rows
+        rather than take wrong ones."""
+        n = len(self.named)
+        sums = torch.zeros((2 * n, NSUM), dtype=torch.float64, device=device)
+        sums[:, NSUM - 1] = -float("inf")
+        maxes = torch.zeros((2 * n, 2), dtype=torch.float64, device=device)
+        maxes[:, 1] = -float("inf")
+        return sums.reshape(-1), maxes.reshape(-1)
+
     # the capture ------------------------------------------------------------------------------------
     def layout(self, model: nn.Module) -> dict[str, Any]:
         """Where each tensor of ``capture.local_state(model)`` sits in the whole one (plain JSON):
@@ -183,37 +197,134 @@ class Shards:
         return out
 
     def _piece(self, t: torch.Tensor) -> dict[str, Any]:
-        if _is_dtensor(t):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
-            return {"shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset]}
         hit = self.flat.get(id(t))
         if hit is not None:
             return {"shape": hit[0], "flat": hit[1]}
-        return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
+        return dtensor_piece(t)
+
+
+def trip_stats(hooks: Any, step: int, inv_scale: float | None, shards: Shards | None, ranks: Any) -> StepStats:
+    """The sentinel tripped on a step not recorded: the parameter gradients (and weights with ``weights=True``)
+    taken in full now, on this step only (``hooks``: the monitor's ``watch.hooks.Hooks``; ``inv_scale``: the
+    gradients still carry the loss scale). Under a sharding engine with the ranks' exchange (``ranks``), every
+    rank trips at the same step and the pieces' rows are reduced across the ranks by name, in one SUM and one
+    MAX that every rank joins exactly once: a rank whose own part fails before them joins them all the same with
+    its rows marked held by nobody (``Shards.failed_tables``: every rank then drops that step's rows), and
+    raises after them (its monitor turns off and joins the next exchange flagged off)."""
+    if shards is None or ranks is None:
+        hooks.begin_step(step, record=True)
+        hooks.after_backward(inv_scale)
+        hooks.after_step()
+        st = hooks.end_step()
+        st.extra["sentinel_trip"] = 1.0
+        return st
+    import torch.distributed as dist
+
+    ns, nm = shards.sizes(True)
+    nrow = len(shards.counts)
+    joined = [False]
+
+    def join(sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+        joined[0] = True
+        dist.all_reduce(sums, group=ranks.group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ranks.group)
+        return torch.cat([sums, maxes])
+
+    def reduce(keys: list[Hashable], rows: torch.Tensor) -> torch.Tensor:
+        try:
+            sums, maxes = shards.tables(keys, rows)
+        except Exception:
+            sums, maxes = shards.failed_tables(rows.device)
+        return join(sums, maxes)
+
+    try:
+        hooks.begin_step(step, record=True)
+        hooks.after_backward(inv_scale)
+        hooks.after_step()
+        st = hooks.end_step(reduce)
+    except Exception:
+        if not joined[0]:
+            dev = next((p.device for _, p in shards.named), torch.device("cpu"))
+            join(*shards.failed_tables(dev))
+        raise
+    got = hooks.exchanged
+    if got is not None:
+        shards.apply(st, got[: ns - nrow], got[ns - nrow: ns - nrow + nm])
+    st.extra["sentinel_trip"] = 1.0
+    return st
+
+
+def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
+    """Where this rank's piece of ``t`` sits in the whole tensor: a DTensor's shard at its global offset, or a
+    plain tensor whole (``{"shape": [...], "offset": [...]}``)."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+        return {"shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset]}
+    return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
+
+
+def _dtype_name(dt: Any) -> str | None:
+    return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else None
+
+
+def recipe(model: nn.Module) -> dict[str, Any] | None:
+    """How FSDP2 sharded the model, as much as a replay under the same layout needs (plain JSON, the manifest's
+    ``shards.recipe``): the modules ``fully_shard`` was applied to (the user's names, ``""`` the model, children
+    first), their ``MixedPrecisionPolicy`` and the mesh's shape. None for any other layout (FSDP1's wrapping and
+    a tensor-parallel plan are not recorded: a replay under them is refused)."""
+    inner = unwrap(model)
+    mods: list[str] = []
+    mp: dict[str, Any] | None = None
+    mesh: list[int] | None = None
+    for name, m in inner.named_modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        mods.append(user_name(name))
+        group = getattr(get(), "_fsdp_param_group", None)
+        pol = getattr(group, "mp_policy", None)
+        if pol is not None and mp is None:
+            mp = {k: _dtype_name(getattr(pol, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+            mp["cast_forward_inputs"] = bool(getattr(pol, "cast_forward_inputs", True))
+    for p in inner.parameters():
+        if _is_dtensor(p):
+            mesh = [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
+            break
+    if not mods or mesh is None:
+        return None
+    return {"engine": "fsdp2", "fully_shard": mods[::-1], "mp_policy": mp, "mesh": mesh}
 
 
 def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
-    """The whole tensor from every rank's piece and its layout; raises ValueError when an element is missing."""
+    """The whole tensor from every rank's piece and its layout (``engine.shard_capture`` describes the format);
+    ValueError when the pieces disagree on its shape, one runs past it, or an element is in no piece."""
     shape = [int(x) for x in pieces[0][1]["shape"]]
-    dtype = pieces[0][0].dtype
+    dtype = next((t.dtype for t, _ in pieces if t.numel()), pieces[0][0].dtype)
     full = torch.zeros(shape, dtype=dtype)
     have = torch.zeros(shape, dtype=torch.bool)
     for t, lay in pieces:
+        if [int(x) for x in lay["shape"]] != shape:
+            raise ValueError(f"{name}: the ranks' pieces disagree on its shape ({lay['shape']} and {shape})")
         if "flat" in lay:
             k = int(lay["flat"])
+            if k + t.numel() > full.numel():
+                raise ValueError(f"{name}: a piece of {t.numel()} elements at {k} runs past its {full.numel()}")
             full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
             have.view(-1)[k: k + t.numel()] = True
-        else:
-            if list(t.shape) == shape and not any(int(o) for o in lay["offset"]) and bool(have.all()):
-                continue  # a replica of what is already there
-            sl = tuple(slice(int(o), int(o) + int(s)) for o, s in zip(lay["offset"], t.shape, strict=True))
-            full[sl] = t.to(dtype)
-            have[sl] = True
+            continue
+        off = [int(o) for o in lay["offset"]]
+        if len(off) != t.dim():
+            raise ValueError(f"{name}: a piece of {t.dim()} dimensions at an offset of {len(off)}")
+        if list(t.shape) == shape and not any(off) and bool(have.all()):
+            continue  # a replica of what is already there
+        sl = tuple(slice(o, o + s) for o, s in zip(off, t.shape, strict=True))
+        full[sl] = t.to(dtype)
+        have[sl] = True
     if not bool(have.all()):
         raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece")
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble"]
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "dtensor_piece", "recipe", "trip_stats"]

@@ -56,8 +56,10 @@ def _check_engine(engine: Any) -> None:
     if type(engine).__name__ != "DeepSpeedEngine" and not any(c.__name__ == "DeepSpeedEngine" for c in type(engine).__mro__):
         raise UsageError(f"engine: watch takes the DeepSpeedEngine deepspeed.initialize returned, got {type(engine).__name__}")
     stage = int(engine.zero_optimization_stage())
-    if stage not in (1, 2):
+    if stage not in (0, 1, 2, 3):
         raise UsageError(f"engine: ZeRO stage {stage}; ampdoctor.integrations.deepspeed reads ZeRO stages 1 and 2")
+    if stage in (0, 3):
+        return
     opt = getattr(engine, "optimizer", None)
     if opt is None or not hasattr(opt, "bit16_groups"):
         raise UsageError("engine: no ZeRO optimizer (give deepspeed.initialize an optimizer or an optimizer config)")
@@ -309,6 +311,7 @@ class DeepSpeedMonitor(Monitor):
     _params_view: _Params
     _view: _LossScale | None
     _gas: int
+    _pgrad_keys: list[Any]
 
     def close(self) -> None:
         eng = getattr(self, "engine_ds", None)
@@ -327,46 +330,77 @@ class DeepSpeedMonitor(Monitor):
         self._keep_micro(batch)
 
     # the two points of DeepSpeed's step ------------------------------------------------------------
-    def _read_grads(self) -> None:
+    def _read_grads(self, want: bool | None) -> None:
         """Each parameter's whole gradient (still times the loss scale), as ``safe_get_full_grad`` assembles it
         (this rank's fragment in place, zeros elsewhere, summed across the data-parallel ranks), for every
-        parameter in one all-reduce. Every rank joins it exactly once a step, also when reading its own
-        fragments failed (it then adds zeros and turns off after the collective)."""
-        import torch.distributed as dist
+        parameter in one all-reduce of the model's size (FP32).
 
+        Sentinel mode: first only each parameter's sum of squares and whether this rank records the step in full
+        (``P + 1`` float64 in one all-reduce); each ``_Grad`` then holds one element, the parameter's global norm
+        (what the norms, the sentinel and the skip read; no row is taken of it), and the model-sized all-reduce
+        follows only when the reduced flag says a rank records this step, so every rank decides it from the same
+        number. ``want``: this rank records the step in full (None: this rank turned off; it joins with zeros).
+        Every rank joins the same collectives, also when reading its own fragments failed (it then adds zeros and
+        turns off after them)."""
         params = self._module_params
-        sizes = [p.numel() for p in params]
-        dev = params[0].device if params else torch.device("cpu")
-        buf = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
         err: Exception | None = None
+        if getattr(self, "mode", "full") == "sentinel":
+            sq = torch.zeros(len(params) + 1, dtype=torch.float64)
+            try:
+                if want is not None:
+                    for i, p in enumerate(params):
+                        frag, _ = _fragment(p)
+                        if frag is not None:
+                            sq[i] = frag.double().square().sum()
+                    sq[-1] = 1.0 if want else 0.0
+            except Exception as e:  # (joined all the same, with zeros)
+                err = e
+                sq.zero_()
+            self._all_reduce(sq)
+            if not float(sq[-1]):
+                if err is not None:
+                    raise err
+                for g, v in zip(self._grads, sq[:-1].sqrt().to(torch.float32).split(1), strict=True):
+                    g.grad = v
+                self.hooks._pgrad_keys = []  # type: ignore[attr-defined,misc]  # (no rows of a norm)
+                return
+        sizes = [p.numel() for p in params]
+        buf = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device if params else torch.device("cpu"))
         try:
             off = 0
             for p, n in zip(params, sizes, strict=True):
-                hm = getattr(p, "_hp_mapping", None)
-                if hm is not None:
-                    a = hm.lp_fragment_address
-                    frag = hm.get_lp_grad_fragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
-                    if frag.numel() == n and a.numel != n:  # a whole-parameter buffer: only this rank's fragment counts
-                        frag = frag.narrow(0, a.start, a.numel)
-                    buf.narrow(0, off + a.start, a.numel).copy_(frag)
+                frag, start = _fragment(p) if want is not None and err is None else (None, 0)
+                if frag is not None:
+                    buf.narrow(0, off + start, frag.numel()).copy_(frag)
                 off += n
         except Exception as e:  # (joined all the same, with zeros)
             err = e
             buf.zero_()
-        group = getattr(params[0], "_dp_group", None) if params else None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(buf, group=group if group is not None else self.engine_ds.optimizer.dp_process_group)
+        self._all_reduce(buf)
         if err is not None:
             raise err
         for g, p, v in zip(self._grads, params, buf.split(sizes), strict=True):
             g.grad = v.view(p.shape)
+        self.hooks._pgrad_keys = self._pgrad_keys  # type: ignore[attr-defined,misc]
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group = getattr(self._module_params[0], "_dp_group", None) if self._module_params else None
+            dist.all_reduce(t, group=group if group is not None else self.engine_ds.optimizer.dp_process_group)
 
     def _before_step(self) -> None:
         if self.off is not None and not self._owe_exchange:
             return
+        want: bool | None = None  # (a rank that turned off and owes the exchange joins the collectives, with zeros)
         try:
             self._params_view.param_groups[0]["lr"] = _lr(self.engine_ds)
-            self._read_grads()  # (a rank that turned off and owes the exchange joins this collective too)
+            want = None if self.off is not None else bool(self._scheduled(self.step_num))
+        except Exception as e:
+            self._fail("reading DeepSpeed's step", e)
+        try:
+            self._read_grads(want)
             if self._view is not None and self.off is None:
                 self.recipe._scale_hint = self._view.get_scale()  # type: ignore[attr-defined]  # the scale this step's backward used
         except Exception as e:
@@ -390,6 +424,19 @@ class DeepSpeedMonitor(Monitor):
         return self.after_step(not applied)
 
 
+def _fragment(p: nn.Parameter) -> tuple[torch.Tensor | None, int]:
+    """This rank's fragment of ``p``'s reduced gradient (FP32, flat) and where it starts in the flattened
+    parameter; (None, 0) when this rank holds none of it."""
+    hm = getattr(p, "_hp_mapping", None)
+    if hm is None:
+        return None, 0
+    a = hm.lp_fragment_address
+    frag = hm.get_lp_grad_fragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
+    if frag.numel() == p.numel() and a.numel != p.numel():  # a whole-parameter buffer: only this rank's fragment counts
+        frag = frag.narrow(0, a.start, a.numel)
+    return frag, int(a.start)
+
+
 def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", capture: str | Path | None = None,
           **monitor_kwargs: Any) -> DeepSpeedMonitor:
     """Attach a ``Monitor`` to a DeepSpeed engine (ZeRO-1/2, fp16, bf16 or fp32); returns it (``close()`` detaches).
@@ -402,6 +449,12 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     for k in ("max_norm", "inject_inf_at", "inject_spike_at", "amp_dtype"):
         if monitor_kwargs.get(k) is not None:
             raise UsageError(f"{k}: not with DeepSpeed (it clips, casts and steps itself; ampdoctor only observes it)")
+    stage = int(engine.zero_optimization_stage())
+    if stage not in (1, 2):
+        return _off(engine, f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: "
+                            + ("ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer")
+                            + "), so it watches nothing of this run",
+                    bool(monitor_kwargs.get("quiet", False)))
     monitor_kwargs.setdefault("capture_ranks", "all")
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -440,10 +493,20 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
         cap.optimizer = _layout_optimizer(engine, cap.layout_ds)
         cap.settings.update(deepspeed={"zero_stage": int(engine.zero_optimization_stage()),
                                        "precision": "fp16" if fp16 else "bf16" if amp is not None else "fp32"})
+    _wrap(mon, engine)
+    return mon
+
+
+def _wrap(mon: DeepSpeedMonitor, engine: Any) -> None:
+    """``engine.backward`` notes each micro-batch's loss; ``engine.step`` at the accumulation boundary runs the
+    monitor's two points around DeepSpeed's step (``close()`` restores both)."""
     backward, step = engine.backward, engine.step
     gas = max(1, int(engine.gradient_accumulation_steps() or 1))
 
+    backwards = [0, 0]  # engine.backward calls since the last step at the boundary; times said it came without one
+
     def watched_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        backwards[0] += 1
         if mon.off is None and isinstance(loss, torch.Tensor):
             scale = gas if kwargs.get("scale_wrt_gas", True) else 1
             mon.note_loss(loss.detach() / scale if scale > 1 else loss)  # what DeepSpeed backpropagates
@@ -452,6 +515,10 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     def watched_step(*args: Any, **kwargs: Any) -> Any:
         if not engine.is_gradient_accumulation_boundary():
             return step(*args, **kwargs)  # an accumulation step: DeepSpeed does not step either
+        if not backwards[0] and not backwards[1] and mon.off is None:
+            backwards[1] = 1
+            _no_backward(mon)
+        backwards[0] = 0
         mon._before_step()
         try:
             return step(*args, **kwargs)
@@ -461,17 +528,40 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     engine.backward = watched_backward
     engine.step = watched_step
     mon._restore = ["backward", "step"]
+
+
+def _no_backward(mon: Monitor) -> None:
+    """Said once (rank 0): a step at the boundary came with no ``engine.backward(loss)`` since the last one, so the
+    loop called ``loss.backward()`` itself (DeepSpeed then neither scales the loss nor reduces the gradients as its
+    ``backward`` does, and the monitor never sees the loss). The step log's loss is then NaN; nothing else changes."""
+    if mon.rank not in (None, 0):
+        return
+    from ampdoctor.notify import alert
+
+    alert("ampdoctor: engine.step() came without engine.backward(loss) since the last step: call engine.backward(loss), "
+          "not loss.backward() (DeepSpeed scales the loss and reduces the gradients there, and ampdoctor reads the loss "
+          "there); the step log's loss column stays empty until then", UserWarning, quiet=mon.quiet)
+
+
+def _off(engine: Any, why: str, quiet: bool) -> DeepSpeedMonitor:
+    """A monitor that is off from the start, with one warning (from rank 0): it touches nothing of the engine
+    (built on an empty module), and every call on it returns at once."""
+    mon = Monitor(nn.Module(), None, None, log=None, distributed=False, quiet=quiet)
+    mon.__class__ = DeepSpeedMonitor
+    assert isinstance(mon, DeepSpeedMonitor)
+    mon.engine_ds, mon._restore, mon._grads = engine, [], []
+    mon._turn_off(why, warn=True, who=0)
     return mon
 
 
-def _route(mon: Monitor, grads: list[_Grad]) -> None:
+def _route(mon: DeepSpeedMonitor, grads: list[_Grad]) -> None:
     """The monitor's parameter names and per-layer gradient rows read the ``_Grad`` views (the model's own
     parameters hold no gradient under ZeRO)."""
     for g in grads:
         mon.recipe.names[id(g)] = g.name  # type: ignore[attr-defined]  # (the same dict as the monitor's; the ranks' exchange names them too)
     if mon.ranks is not None:
         mon.ranks.params = [g.name for g in grads]
-    mon.hooks._pgrad_keys = [(("pgrad", g.name), g) for g in grads]  # type: ignore[attr-defined,misc]
+    mon._pgrad_keys = mon.hooks._pgrad_keys = [(("pgrad", g.name), g) for g in grads]  # type: ignore[attr-defined,misc]
 
 
 def _layout_optimizer(engine: Any, lay: _Layout) -> torch.optim.Optimizer:

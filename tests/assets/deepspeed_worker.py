@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +51,47 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.float() - y) ** 2).mean()
 
 
+def count_reductions() -> list[int]:
+    """The size of every all-reduce ampdoctor's DeepSpeed integration runs (its own calls only), in order."""
+    import sys
+
+    import torch.distributed as dist
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_globals.get("__name__") == "ampdoctor.integrations.deepspeed":
+            sizes.append(int((args[0] if args else kwargs["tensor"]).numel()))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted  # type: ignore[assignment]
+    return sizes
+
+
+def zero3(engine: Any, out: Path, rank: int, low: torch.dtype) -> None:
+    import warnings
+
+    from ampdoctor.integrations.deepspeed import watch
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mon = watch(engine, log=out / "steps.csv", capture=out / "cap")
+        losses = []
+        for step in range(3):
+            x, y = batch(rank, step)
+            loss = loss_fn(engine(x.to(low)), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        mon.close()
+    (out / f"zero3.rank{rank}.json").write_text(json.dumps({
+        "off": mon.off, "losses": losses, "files": sorted(p.name for p in out.iterdir()),
+        "said": [[w.category.__name__, str(w.message)] for w in said if "ampdoctor" in str(w.message)]}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -61,6 +104,8 @@ def main() -> None:
     ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
     ap.add_argument("--keep-batch", action="store_true", help="give the monitor each micro-batch (x, y)")
     ap.add_argument("--bare", action="store_true")
+    ap.add_argument("--mode", default="full", choices=["full", "sentinel"], help="the monitor's mode (sentinel: full_every=4)")
+    ap.add_argument("--direct-backward", action="store_true", help="loss.backward() instead of engine.backward(loss)")
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -81,11 +126,18 @@ def main() -> None:
         cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     rank = engine.global_rank
+    if a.stage == 3:  # not read yet: watch turns the monitor off with one warning and the loop trains on
+        zero3(engine, out, rank, low=torch.float16 if a.prec == "fp16" else torch.bfloat16)
+        return
     mon = None
     if not a.bare:
         from ampdoctor.integrations.deepspeed import watch
 
-        mon = watch(engine, log=out / "steps.csv", capture=out / "cap", quiet=True)
+        reduced = count_reductions()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            mon = watch(engine, log=out / "steps.csv", capture=out / "cap", quiet=not a.direct_backward, mode=a.mode,
+                        full_every=4)
     low = torch.float16 if a.prec == "fp16" else torch.bfloat16
     rows = []
     torch.manual_seed(1 + rank)  # dropout: each rank its own draws
@@ -109,8 +161,15 @@ def main() -> None:
             loss = loss_fn(engine(x.to(low)), y)
             if step == a.overflow_step:
                 loss = loss * 1e10
-            engine.backward(loss)
-            engine.step()
+            if a.direct_backward:
+                loss.backward()
+            else:
+                engine.backward(loss)
+            with warnings.catch_warnings(record=True) as said_now:
+                warnings.simplefilter("always")
+                engine.step()
+            if mon is not None:
+                said.extend(said_now)
         n = engine.get_global_grad_norm()
         rows.append({"step": step, "norm": None if n is None else float(n), "applied": bool(engine.was_step_applied()),
                      "scale_before": scale_before, "scale_after": float(ls.cur_scale) if ls is not None else None,
@@ -118,6 +177,8 @@ def main() -> None:
                      "loss": float(loss.detach())})
     if mon is not None:
         mon.close()
+        (out / f"watch.rank{rank}.json").write_text(json.dumps({
+            "reduced": reduced, "said": [[w.category.__name__, str(w.message)] for w in said if "ampdoctor" in str(w.message)]}))
     (out / f"ds.rank{rank}.json").write_text(json.dumps(rows))
     o = engine.optimizer
     final = {
