@@ -3,6 +3,8 @@ to the real cast), over random float32 bit patterns, for every format and input 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from ampdoctor.formats import BF16, FP8_E4M3, FP8_E5M2, FP16
 from ampdoctor.watch import fused
 from ampdoctor.watch.stats import _thresholds, eager_stats, scaled_stats, tensor_stats
 
-from .test_stats_props import bit_patterns
+from .test_stats_props import as_f32, bit_patterns
 
 FORMATS = [FP16, BF16, FP8_E4M3, FP8_E5M2]
 
@@ -156,3 +158,36 @@ def test_the_kernel_is_built_from_its_shipped_source() -> None:
     mod = fused.kernel()
     if mod is not None:  # built (here, or by an earlier test): what the recorder and the statistics call
         assert all(callable(getattr(mod, name, None)) for name in ("stats", "norms", "Tap", "tap_call", "tap_take_acts"))
+
+
+def _normal_bits(fmt: object, n: int, g: torch.Generator) -> torch.Tensor:
+    """n float32 values that are normal numbers of ``fmt`` (both signs), from its smallest normal up to its max."""
+    lo, hi = fmt.min_normal, fmt.max  # type: ignore[attr-defined]
+    e = torch.rand(n, generator=g, dtype=torch.float64) * (math.log2(hi) - math.log2(lo)) + math.log2(lo)
+    v = torch.exp2(e).clamp(lo, hi).to(torch.float32)
+    v = torch.where(v < lo, torch.nextafter(v, torch.tensor(math.inf)), v)  # (rounding to float32 may cross an edge)
+    v = torch.where(v > hi, torch.nextafter(v, torch.tensor(0.0)), v)
+    sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return v * sign
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_blocks_of_normal_numbers_with_any_element_planted(data: st.DataObject) -> None:
+    """Long tensors of the format's normal numbers, the case the kernel screens with only a min and a max per block,
+    with elements of every other category (and threshold edges) planted anywhere, block edges included: still
+    exactly the eager rows, with and without a scale, for every input dtype."""
+    fmt = data.draw(st.sampled_from(FORMATS))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    n = data.draw(st.sampled_from([1023, 1024, 1025, 2048, 4097, 5000]))
+    t = _normal_bits(fmt, n, g)
+    for _ in range(data.draw(st.integers(0, 4))):
+        at = data.draw(st.sampled_from([0, 1023, 1024, 2047, 4095, 4096, n - 1]).filter(lambda i: i < n))
+        t[at] = as_f32([data.draw(bit_patterns(fmt))])[0]
+    t = t.to(dtype)
+    _same(fused.fused_stats([t, t[1:]], *_thresholds(fmt)), eager_stats([t, t[1:].contiguous()], fmt))
+    k = data.draw(st.integers(-24, 0))
+    s = t.float()
+    s = torch.where((s.abs() * 2.0**k < 2.0 ** -126) & (s != 0), torch.zeros_like(s), s)
+    _same(scaled_stats([s], fmt, 2.0**k), eager_stats([s], fmt, 2.0**k))

@@ -207,6 +207,7 @@ class Hooks:
         self._param_names = named_parameters(root)
         self._pgrad_keys: list[tuple[Hashable, torch.Tensor]] = [(("pgrad", n), p) for n, p in self._param_names]
         self._param_keys: list[Hashable] = [("param", n) for n, _ in self._param_names]
+        self._pgrad_list: list[Hashable] = [k for k, _ in self._pgrad_keys]
         self._params: list[torch.Tensor] = [p for _, p in self._param_names]
         self._sharded = any(local(p) is not p for p in self._params)
         """DTensor parameters: statistics read each one's local shard."""
@@ -469,16 +470,20 @@ class Hooks:
         if not (self._active and self.grads):
             return
         self._take_native()
-        keys: list[Hashable] = []
-        grads: list[torch.Tensor] = []
-        numel = 0
-        for k, p in self._pgrad_keys:
-            g = p.grad
-            if g is not None:
-                g = local(g)  # a sharded gradient: this rank's shard (the engine reduces the rows across ranks)
-                keys.append(k)
-                grads.append(g)
-                numel += g.numel()
+        have = [p.grad for p in self._params]
+        keys: list[Hashable]
+        grads: list[torch.Tensor]
+        if not self._sharded and not any(g is None for g in have):  # every parameter has its gradient (the usual step)
+            keys, grads, numel = self._pgrad_list, cast(list[torch.Tensor], have), self._param_numel
+        else:
+            keys, grads, numel = [], [], 0
+            for k, p in self._pgrad_keys:
+                g = p.grad
+                if g is not None:
+                    g = local(g)  # a sharded gradient: this rank's shard (the engine reduces the rows across ranks)
+                    keys.append(k)
+                    grads.append(g)
+                    numel += g.numel()
         if keys and inv_scale is not None and inv_scale != 1.0:
             by_dev: dict[torch.device, tuple[list[Hashable], list[torch.Tensor]]] = {}
             for k, g in zip(keys, grads, strict=True):

@@ -1,5 +1,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/function.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -50,11 +51,11 @@ struct Chunks {
   }
 };
 
-// one chunk: |x| bits against the thresholds' bits. Counts of |x| at or above each threshold (and of
+// one block: |x| bits against the thresholds' bits. Counts of |x| at or above each threshold (and of
 // -inf) are plain sums of comparisons, in int32 lanes (a chunk holds at most CHUNK elements), and
 // the extremes are plain min/max reductions: g++ -O3 vectorises the loop. Category counts are the
 // differences of the threshold counts.
-void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
+void count_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
   constexpr int32_t INF = INF_BITS;
   int32_t ge1 = 0, geuf = 0, gesub = 0, geof = 0, geinf = 0, nan = 0, neginf = 0;
   int32_t amax = 0, amin = INF;
@@ -86,32 +87,65 @@ void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub
   a.amin = std::min(a.amin, amin);
 }
 
-// FP16 / BF16: widened to float32 exactly, a block at a time, then the same loop
+// Most blocks of a healthy step hold only normal numbers of the format. A first pass takes only the smallest
+// and largest |x| bits (three vector operations per lane instead of about a dozen); when both lie in
+// [normal's threshold, overflow's threshold), every element of the block is a finite non-zero normal number,
+// so the block's row is exactly (n normal, absmax = the largest, min non-zero = the smallest), which the full
+// count would give too. Any other block is counted in full, still in cache.
+void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
+  constexpr int32_t B = 1024;
+  const int32_t lo = std::max(std::max(sub, uf), int32_t{1});
+  const int32_t hi = std::min(of, INF_BITS);  // finite and below the overflow threshold
+  for (int32_t s = 0; s < n; s += B) {
+    const int32_t m = std::min(B, n - s);
+    const uint32_t* __restrict__ p = q + s;
+    int32_t mx = 0, mn = 0x7FFFFFFF;
+    for (int32_t i = 0; i < m; ++i) {
+      int32_t ai = static_cast<int32_t>(p[i] & 0x7FFFFFFFu);
+      mx = std::max(mx, ai);
+      mn = std::min(mn, ai);
+    }
+    if (mn >= lo && mx < hi) {
+      a.c[3] += m;
+      a.amax = std::max(a.amax, mx);
+      a.amin = std::min(a.amin, mn);
+    } else {
+      count_bits(p, m, uf, sub, of, a);
+    }
+  }
+}
+
+// FP16 / BF16: widened to float32 exactly, a block at a time, straight into the bits the loop reads
 template <typename T>
-inline void widen(const T* p, int32_t m, float* buf) {
-  for (int32_t i = 0; i < m; ++i) buf[i] = static_cast<float>(p[i]);
+inline void widen(const T* p, int32_t m, uint32_t* bits) {
+  for (int32_t i = 0; i < m; ++i) {
+    const float f = static_cast<float>(p[i]);
+    std::memcpy(bits + i, &f, sizeof(float));
+  }
 }
 
 #if defined(__F16C__)
 // FP16: the CPU's own conversion instruction, 8 at a time (exact, like the scalar conversion)
 template <>
-inline void widen<at::Half>(const at::Half* p, int32_t m, float* buf) {
+inline void widen<at::Half>(const at::Half* p, int32_t m, uint32_t* bits) {
   int32_t i = 0;
   for (; i + 8 <= m; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-  for (; i < m; ++i) buf[i] = static_cast<float>(p[i]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i),
+                        _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
+  for (; i < m; ++i) {
+    const float f = static_cast<float>(p[i]);
+    std::memcpy(bits + i, &f, sizeof(float));
+  }
 }
 #endif
 
 template <typename T>
 void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
   constexpr int32_t B = 4096;
-  float buf[B];
+  uint32_t bits[B];
   for (int32_t s = 0; s < n; s += B) {
     int32_t m = std::min(B, n - s);
-    widen(p + s, m, buf);
-    uint32_t bits[B];
-    std::memcpy(bits, buf, sizeof(float) * m);
+    widen(p + s, m, bits);
     run_bits(bits, m, uf, sub, of, a);
   }
 }
@@ -289,35 +323,61 @@ struct Tap {
 };
 using TapP = std::shared_ptr<Tap>;
 
+// a watched gradient arrives (from backward, on any thread)
+void on_grad(const std::weak_ptr<Tap>& w, int64_t tid, int64_t serial, const at::TensorBase& g) {
+  auto tp = w.lock();
+  if (!tp || !g.defined()) return;
+  bool full = false;
+  double row[11];
+  const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, row);
+  {
+    std::lock_guard<std::mutex> lock(tp->mu);
+    if (!tp->active || tp->serial != serial) return;
+    tp->grad_order.push_back(tid);
+    if (reduced) {
+      tp->grad_row_ids.push_back(tid);
+      tp->grad_rows.insert(tp->grad_rows.end(), row, row + 11);
+      return;
+    }
+    if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
+    tp->grad_ids.push_back(tid);
+    tp->grads.emplace_back(torch::Tensor(g));
+    tp->grad_pending += g.numel();
+    full = tp->grad_pending >= tp->limit;
+  }
+  if (full) {
+    pybind11::gil_scoped_acquire gil;
+    tp->drain();
+  }
+}
+
+// The gradient hook of a tensor made by an op: a tensor pre-hook on its grad_fn, as Tensor::register_hook
+// installs one, without the hook list, the second copy for the tensor's own hooks and the two std::function
+// wrappers it allocates for each tensor. It sees the gradient of output `idx` (the tensor's output_nr) and
+// hands the gradients on unchanged. A later in-place op gives the tensor a new grad_fn, and this hook stays
+// with the old one: the gradient of the value the module returned, as with register_hook.
+struct GradTap : torch::autograd::FunctionPreHook {
+  std::weak_ptr<Tap> w;
+  int64_t tid, serial;
+  size_t idx;
+  GradTap(std::weak_ptr<Tap> w_, int64_t tid_, int64_t serial_, size_t idx_)
+      : w(std::move(w_)), tid(tid_), serial(serial_), idx(idx_) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (idx < grads.size()) on_grad(w, tid, serial, grads[idx]);
+    return grads;
+  }
+};
+
 void tap_watch(const TapP& tap, const torch::Tensor& t, int64_t tid) {
   std::weak_ptr<Tap> w = tap;
   const int64_t serial = tap->serial;
-  t.register_hook([w, tid, serial](const at::TensorBase& g) {
-    auto tp = w.lock();
-    if (!tp || !g.defined()) return;
-    bool full = false;
-    double row[11];
-    const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, row);
-    {
-      std::lock_guard<std::mutex> lock(tp->mu);
-      if (!tp->active || tp->serial != serial) return;
-      tp->grad_order.push_back(tid);
-      if (reduced) {
-        tp->grad_row_ids.push_back(tid);
-        tp->grad_rows.insert(tp->grad_rows.end(), row, row + 11);
-        return;
-      }
-      if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
-      tp->grad_ids.push_back(tid);
-      tp->grads.emplace_back(torch::Tensor(g));
-      tp->grad_pending += g.numel();
-      full = tp->grad_pending >= tp->limit;
-    }
-    if (full) {
-      pybind11::gil_scoped_acquire gil;
-      tp->drain();
-    }
-  });
+  const auto& fn = t.grad_fn();
+  if (fn) {
+    fn->add_tensor_pre_hook(std::make_unique<GradTap>(std::move(w), tid, serial, t.output_nr()));
+    return;
+  }
+  // a leaf that requires grad (an input the user marked): its gradient reaches no grad_fn of its own
+  t.register_hook([w, tid, serial](const at::TensorBase& g) { on_grad(w, tid, serial, g); });
 }
 
 // tensors.iter_tensors in C++: tensors, then dicts, lists and tuples (4 levels deep), then to_tuple()
