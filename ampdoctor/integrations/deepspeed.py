@@ -368,7 +368,7 @@ class DeepSpeedMonitor(Monitor):
             self._params_view.param_groups[0]["lr"] = _lr(self.engine_ds)
             self._read_grads()  # (a rank that turned off and owes the exchange joins this collective too)
             if self._view is not None and self.off is None:
-                self.recipe._scale_hint = self._view.get_scale()  # type: ignore[attr-defined]  # the scale this step's backward used
+                self.recipe.hint_scale(self._view.get_scale())  # the scale this step's backward used
         except Exception as e:
             self._fail("reading DeepSpeed's gradients", e)
         self.after_backward(None)  # (off: only joins the exchange it owes)
