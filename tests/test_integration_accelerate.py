@@ -107,7 +107,8 @@ def test_close_undoes_the_class_swap_and_the_wrapped_methods(tmp_path: Path) -> 
     from ampdoctor.integrations.accelerate import _Watch
 
     acc = Accelerator(cpu=True)
-    model, opt = acc.prepare(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     plain_step, plain_backward = type(opt).step, type(acc).backward
     mon = watch(acc, model, opt, log=tmp_path / "steps.csv")
     assert type(mon) is _Watch and "step" in vars(opt) and "backward" in vars(acc)

@@ -17,7 +17,7 @@ or keep your own step and call two hooks::
     mon.after_step()                    # writes the log row, skip rate, alerts
     opt.zero_grad(set_to_none=True)
 
-The step ``Monitor.step`` runs, in the order the seed articles insist on:
+The step ``Monitor.step`` runs, in PyTorch's AMP order:
 loss finiteness check (on the device) → ``scaler.scale(loss).backward()`` → fault injection (if
 asked) → ``scaler.unscale_(opt)`` → global L2 norm and clip (pre- and post-clip norms) →
 **one copy to the host** → ``scaler.step(opt)`` (or ``opt.step()``), skipped when the loss or a
@@ -62,7 +62,7 @@ from torch import nn
 
 from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, NORMAL_SKIPS, Capture, FailingStep, Trigger, sharded_engine
 from ampdoctor.engine.monitor import alerts, capturing, exchange, history, lookback
-from ampdoctor.engine.monitor.alerts import SkipRate
+from ampdoctor.engine.monitor.alerts import Rates
 from ampdoctor.engine.monitor.config import MonitorConfig, steps
 from ampdoctor.engine.monitor.history import History
 from ampdoctor.engine.monitor.injection import Injection
@@ -315,8 +315,8 @@ class Monitor:
         """The lookback ring, its forecast and its spike trigger (None with ``ring=0``)."""
         self.log_path: Path | None = None
         """The step log this process writes (per rank under torch.distributed)."""
-        self.rates = SkipRate(cfg)
-        """The rolling skip rates, the alert and ``max_skip_rate`` (``alerts.SkipRate``)."""
+        self.rates = Rates(cfg)
+        """The rolling skip rates, the alert and ``max_skip_rate`` (``alerts.Rates``)."""
         self.history = History()
         """Every skip and every change of scale (``history.History``)."""
         self.engine = sharded_engine(unwrap(model))

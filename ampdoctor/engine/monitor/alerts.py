@@ -18,7 +18,7 @@ from ampdoctor.notify import alert, say
 from ampdoctor.report import alerts as words
 
 
-class SkipRate:
+class Rates:
     """The two rolling windows of the last ``window`` steps: every skip (``skip_rate``), and the skips that count
     for the alert and ``max_skip_rate`` (not GradScaler's calibration, probes or isolated overflows)."""
 
@@ -114,4 +114,4 @@ def say_failure(msg: str, m: Measured, rank: int | None, quiet: bool) -> None:
     say(msg, quiet=quiet)
 
 
-__all__ = ["SkipRate", "failure_fact", "say_failure"]
+__all__ = ["Rates", "failure_fact", "say_failure"]
