@@ -18,8 +18,8 @@ from ampdoctor.engine.monitor import Monitor
 from ampdoctor.engine.triage import triage
 from ampdoctor.input.batches import MicroBatches
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge.scaler import diagnose_scale
 from ampdoctor.report.model import Report
+from ampdoctor.report.scaler import diagnose_scale
 from ampdoctor.watch.steplog import read_step_log
 
 __all__ = [

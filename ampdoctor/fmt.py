@@ -4,6 +4,8 @@ explanations format through these, so a scale reads ``2^16`` and a share ``3.1%`
 from __future__ import annotations
 
 import math
+import shlex
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -97,6 +99,24 @@ def option_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
     return str(v)
+
+
+def command(tool: str, config: Mapping[str, Any], flags: Iterable[tuple[str, str]],
+            ran_on: str | None = None) -> list[str] | None:
+    """``ampdoctor TOOL SPEC`` and ``FLAG VALUE`` for each of ``flags`` (config key, flag) that ``config`` sets, shell
+    quoted: the start of the command that reproduces a run (``--device auto`` → ``ran_on``, where it ran). None
+    without a spec."""
+    spec = config.get("spec")
+    if not spec:
+        return None
+    parts = ["ampdoctor", tool, shlex.quote(str(spec))]
+    for key, flag in flags:
+        v = config.get(key)
+        if key == "device" and v == "auto" and ran_on:
+            v = ran_on
+        if v is not None:
+            parts += [flag, shlex.quote(option_value(v))]
+    return parts
 
 
 def pct0(x: float) -> str:

@@ -51,6 +51,10 @@ BINADE_MAX = 128
 NBINADES = BINADE_MAX - BINADE_MIN + 1
 
 
+MODEL = "<model>"
+"""The model's own name among its modules (``named_modules()`` names it ""): in calls, findings, layer rows, rings."""
+
+
 class Call(NamedTuple):
     """One forward call of a module in a step.
 
@@ -219,6 +223,13 @@ class StageResult:
     @property
     def skipped_steps(self) -> list[int]:
         return [r.step for r in self.records if r.skipped]
+
+
+def stats_at(res: StageResult | None, step: int) -> StepStats | None:
+    """The statistics a stage recorded at ``step`` (None: no such stage, or that step was not recorded)."""
+    if res is None:
+        return None
+    return next((s for s in res.stats if s.step == step), None)
 
 
 @dataclass

@@ -71,7 +71,7 @@ class PerModuleHooks(Hooks):
             self._handles.clear()
 
     def _fwd(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._on_forward(module, args, kwargs, output)
+        self.after_call(module, args, kwargs, output)
 
 
 def _noop(*_: Any) -> None:

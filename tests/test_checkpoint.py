@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ampdoctor.errors import CheckpointError
-from ampdoctor.input.checkpoint import CheckpointState, load_into, match_optimizer, match_state, read_checkpoint
+from ampdoctor.input.checkpoint import CheckpointState, match_optimizer, read_checkpoint
+from ampdoctor.input.resume import load_into, match_state
 
 from .conftest import ROOT
 

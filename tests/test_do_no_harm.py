@@ -142,7 +142,7 @@ def test_a_failure_inside_ampdoctor_turns_it_off_and_the_step_still_happens(wher
             raise RuntimeError("recorder exploded")
 
         monkeypatch.setattr(fused, "kernel", lambda: None)
-        monkeypatch.setattr(Hooks, "_on_forward", bad_forward)
+        monkeypatch.setattr(Hooks, "after_call", bad_forward)
     bad, w_bad, mon = _train(where)
     offs = [m for m in w_bad if isinstance(m, MonitorOffWarning)]
     assert len(offs) == 1, w_bad
@@ -206,7 +206,7 @@ def test_a_capture_without_batch_keeps_the_forwards_inputs_and_replays_as_data(t
     exec(SPEC, ns)
     model = ns["build_model"]()  # type: ignore[operator]
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # past calibration (GradScaler's own first skips: issue 28)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # past calibration (GradScaler's own first skips, its normal working)
     g = torch.Generator().manual_seed(5)
     with Monitor(model, opt, sc, capture=tmp_path / "cap", snapshot_every=50, mode="sentinel", quiet=True) as mon:
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)

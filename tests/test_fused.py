@@ -141,11 +141,18 @@ def test_fused_with_a_power_of_two_scale_equals_eager(data: st.DataObject) -> No
 
 
 def test_the_kernel_is_built_from_its_shipped_source() -> None:
+    import fnmatch
     from pathlib import Path
 
     import tomllib
 
+    import ampdoctor
+
     assert fused.SOURCE.is_file() and fused.SOURCE.parent.name == "csrc"
-    assert "PYBIND11_MODULE" in fused.SOURCE.read_text(encoding="utf-8")
     data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "watch/csrc/*.cpp" in data["tool"]["setuptools"]["package-data"]["ampdoctor"]
+    shipped = data["tool"]["setuptools"]["package-data"]["ampdoctor"]
+    inside = fused.SOURCE.relative_to(Path(ampdoctor.__file__).parent).as_posix()
+    assert any(fnmatch.fnmatch(inside, pattern) for pattern in shipped), (inside, shipped)  # a wheel carries it
+    mod = fused.kernel()
+    if mod is not None:  # built (here, or by an earlier test): what the recorder and the statistics call
+        assert all(callable(getattr(mod, name, None)) for name in ("stats", "norms", "Tap", "tap_call", "tap_take_acts"))

@@ -17,7 +17,8 @@ from torch import nn
 from ampdoctor import Monitor
 from ampdoctor.engine.triage import triage
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.watch.hooks import Hooks, watchers
+from ampdoctor.watch.calls import watchers
+from ampdoctor.watch.hooks import Hooks
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -143,3 +144,65 @@ def test_a_compiled_training_function_traces_through_the_call_wrapper() -> None:
     assert not torch._dynamo.utils.counters["recompiles"]
     assert recs[0].stats is not None and set(recs[0].stats.pgrad) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert watchers() == 0
+
+
+def test_the_call_listeners_keep_the_written_contract() -> None:
+    """``watch.calls``: the four listeners implement its protocols, and the wrapper tells a listener after each call,
+    a tracker around it (leave only when enter said so), stops a listener that raised and hands it the error, and is
+    taken away with the last listener."""
+    from ampdoctor.watch.blame import GraphRecorder
+    from ampdoctor.watch.calls import (
+        CallListener,
+        CallTracker,
+        NativeListener,
+        is_wrapped,
+        listen_calls,
+        track_calls,
+        unlisten_calls,
+    )
+    from ampdoctor.watch.hooks import ModuleTracker
+    from ampdoctor.watch.tap import ForwardTap
+
+    model, x, _ = tiny()
+    hooks, tracker, recorder = Hooks(model), ModuleTracker(model), GraphRecorder(model)
+    tap = ForwardTap(model, None, inputs=False, on_start=lambda: None)
+    assert isinstance(hooks, NativeListener) and isinstance(tap, CallListener) and isinstance(tap, CallTracker)
+    assert isinstance(tracker, CallTracker) and isinstance(recorder, CallTracker)
+    tap.close()
+    recorder.remove()
+
+    seen: list[tuple[str, str]] = []
+
+    class Listener:
+        def __init__(self, tag: str, fail_on: type[nn.Module] | None = None) -> None:
+            self.tag, self.fail_on = tag, fail_on
+            self.on_error = lambda e: seen.append(("error", f"{tag}: {e}"))
+
+        def after_call(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if self.fail_on is not None and isinstance(module, self.fail_on):
+                raise RuntimeError("listener broke")
+            seen.append((self.tag, type(module).__name__))
+
+    class Tracker:
+        def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+            seen.append(("enter", type(module).__name__))
+            return isinstance(module, nn.Linear)
+
+        def leave_call(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            seen.append(("leave", type(module).__name__))
+
+    lst, trk, bad = Listener("lst"), Tracker(), Listener("bad", fail_on=nn.ReLU)
+    listen_calls(lst)
+    track_calls(trk)
+    listen_calls(bad)
+    assert is_wrapped() and watchers() == 3
+    out = model(x)
+    assert seen == [("enter", "Sequential"),
+                    ("enter", "Linear"), ("leave", "Linear"), ("lst", "Linear"), ("bad", "Linear"),
+                    ("enter", "ReLU"), ("lst", "ReLU"), ("error", "bad: listener broke"),  # stopped, and told
+                    ("enter", "Linear"), ("leave", "Linear"), ("lst", "Linear"),
+                    ("lst", "Sequential")]  # no leave where enter_call said no; the user's forward went on
+    assert out.shape == (32, 1) and watchers() == 2
+    unlisten_calls(lst)
+    unlisten_calls(trk)
+    assert not is_wrapped() and watchers() == 0

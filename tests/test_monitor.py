@@ -218,15 +218,14 @@ def test_own_loop_max_norm_is_a_usage_error() -> None:
 
 
 def test_hooks_removed_on_close() -> None:
-    import ampdoctor.watch.hooks as hooks_mod
+    from ampdoctor.watch.calls import is_wrapped, watchers
 
     model, _, _ = tiny()
-    from ampdoctor.watch.hooks import watchers
 
     with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1)):
         assert watchers() == 1  # one process-wide watch on module calls, nothing on the model
         assert not any(m._forward_hooks for m in model.modules())
-    assert watchers() == 0 and nn.Module.__call__ is not hooks_mod._recording_call
+    assert watchers() == 0 and not is_wrapped()
 
 
 # host synchronisations ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from torch import nn
 
 from ampdoctor import Monitor
 from ampdoctor.errors import UsageError
-from ampdoctor.watch.hooks import watchers
+from ampdoctor.watch.calls import watchers
 
 from .test_monitor import sync_counter, tiny  # noqa: F401 - the fixture is used by name
 

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
-from ampdoctor.judge.scaler import diagnose_scale, infer_backoff, infer_growth_interval, rolling_skip_rate, skip_ledger
+from ampdoctor.judge.scaler import infer_backoff, infer_growth_interval, rolling_skip_rate, skip_ledger
+from ampdoctor.report.scaler import diagnose_scale
 from ampdoctor.watch.steplog import StepLogWriter
 
 runner = CliRunner()

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ampdoctor.judge import scaler
+from ampdoctor.report import scaler as worded
 
 from . import scaler_reference as ref
 
@@ -45,7 +46,7 @@ def test_linear_diagnosis_equals_the_reference(h: tuple[list[float], list[bool]]
     later = [i for i, s in enumerate(skipped) if s]
     assert scaler._clean_runs_between(later, len(skipped), skipped) == ref._clean_runs_between(later, len(skipped), skipped)
     _same(scaler.skip_ledger(skipped, None, scales), ref.skip_ledger(skipped, None, scales))
-    new = scaler.diagnose_scale(scales, skipped, growth_interval=gi, backoff_factor=bo)
+    new = worded.diagnose_scale(scales, skipped, growth_interval=gi, backoff_factor=bo)
     old = ref.diagnose_scale(scales, skipped, growth_interval=gi, backoff_factor=bo)
     _same(new, old, skip=("min_scale", "pattern", "explanation", "recommendations", "settings"))
     # intended change 1: the minimum counts the scale after the last update ("final 2^13, min 2^14")

@@ -5,17 +5,22 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console
 
 from ampdoctor._version import __version__
 from ampdoctor.cli.common import boundary, err, fail, out
+from ampdoctor.cli.options import SPEC_HELP, DataFn, Device, Force, LossFn, ModelFn, OptimizerFn
 from ampdoctor.errors import UsageError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec, SpecNames, importable, load_spec
 from ampdoctor.io import write_atomic
+
+if TYPE_CHECKING:
+    from ampdoctor.engine.run import Run
+    from ampdoctor.report.model import Report
 
 app = typer.Typer(
     add_completion=False,
@@ -65,26 +70,26 @@ def _whole(text: str | None, flag: str) -> int | None:
 @app.command()
 @boundary
 def triage(
-    spec: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md); optional with --from or --checkpoint when the run recorded its model (the spec then overrides what it defines).")] = None,
+    spec: Annotated[Optional[Path], typer.Argument(help=SPEC_HELP + "; optional with --from or --checkpoint when the run recorded its model (the spec then overrides what it defines).")] = None,
     steps: Annotated[Optional[str], typer.Option(help="Steps per stage (a whole number). [default: 50]", metavar="INTEGER")] = None,
     target: Annotated[Optional[str], typer.Option(help="What you train with: amp | fp16 | bf16. [default: amp]")] = None,
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run (fp32 always runs): fp32,fp16,amp,bf16.")] = None,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
+    device: Device = "auto",
     seed: Annotated[Optional[int], typer.Option(help="RNG seed set before every stage. [default: 0]")] = None,
     max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in every stage. [default: no clipping]")] = None,
     accumulate: Annotated[Optional[int], typer.Option(help="Gradient accumulation: micro-batches per optimizer step, each loss divided by it, as your loop does. [default: 1]")] = None,
     init_scale: Annotated[Optional[float], typer.Option(help="GradScaler init_scale. [default: 65536]")] = None,
     growth_interval: Annotated[Optional[int], typer.Option(help="GradScaler growth_interval. [default: 2000]")] = None,
     backoff_factor: Annotated[Optional[float], typer.Option(help="GradScaler backoff_factor. [default: 0.5]")] = None,
-    model_fn: Annotated[str, typer.Option(help="Name of the model-building function in the spec.")] = "build_model",
-    data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
-    loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
-    optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
+    model_fn: ModelFn = "build_model",
+    data_fn: DataFn = "build_dataloader",
+    loss_fn: LossFn = "loss_fn",
+    optimizer_fn: OptimizerFn = "build_optimizer",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path ('-': to stdout, the rest of the output to stderr).")] = None,
     report_path: Annotated[Optional[list[Path]], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html; repeat it for several.")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    force: Force = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
     from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning .ckpt, or the spec's load_checkpoint(model, optimizer, scaler, path).")] = None,
@@ -93,7 +98,7 @@ def triage(
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
-    from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr, write_json_stdout
+    from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
 
     human = err if is_stdout(json_path) else out  # `--json -`: the JSON alone on stdout
     try:
@@ -103,54 +108,61 @@ def triage(
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
                      "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
-            replaying = from_capture is not None or checkpoint is not None
-            if spec is None and not replaying:
-                raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without "
-                                 "one with --from CAPTURE or --checkpoint DIR")
-            sp: Spec | None = None
-            if spec is not None:
-                with importable(spec):  # loaded once: triage reuses it
-                    sp = load_spec(spec, names, require_data=from_capture is None, require_model=not replaying)
-            opts = _spec_options(sp) if sp is not None else {}
-            opts.update({k: v for k, v in given.items() if v is not None})
-            opts["device"] = device
-            cfg = TriageConfig(**opts)
+            sp, cfg = _spec_and_config(spec, names, given, device, from_capture, checkpoint)
+            from ampdoctor.cli.progress import progress_display
             from ampdoctor.engine.triage import triage as run_triage
 
-            argv = ["ampdoctor", *sys.argv[1:]]
-            if quiet or not err.is_terminal:
-                from ampdoctor.cli.progress import LineProgress
-
-                lines = None if quiet else LineProgress(lambda s: err.print(s, markup=False, highlight=False, soft_wrap=True), cfg.steps)
-                report, run = run_triage(sp, cfg, names=names, progress=lines, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script,
-                                         attn_implementation=attn_implementation)
-            else:
-                with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                              console=err, transient=True) as prog:
-                    task = prog.add_task("starting", total=cfg.steps)
-
-                    def progress(stage: str, step: int) -> None:
-                        prog.update(task, description=f"stage {stage}", completed=step + 1)
-
-                    report, run = run_triage(sp, cfg, names=names, progress=progress, argv=argv, log_path=log, from_capture=from_capture,
-                                             checkpoint=checkpoint, skip_batches=skip_batches, script=script,
-                                         attn_implementation=attn_implementation)
-            written: list[Path] = []
-            if report_path:
-                from ampdoctor.cli.reports import write_report
-
-                for rp in report_path:
-                    written.append(write_report(rp, report)[-1])
-            if dump_dir is not None:
-                from ampdoctor.cli.dump import dump
-
-                dump(dump_dir, report, run)
-                written.append(dump_dir)
+            with progress_display(err, cfg.steps, quiet) as progress:
+                report, run = run_triage(sp, cfg, names=names, progress=progress, argv=["ampdoctor", *sys.argv[1:]],
+                                         log_path=log, from_capture=from_capture, checkpoint=checkpoint,
+                                         skip_batches=skip_batches, script=script, attn_implementation=attn_implementation)
+            written = _write_outputs(report, run, report_path, dump_dir)
     except KeyboardInterrupt:
         kept = f"; the step log {log} holds every finished step" if log is not None and log.exists() else ""
         fail(f"interrupted; no report was written{kept}", 130)
         return
+    _show(report, human, json_path, written, quiet)
+    raise typer.Exit(report.exit_code)
+
+
+def _spec_and_config(spec: Path | None, names: SpecNames, given: dict[str, Any], device: str,
+                     from_capture: Path | None, checkpoint: Path | None) -> tuple[Spec | None, TriageConfig]:
+    """The spec (loaded once: triage reuses it; none when a replay needs none) and the config: the spec's
+    TRIAGE_OPTIONS, then the options given on the command line."""
+    replaying = from_capture is not None or checkpoint is not None
+    if spec is None and not replaying:
+        raise UsageError("no spec: give SPEC.py (build_model() and build_dataloader()), or replay a run without "
+                         "one with --from CAPTURE or --checkpoint DIR")
+    sp: Spec | None = None
+    if spec is not None:
+        with importable(spec):
+            sp = load_spec(spec, names, require_data=from_capture is None, require_model=not replaying)
+    opts = _spec_options(sp) if sp is not None else {}
+    opts.update({k: v for k, v in given.items() if v is not None})
+    opts["device"] = device
+    return sp, TriageConfig(**opts)
+
+
+def _write_outputs(report: Report, run: Run, report_paths: list[Path] | None, dump_dir: Path | None) -> list[Path]:
+    """The --report files and the --dump-dir folder; what was written, for the closing lines."""
+    written: list[Path] = []
+    if report_paths:
+        from ampdoctor.cli.reports import write_report
+
+        for rp in report_paths:
+            written.append(write_report(rp, report)[-1])
+    if dump_dir is not None:
+        from ampdoctor.cli.dump import dump
+
+        dump(dump_dir, report, run)
+        written.append(dump_dir)
+    return written
+
+
+def _show(report: Report, human: Console, json_path: Path | None, written: list[Path], quiet: bool) -> None:
+    """--json (a file, or stdout alone), then the verdict line (--quiet) or the whole terminal report."""
+    from ampdoctor.cli.outputs import is_stdout, write_json_stdout
+
     if json_path is not None:
         from ampdoctor.render.json import render as render_json
 
@@ -161,13 +173,12 @@ def triage(
     if quiet:
         v = report.verdict
         human.print(f"{v.cause} module={v.first_module} step={v.first_step} stage={v.stage}", highlight=False, markup=False)
-    else:
-        from ampdoctor.render.terminal import render
+        return
+    from ampdoctor.render.terminal import render
 
-        render(report, human)
-        for w in ([json_path] if json_path is not None and not is_stdout(json_path) else []) + written:
-            human.print(f"report written to {w}", style="dim", highlight=False, markup=False)
-    raise typer.Exit(report.exit_code)
+    render(report, human)
+    for w in ([json_path] if json_path is not None and not is_stdout(json_path) else []) + written:
+        human.print(f"report written to {w}", style="dim", highlight=False, markup=False)
 
 
 # Commands that live in their own modules (one job each) register here.

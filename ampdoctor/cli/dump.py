@@ -23,6 +23,7 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import SpecNames
 from ampdoctor.io import write_group
 from ampdoctor.records import Col, StageResult, StepStats
+from ampdoctor.records import stats_at as _stats_at
 from ampdoctor.report.model import Report, _clean
 
 FILES = ("batch.pt", "weights.pt", "failure.json", "report.json", "repro.py")
@@ -62,12 +63,6 @@ def module_inputs(st: StepStats | None, module: str | None) -> list[dict[str, An
             if r is not None:
                 out.append({"call": n, "input": j, **row_stats(r)})
     return out
-
-
-def _stats_at(res: StageResult | None, step: int) -> StepStats | None:
-    if res is None:
-        return None
-    return next((s for s in res.stats if s.step == step), None)
 
 
 def _bytes(obj: Any) -> bytes:

@@ -7,35 +7,25 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import pandas as pd
 import typer
-from rich import box
 from rich.console import Console
-from rich.markup import escape
-from rich.padding import Padding
-from rich.table import Table
-from rich.text import Text
 
 from ampdoctor.cli.common import boundary, err, out
+from ampdoctor.cli.options import SPEC_HELP, DataFn, Device, Force, LossFn, ModelFn, OptimizerFn
 from ampdoctor.errors import UsageError
-from ampdoctor.fmt import pct_short as _pct
-from ampdoctor.fmt import pow2 as _pow2
-from ampdoctor.fmt import short as _num
 from ampdoctor.formats import BF16
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.ranges import SORTS, tensor_name
-from ampdoctor.report.layers_doc import KIND_LABEL
+from ampdoctor.judge.ranges import SORTS
+from ampdoctor.records import MODEL
 
-NAME_WIDTH = 30
-NAME_MIN_WIDTH = 18
-"""The tensor column folds long names onto more lines, never narrower than this (never one letter per line)."""
-WIDE = 100
-"""Below this many columns (an 80-column terminal, a pipe, a CI log) the min≠0 and subn columns are left
-out, so every number and the whole tensor name (.weight, .bias) still fit; --csv holds every column."""
-NARROW_HIDDEN = ("min≠0", "subn")
-_HEAD_STYLE = {"safe": "bold green", "safe_with_scale": "bold yellow", "unsafe": "bold red", "fp32_nonfinite": "bold red"}
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ampdoctor.input.spec import SpecNames
 
 
 def _parse_scale(text: str) -> float | str:
@@ -82,64 +72,12 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
         check_report_path(report, force)  # the extension, an existing file, and the PNG folder beside a .md
 
 
-# rendering ---------------------------------------------------------------------------------------
-
-
-def _short(name: str, width: int = NAME_WIDTH) -> str:
-    """Keep the tail of a long dotted name (the most specific part) and mark the cut."""
-    return name if len(name) <= width else "…" + name[-(width - 1):]
-
-
-def _dividers(console_width: int) -> tuple[str, ...]:
-    """The columns of the layers table at this console width."""
-    cols = ("tensor", "kind", "absmax", "min≠0", "ovf", "unf", "subn", "nan/inf", "head", "window")
-    return cols if console_width >= WIDE else tuple(c for c in cols if c not in NARROW_HIDDEN)
-
-
-def _table(rows: pd.DataFrame, title: str, console_width: int = WIDE) -> Table:
-    cols = _dividers(console_width)
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=0)
-    for head in cols:
-        if head == "tensor":
-            t.add_column(head, overflow="fold", min_width=NAME_MIN_WIDTH)
-        else:
-            t.add_column(head, justify="left" if head == "kind" else "right", no_wrap=True)
-    for r in rows.itertuples(index=False):
-        name = tensor_name(r.module, r.kind, r.param)
-        bad = r.overflow_frac > 0 or r.nonfinite_frac > 0
-        window = ""
-        if r.kind in ("act_grad", "param_grad"):
-            window = f"{_pow2(r.min_scale)}..{_pow2(r.max_scale)}"
-            if r.min_scale > r.max_scale:  # no scale fits this gradient
-                window = f"[red]{window}[/]"
-        cells = {"tensor": escape(name), "kind": KIND_LABEL.get(r.kind, r.kind), "absmax": _num(r.absmax),
-                 "min≠0": _num(r.min_nonzero), "ovf": _pct(r.overflow_frac), "unf": _pct(r.underflow_frac),
-                 "subn": _pct(r.subnormal_frac), "nan/inf": _pct(r.nonfinite_frac),
-                 "head": _num(round(r.headroom_binades, 1)) if math.isfinite(r.headroom_binades) else "inf",
-                 "window": window}
-        t.add_row(*(cells[c] for c in cols), style="red" if bad else None)
-    return t
-
-
-def _print_advice(console: Console, df: pd.DataFrame, dtype: str, tolerance: float, grads: bool) -> None:
-    """The recommendation block of one format (``layers_report.recommendation``, the same words as the reports)."""
-    from ampdoctor.report.layers_doc import recommendation
-
-    rec = recommendation(df, dtype, tolerance, grads)
-    head = Text(rec["headline"], style=_HEAD_STYLE.get(rec["verdict"], "bold"))
-    if rec["detail"]:
-        head.append(f": {rec['detail']}")
-    console.print(head)
-    for item in rec["advice"]:
-        console.print(Padding(Text(item["text"]), (0, 0, 0, 2 + 2 * int(item["level"])), expand=False))
-
-
 # the command -------------------------------------------------------------------------------------
 
 
 @boundary
 def layers(
-    spec: Annotated[Path, typer.Argument(help="Python file defining build_model() and build_dataloader() (see docs/spec-format.md).")],
+    spec: Annotated[Path, typer.Argument(help=SPEC_HELP + ".")],
     dtype: Annotated[str, typer.Option(help="Target format(s), comma-separated: fp16, bf16, fp8_e4m3, fp8_e5m2.")] = "fp16",
     steps: Annotated[int, typer.Option(help="FP32 reference steps (an optimizer step between them).")] = 3,
     scale: Annotated[str, typer.Option(help="Multiply gradients by this before the cast test (a GradScaler scale), "
@@ -153,78 +91,42 @@ def layers(
     parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write the full table as Parquet (needs pyarrow).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots "
                                                    "beside it), .json (schema: ampdoctor/schema/layers.schema.json) or .html.")] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    force: Force = False,
     underflow_tolerance: Annotated[float, typer.Option(help="Underflow fraction a gradient may lose at the smallest "
                                                              "scale of its window.")] = 0.01,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = "auto",
+    device: Device = "auto",
     seed: Annotated[int, typer.Option(help="RNG seed set before the model is built and before the steps.")] = 0,
-    model_fn: Annotated[str, typer.Option(help="Name of the model-building function in the spec.")] = "build_model",
-    data_fn: Annotated[str, typer.Option(help="Name of the dataloader-building function.")] = "build_dataloader",
-    loss_fn: Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")] = "loss_fn",
-    optimizer_fn: Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")] = "build_optimizer",
+    model_fn: ModelFn = "build_model",
+    data_fn: DataFn = "build_dataloader",
+    loss_fn: LossFn = "loss_fn",
+    optimizer_fn: OptimizerFn = "build_optimizer",
     max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in the reference steps, as triage --max-norm does. [default: no clipping]")] = None,
 ) -> None:
     """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
     subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
-    from ampdoctor.engine.layers import filter_modules, layer_stats, parse_dtypes, parse_what
-    from ampdoctor.engine.step import optimizer_argument
+    from ampdoctor.engine.layers import parse_dtypes, parse_what
+    from ampdoctor.input.spec import SpecNames
 
-    fmts = parse_dtypes(dtype)
+    wanted = [f.name for f in parse_dtypes(dtype)]
     what_t = parse_what(what)
     scale_v = _parse_scale(scale)
     _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
-    from ampdoctor.cli.progress import progress_display
-    from ampdoctor.engine.triage import prepare
-    from ampdoctor.input.config import TriageConfig
-    from ampdoctor.input.env import resolve_device
-    from ampdoctor.input.spec import SpecNames, call_user, importable, load_spec
+    df, dev = _reference_steps(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn), wanted, steps=steps, device=device,
+                               seed=seed, scale=scale_v, what=what_t, underflow_tolerance=underflow_tolerance,
+                               max_norm=max_norm, pattern=filter)
+    _export(df[df["dtype"].isin(wanted)], filter, csv, parquet)
+    from ampdoctor.judge.ranges import format_table, sort_summary
+    from ampdoctor.render.layers_terminal import print_advice, print_tables
 
-    cfg = TriageConfig(steps=steps, device=device, seed=seed)
-    dev = resolve_device(device)
-    sp = load_spec(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn))
-    with importable(spec), progress_display(err, steps) as progress:
-        model, batches = prepare(sp, cfg, dev, progress)
-        if filter is not None:
-            names = [n or "<model>" for n, _ in model.named_modules()]
-            if not any(re.search(filter, n) for n in names):
-                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                raise UsageError(f"--filter {filter!r} matches no module; module names are: {shown}")
-        optimizer = (call_user(sp.build_optimizer, optimizer_argument(sp.build_optimizer, model), what=f"{optimizer_fn}()",
-                               path=sp.path) if sp.build_optimizer is not None else None)
-        wanted = [f.name for f in fmts]
-        # bf16 is computed as well (not shown) to say whether it removes the problem
-        compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
-        df = layer_stats(model, batches, compute, steps=steps, scale=scale_v, what=what_t, loss_fn=sp.loss_fn,
-                         optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed, max_norm=max_norm,
-                         progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
-    shown = df[df["dtype"].isin(wanted)]
-    if filter is not None:
-        shown = filter_modules(shown, filter)
-    if csv is not None:
-        write_atomic(csv, shown.to_csv(index=False))
-    if parquet is not None:
-        write_atomic(parquet, shown.to_parquet(index=False))
     console: Console = out
     grads = "grads" in what_t
-    from ampdoctor.judge.ranges import format_table, sort_summary
-
+    tables = []
     for name in wanted:
         s, summary = format_table(df, name, scale_v, filter)
-        summary = sort_summary(summary, sort)
-        rows = summary if top == 0 else summary.head(top)
-        title = (f"[bold]{name}[/] — worst of {steps} FP32 step(s)"
-                 + ((f"; gradients x {_pow2(s) if math.log2(s).is_integer() else f'{s:g}'}" if s != 1.0
-                     else "; gradients unscaled") if grads else ""))
-        console.print(_table(rows, title, console.width))
-        if console.width < WIDE:
-            console.print(f"  ({', '.join(NARROW_HIDDEN)} left out below {WIDE} columns; COLUMNS={WIDE} or --csv shows them)",
-                          style="dim", highlight=False)
-        if len(summary) > len(rows):
-            console.print(f"  ... {len(summary) - len(rows)} more rows (--top 0 shows all; --csv exports every step)",
-                          style="dim")
-    console.print()
+        tables.append((name, s, sort_summary(summary, sort)))
+    print_tables(console, tables, steps, grads, top)
     for name in wanted:
-        _print_advice(console, df, name, underflow_tolerance, grads)
+        print_advice(console, df, name, underflow_tolerance, grads)
     if report is not None:
         from ampdoctor.cli.reports import write_layers_report
         from ampdoctor.input.env import environment
@@ -234,9 +136,58 @@ def layers(
                   "top": top, "filter": filter, "underflow_tolerance": underflow_tolerance, "device": device, "seed": seed,
                   "model_fn": model_fn, "data_fn": data_fn, "loss_fn": loss_fn, "optimizer_fn": optimizer_fn,
                   "csv": str(csv) if csv is not None else None, "parquet": str(parquet) if parquet is not None else None}
-        doc = build(df, config, environment(dev, ["ampdoctor", *sys.argv[1:]]))
-        write_layers_report(report, doc)
+        write_layers_report(report, build(df, config, environment(dev, ["ampdoctor", *sys.argv[1:]])))
     for path in (csv, parquet, report):
         if path is not None:
             console.print(f"{'report' if path is report else 'table'} written to {path}", style="dim", highlight=False,
                           markup=False)
+
+
+def _reference_steps(spec: Path, names: SpecNames, wanted: list[str], *, steps: int, device: str, seed: int,
+                     scale: float | str, what: tuple[str, ...], underflow_tolerance: float, max_norm: float | None,
+                     pattern: str | None) -> tuple[pd.DataFrame, torch.device]:
+    """Build the spec's model and batches, run the FP32 reference steps, and return every tensor's rows in each
+    format (bf16 as well, not shown: it says whether bf16 removes the problem) and the device they ran on."""
+    from ampdoctor.cli.progress import progress_display
+    from ampdoctor.engine.layers import layer_stats
+    from ampdoctor.engine.step import optimizer_argument
+    from ampdoctor.engine.triage import prepare
+    from ampdoctor.input.config import TriageConfig
+    from ampdoctor.input.env import resolve_device
+    from ampdoctor.input.spec import call_user, importable, load_spec
+
+    cfg = TriageConfig(steps=steps, device=device, seed=seed)
+    dev = resolve_device(device)
+    sp = load_spec(spec, names)
+    with importable(spec), progress_display(err, steps) as progress:
+        model, batches = prepare(sp, cfg, dev, progress)
+        _check_filter(model, pattern)
+        optimizer = (call_user(sp.build_optimizer, optimizer_argument(sp.build_optimizer, model),
+                               what=f"{names.optimizer}()", path=sp.path) if sp.build_optimizer is not None else None)
+        compute = wanted + ([BF16.name] if BF16.name not in wanted else [])
+        df = layer_stats(model, batches, compute, steps=steps, scale=scale, what=what, loss_fn=sp.loss_fn,
+                         optimizer=optimizer, device=dev, underflow_tolerance=underflow_tolerance, seed=seed, max_norm=max_norm,
+                         progress=(lambda step: progress("FP32 steps", step)) if progress is not None else None)
+    return df, dev
+
+
+def _check_filter(model: nn.Module, pattern: str | None) -> None:
+    """``--filter`` must match one of the model's module names (else one line listing some)."""
+    if pattern is None:
+        return
+    names = [n or MODEL for n, _ in model.named_modules()]
+    if not any(re.search(pattern, n) for n in names):
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise UsageError(f"--filter {pattern!r} matches no module; module names are: {shown}")
+
+
+def _export(shown: pd.DataFrame, pattern: str | None, csv: Path | None, parquet: Path | None) -> None:
+    """Every step's rows of the formats asked for (those of the modules ``--filter`` keeps) to --csv and --parquet."""
+    from ampdoctor.engine.layers import filter_modules
+
+    if pattern is not None:
+        shown = filter_modules(shown, pattern)
+    if csv is not None:
+        write_atomic(csv, shown.to_csv(index=False))
+    if parquet is not None:
+        write_atomic(parquet, shown.to_parquet(index=False))

@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ampdoctor.input.config import STAGES
+
 EVERY_S = 10.0
-STAGES = ("fp32", "fp16", "amp", "bf16")
 
 
 def label(stage: str) -> str:

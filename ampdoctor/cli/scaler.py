@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -11,16 +10,17 @@ import numpy as np
 import typer
 from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
 
 from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
+from ampdoctor.fmt import pow2
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.scaler import Envelope, LogDigest, ScaleDiagnosis, pow2
+from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.render.scaler_plot import scaler_png
+from ampdoctor.render.scaler_text import MAX_LEDGER_ROWS, indent, print_digest
+from ampdoctor.report.scaler import worded
 from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStream, read_step_log
-
-MAX_LEDGER_ROWS = 20
 
 
 @boundary
@@ -51,10 +51,10 @@ def scaler(
         fail(f"{csv}: column scaler_scale, step {step}: {value:g} is not a loss scale "
              "(GradScaler's scale is a positive number); fix that row or leave the column empty")
         return
-    diag = dig.scale.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor) if dig.scale else None
-    _print(csv, notes, dig, diag, window, alert_rate)
+    diag = worded(dig.scale.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor)) if dig.scale else None
+    print_digest(out, csv, notes, dig, diag, window, alert_rate)
     if plot is not None:
-        write_atomic(plot, _plot_png(dig, diag))
+        write_atomic(plot, scaler_png(dig, diag.pattern if diag else None))
         out.print(f"plot written to {plot}", style="dim", markup=False, highlight=False)
 
 
@@ -152,9 +152,9 @@ def _print_ranks(logs: list[StepLog]) -> None:
         rest = ("the other ranks were clean: rank " + str(who[0]) + "'s own batch or forward, not a range every rank shares"
                 if len(local) <= 1 else
                 f"{len(local)} ranks saw it themselves ({', '.join(str(x[0]) for x in local[:8])}): a range problem they share")
-        out.print(_indent(f"First non-finite: step {step}, rank {who[0]} ({who[1]}{where}); {rest}", 0))
+        out.print(indent(f"First non-finite: step {step}, rank {who[0]} ({who[1]}{where}); {rest}", 0))
     elif not any("ranks" in lg.frame.columns for lg in logs):
-        out.print(_indent("these logs have no ranks column (Monitor under torch.distributed writes it): "
+        out.print(indent("these logs have no ranks column (Monitor under torch.distributed writes it): "
                           "first non-finite rank unknown", 0), style="dim")
     # DDP keeps one loss scale: the ranks' scales and skips agree step by step, or their scalers drifted apart
     base_rank, base = ranked[0]
@@ -165,7 +165,7 @@ def _print_ranks(logs: list[StepLog]) -> None:
         for s, k, sc in zip(lg.steps, lg.skipped, lg.scales or nones, strict=True):
             r = ref.get(s)
             if r is not None and (r[0] != k or r[1] != sc):
-                out.print(_indent(
+                out.print(indent(
                     f"ranks {base_rank} and {rank} disagree from step {s}: rank {base_rank} "
                     f"{'skipped' if r[0] else 'applied'} at scale {pow2(r[1]) if r[1] else '-'}, rank {rank} "
                     f"{'skipped' if k else 'applied'} at scale {pow2(sc) if sc else '-'}. Their GradScalers are out of "
@@ -181,127 +181,11 @@ def _print_ranks(logs: list[StepLog]) -> None:
     out.print(f"details below: rank {base_rank} ({escape(str(base.path))})", style="dim", highlight=False)
 
 
-def _indent(text: str, indent: int, hang: int = 0) -> Table:
-    """A paragraph indented by ``indent``; wrapped lines indented ``hang`` more (under the text after '- ')."""
-    g = Table.grid()
-    g.add_column(width=indent + hang, no_wrap=True)
-    g.add_column()
-    g.add_row(Text(" " * indent + text[:hang]), Text(text[hang:]))
-    return g
-
-
 def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise AmpDoctorError("--plot needs matplotlib, which ampdoctor installs but this environment lacks: pip install matplotlib") from None
-
-
-def _print(path: Path, notes: list[str], dig: LogDigest, diag: ScaleDiagnosis | None, window: int,
-           alert_rate: float) -> None:
-    ledger = dig.ledger
-    out.print(f"[bold]{escape(str(path))}[/]: {dig.n} steps ({dig.first_step}..{dig.last_step}), {ledger.count} skipped",
-              highlight=False, soft_wrap=True)
-    for note in notes:
-        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
-    out.print()
-    if diag is None:
-        out.print("[bold]Scale history[/]: none (the scaler_scale column is empty: a run without GradScaler)")
-    else:
-        out.print(f"[bold]Scale history[/]: [bold cyan]{diag.pattern}[/]", highlight=False)
-        out.print(_indent(diag.explanation, 2))
-        gi = f"{diag.growth_interval}" if diag.growth_interval else "not seen (no growth)"
-        bo = f"{diag.backoff_factor:g}" if diag.backoff_factor else "not seen (no back-off)"
-        out.print(_indent(
-            f"scale {pow2(diag.min_scale)}..{pow2(diag.max_scale)}, final {pow2(diag.final_scale)}; "
-            f"{len(diag.growths)} growth(s), {len(diag.backoffs)} back-off(s); growth_interval {gi}, backoff_factor {bo}",
-            2))
-    out.print()
-    out.print(f"[bold]Skip ledger[/]: {ledger.count} of {ledger.total} steps ({ledger.rate:.2%}), "
-              f"{ledger.n_runs} run(s), longest {ledger.longest}", highlight=False)
-    if dig.first_applied is not None:
-        step, reason = dig.first_applied
-        out.print(_indent(f"{dig.applied} step(s) applied a non-finite update (nothing skipped them: no GradScaler, "
-                          f"or the loop did not check), the first at step {step} ({reason}): "
-                          "the weights took it", 2), style="red")
-    if ledger.count:
-        for reason, n in ledger.reasons_by_count().items():
-            out.print(f"  {n:6d}  {reason}", highlight=False, markup=False)
-        t = Table(show_edge=False, pad_edge=False, box=None)
-        for col in ("steps", "skips", "reason(s)", "scale"):
-            t.add_column(col)
-        for run in ledger.runs[:MAX_LEDGER_ROWS]:
-            span = f"{run.start}" if run.start == run.end else f"{run.start}-{run.end}"
-            reasons = ", ".join(dict.fromkeys(r or "(none)" for r in run.reasons))
-            t.add_row(span, str(run.length), escape(reasons), "" if run.scale is None else pow2(run.scale))
-        out.print(t)
-        if ledger.n_runs > MAX_LEDGER_ROWS:
-            out.print(f"  ... {ledger.n_runs - MAX_LEDGER_ROWS} more run(s)", style="dim")
-    out.print()
-    # the first steps' rate is over a handful of steps (100% after one calibration skip): judge from a full-ish window
-    final, from_step, peak, at, over = dig.rates.summary()
-    style = "red" if final > alert_rate else "green"
-    out.print(
-        f"[bold]Rolling skip rate[/] (window {window}): final [{style}]{final:.2%}[/]; from step {from_step}: "
-        f"peak {peak:.2%} at step {at}, above {alert_rate:.0%} on {over} step(s)", highlight=False,
-    )
-    if diag is not None and diag.recommendations:
-        out.print()
-        out.print("[bold]Recommendations[/]")
-        for r in diag.recommendations:
-            out.print(_indent(f"- {r}", 2, hang=2))
-        if diag.settings:
-            args = ", ".join(f"{k}={v:g}" for k, v in diag.settings.items())  # numbers, as Python reads them
-            out.print(f"  torch.amp.GradScaler(device, {args})", highlight=False)
-
-
-def _series(env: Envelope) -> tuple[list[float], list[float]]:
-    """An envelope as one line: each bucket's minimum then its maximum at its first step (the series itself
-    when nothing was merged)."""
-    if env.width == 1:
-        return env.x.tolist(), env.lo.tolist()
-    return np.repeat(env.x, 2).tolist(), np.stack([env.lo, env.hi], axis=1).ravel().tolist()
-
-
-def _plot_png(dig: LogDigest, diag: ScaleDiagnosis | None) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    sk_steps, sk_scales = _series(dig.skip_env)
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    try:
-        if dig.has_scale:
-            xs, ys = _series(dig.scale_env)
-            ax1.step(xs, ys, where="post", color="tab:blue", label="scaler_scale")
-            ax1.set_yscale("log", base=2)
-            ax1.scatter(sk_steps, sk_scales, color="tab:red", marker="x", zorder=3, label="skipped")
-            ax1.set_title(f"GradScaler scale: {diag.pattern}" if diag else "GradScaler scale")
-        else:
-            ax1.text(0.5, 0.5, "no GradScaler in this run", ha="center", va="center", transform=ax1.transAxes)
-        ax1.set_ylabel("scale (log2)")
-        ax1.legend(loc="best")
-        env = dig.loss_env
-        if env.x.size:
-            xs, ys = _series(env)
-            ax2.plot(xs, ys, color="tab:green", label="loss")
-            lo, hi = float(env.lo.min()), float(env.hi.max())
-            if lo > 0 and hi / max(lo, 1e-300) > 1e3:
-                ax2.set_yscale("log")
-        for s in dict.fromkeys(dig.skip_env.x.tolist()):
-            ax2.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
-        ax2.set_xlabel("step")
-        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax2.set_ylabel("loss")
-        ax2.legend(loc="best")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
 
 
 __all__: list[Any] = ["scaler"]

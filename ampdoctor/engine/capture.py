@@ -53,7 +53,17 @@ from torch import nn
 
 from ampdoctor._version import __version__
 from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.input.capture_schema import CAPTURE_VERSION, validate_batches, validate_manifest, validate_state
+from ampdoctor.input.capture_schema import (
+    BATCHES_FILE,
+    CAPTURE_VERSION,
+    RNG_FILE,
+    SNAPSHOT_FILE,
+    STATE_FILE,
+    STATS_FILE,
+    validate_batches,
+    validate_manifest,
+    validate_state,
+)
 from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
 from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
@@ -548,24 +558,55 @@ class Capture:
                scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking host copies are complete
-        files: dict[str, Any] = {}
         left_out: list[str] = []
+        files, snap, at_start, batch_steps = self._files(step, skipped, scaler_before, left_out)
+        manifest = {
+            **self._manifest(trig, step, skipped, record, scaler_before),
+            **extra,
+            "optimizer_layout": optimizer_layout(self.optimizer, self.model),
+            "model_identity": model_identity(self.model),
+            # the user's gradient / tensor hooks on the model, by name (a replay keeps them if the spec's model has them)
+            "user_hooks": [h.as_json() for h in userhooks.found(self.model)],
+            # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
+            "rng_after_step": step - 1 if at_start else step,
+            "state_step": step if STATE_FILE in files else None,
+            "snapshot_step": self._snapshot_step if snap is not None else None,
+            "batch_steps": batch_steps,
+            "files": sorted([*files, MANIFEST, *([STATS_FILE] if stats is not None else []), *tables]),
+            "left_out": left_out,
+        }
+        # what is written is what a reader accepts (input.capture_schema): a capture that would not replay is a
+        # warning now, not a surprise for the person it is mailed to
+        text = json.dumps(manifest, indent=2) + "\n"
+        validate_manifest(json.loads(text), self.path / MANIFEST)
+        for name in (STATE_FILE, SNAPSHOT_FILE):
+            if name in files:
+                validate_state(files[name], self.path / name)
+        if files[BATCHES_FILE]:
+            validate_batches(files[BATCHES_FILE], self.path / BATCHES_FILE)
+        return self._save(files, stats, tables, text)
+
+    def _files(self, step: int, skipped: bool, scaler_before: dict[str, Any] | None,
+               left_out: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None, bool, list[int]]:
+        """The tensor files (name → object), within ``capture_max_bytes`` (what did not fit goes to ``left_out``);
+        the snapshot kept, whether ``rng.pt`` is the failing step's start, and the steps of the batches kept."""
+        files: dict[str, Any] = {}
         if skipped:  # nothing was applied: the live state is the state before the failing step
             st = self.state()
             st["scaler"] = scaler_before
-            files["state.pt"] = st
+            files[STATE_FILE] = st
         batches, steps = list(self._batches), list(self._batch_steps)
         # a snapshot taken at this very step precedes its update: it starts an applied failing step's replay
         snap = (self._snapshot if self._snapshot_step is not None
                 and (self._snapshot_step < step or (self._snapshot_step == step and not skipped)) else None)
         if snap is not None and steps and steps[0] != self._snapshot_step:
-            left_out.append(f"snapshot.pt (the batches since step {self._snapshot_step} passed capture_hold_bytes="
+            left_out.append(f"{SNAPSHOT_FILE} (the batches since step {self._snapshot_step} passed capture_hold_bytes="
                             f"{self.hold_bytes}, so it cannot re-reach the step)")
             snap = None
         if snap is not None:
-            files["snapshot.pt"] = snap
+            files[SNAPSHOT_FILE] = snap
         at_start = self._rng is not None and self._rng_step == step
-        files["rng.pt"] = rng_states(self._rng if at_start else None)
+        files[RNG_FILE] = rng_states(self._rng if at_start else None)
         budget = self.max_bytes - sum(nbytes(v) for v in files.values())
         # the failing batch first in priority, then the ones before it, newest first
         kept: list[int] = []
@@ -579,15 +620,19 @@ class Capture:
         if len(kept) < len(batches):
             left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes})")
             if snap is not None and (not kept or kept[0] != 0):
-                files.pop("snapshot.pt")
-                left_out.append("snapshot.pt (its batches did not fit, so it cannot re-reach the step)")
+                files.pop(SNAPSHOT_FILE)
+                left_out.append(f"{SNAPSHOT_FILE} (its batches did not fit, so it cannot re-reach the step)")
                 snap = None
-        if budget < 0 and "state.pt" in files:
-            left_out.append("state.pt is larger than capture_max_bytes; kept anyway: it is the failing step")
-        files["batches.pt"] = [batches[i] for i in kept]
-        batch_steps = [steps[i] for i in kept]
+        if budget < 0 and STATE_FILE in files:
+            left_out.append(f"{STATE_FILE} is larger than capture_max_bytes; kept anyway: it is the failing step")
+        files[BATCHES_FILE] = [batches[i] for i in kept]
+        return files, snap, at_start, [steps[i] for i in kept]
+
+    def _manifest(self, trig: Trigger, step: int, skipped: bool, record: dict[str, Any],
+                  scaler_before: dict[str, Any] | None) -> dict[str, Any]:
+        """The manifest's fields that say what failed and what ran: the step, its figures, the versions, the ranks."""
         rank, world = _rank()
-        manifest = {
+        return {
             "schema_version": CAPTURE_VERSION,
             "tool": "ampdoctor capture",
             "step": step,
@@ -612,28 +657,10 @@ class Capture:
             "sharded": self.sharded,
             **({"shards": {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model)}}
                if self.sharded and self.layout is not None else {}),
-            **extra,
-            "optimizer_layout": optimizer_layout(self.optimizer, self.model),
-            "model_identity": model_identity(self.model),
-            # the user's gradient / tensor hooks on the model, by name (a replay keeps them if the spec's model has them)
-            "user_hooks": [h.as_json() for h in userhooks.found(self.model)],
-            # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
-            "rng_after_step": step - 1 if at_start else step,
-            "state_step": step if "state.pt" in files else None,
-            "snapshot_step": self._snapshot_step if snap is not None else None,
-            "batch_steps": batch_steps,
-            "files": sorted([*files, MANIFEST, *(["stats.json"] if stats is not None else []), *tables]),
-            "left_out": left_out,
         }
-        # what is written is what a reader accepts (input.capture_schema): a capture that would not replay is a
-        # warning now, not a surprise for the person it is mailed to
-        text = json.dumps(manifest, indent=2) + "\n"
-        validate_manifest(json.loads(text), self.path / MANIFEST)
-        for name in ("state.pt", "snapshot.pt"):
-            if name in files:
-                validate_state(files[name], self.path / name)
-        if files["batches.pt"]:
-            validate_batches(files["batches.pt"], self.path / "batches.pt")
+
+    def _save(self, files: dict[str, Any], stats: StepStats | None, tables: dict[str, str], manifest: str) -> Path:
+        """Write the capture into a temporary folder beside ``path``, then claim its name (``_claim``)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         if tmp.exists():
@@ -645,10 +672,10 @@ class Capture:
                 torch.save(obj, buf)
                 (tmp / name).write_bytes(buf.getvalue())
             if stats is not None:
-                (tmp / "stats.json").write_text(json.dumps(stats_json(stats)))
+                (tmp / STATS_FILE).write_text(json.dumps(stats_json(stats)))
             for name, table in tables.items():  # the lookback ring's tables (watch.ring)
                 (tmp / name).write_text(table, encoding="utf-8")
-            (tmp / MANIFEST).write_text(text)
+            (tmp / MANIFEST).write_text(manifest)
             return _claim(tmp, self.path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

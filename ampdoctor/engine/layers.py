@@ -59,7 +59,7 @@ from ampdoctor.judge.ranges import (  # noqa: F401 - re-exported: the layers API
     summarise,
     tensor_name,
 )
-from ampdoctor.records import NBINADES, NCOLS, Col, StepStats
+from ampdoctor.records import MODEL, NBINADES, NCOLS, Col, StepStats
 from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.stats import StatsBuffer, binade_histogram, tensor_stats
 
@@ -243,7 +243,7 @@ def _param_owner(model: nn.Module) -> dict[str, tuple[str, str]]:
     owner = {}
     for name, _ in model.named_parameters():
         mod, _, pname = name.rpartition(".")
-        owner[name] = (mod or "<model>", pname)
+        owner[name] = (mod or MODEL, pname)
     return owner
 
 

@@ -23,20 +23,18 @@ from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
 from ampdoctor.engine.shards import ENGINES, assemble
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.input.capture_schema import read_manifest, read_ring, validate_batches, validate_state
+from ampdoctor.input.capture_schema import (
+    BATCHES_FILE,
+    RNG_FILE,
+    SNAPSHOT_FILE,
+    STATE_FILE,
+    read_manifest,
+    read_ring,
+    validate_batches,
+    validate_state,
+)
+from ampdoctor.input.resume import StartState
 from ampdoctor.watch.hooks import unwrap
-
-
-@dataclass
-class StartState:
-    """Where the stages start: the optimizer and GradScaler state (the model's goes into ``Run.init_state``)."""
-
-    optimizer: dict[str, Any] | None
-    scaler: dict[str, Any] | None
-    step0: int
-    """The run's own step number of the first replayed batch."""
-    rng: dict[str, Any] | None = None
-    """RNG states to restore before every stage (the capture's ``rng.pt``, a checkpoint's RNG file)."""
 
 
 @dataclass
@@ -56,6 +54,25 @@ class Captured:
     """A sharded run's capture: how the ranks' shards were put back together (the report says it)."""
     ring: Any = None
     """The lookback ring's tables (steps, layers) as DataFrames (``input.capture_schema.read_ring``), or None."""
+
+    @property
+    def optimizer(self) -> dict[str, Any] | None:
+        """The optimizer state the replay starts from (``input.resume.Saved``)."""
+        return self.start.optimizer
+
+    @property
+    def scaler(self) -> dict[str, Any] | None:
+        """The GradScaler state the replay starts from."""
+        return self.start.scaler
+
+    @property
+    def source(self) -> Path:
+        return self.path
+
+    @property
+    def kind(self) -> str:
+        """What it is, in the words of a message: 'capture'."""
+        return "capture"
 
     @property
     def step(self) -> int:
@@ -101,30 +118,30 @@ def _read_one(p: Path) -> Captured:
     mf = p / MANIFEST
     manifest = read_manifest(mf)
     files = set(manifest["files"])
-    batches = _load(p, "batches.pt")
-    validate_batches(batches, p / "batches.pt")
-    batches = [_batch(b, p / "batches.pt", i) for i, b in enumerate(batches)]
+    batches = _load(p, BATCHES_FILE)
+    validate_batches(batches, p / BATCHES_FILE)
+    batches = [_batch(b, p / BATCHES_FILE, i) for i, b in enumerate(batches)]
     steps = [int(s) for s in manifest["batch_steps"]]
     step = int(manifest["step"])
     if len(steps) != len(batches):
         raise CaptureError(f"{p}: batches.pt holds {len(batches)} batch(es) but {MANIFEST} field batch_steps names "
                            f"{len(steps)}; the capture is inconsistent (capture again)")
-    rng = _load(p, "rng.pt") if "rng.pt" in files and (p / "rng.pt").is_file() else None
+    rng = _load(p, RNG_FILE) if RNG_FILE in files and (p / RNG_FILE).is_file() else None
     rng = rng if isinstance(rng, dict) else None
     ring = read_ring(p, sorted(files))
-    if "state.pt" in files:
-        st = _load(p, "state.pt")
-        validate_state(st, p / "state.pt")
+    if STATE_FILE in files:
+        st = _load(p, STATE_FILE)
+        validate_state(st, p / STATE_FILE)
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), step),
                         [batches[-1]], from_snapshot=False, rng=rng, ring=ring)
-    if "snapshot.pt" in files:
+    if SNAPSHOT_FILE in files:
         snap = manifest.get("snapshot_step")
         snap_step = int(snap) if snap is not None else steps[0]
         if steps[0] != snap_step:
             raise CaptureError(f"{p}: the batches since the snapshot (step {snap_step}) were left out; "
                                "it cannot re-reach the failing step (raise capture_max_bytes)")
-        st = _load(p, "snapshot.pt")
-        validate_state(st, p / "snapshot.pt")
+        st = _load(p, SNAPSHOT_FILE)
+        validate_state(st, p / SNAPSHOT_FILE)
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
                         batches, from_snapshot=True, rng=rng, ring=ring)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
@@ -227,27 +244,6 @@ def _batch(b: Any, where: Path, i: int) -> Any:
                                "the capture is damaged")
         return ModelInputs(tuple(call["args"]), dict(call["kwargs"]))
     return b
-
-
-def load_into(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
-    """Load captured weights into the spec's model; a capture from another model is one line."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:3])}" + (f" (+{len(missing) - 3})" if len(missing) > 3 else ""))
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:3])}" + (f" (+{len(unexpected) - 3})" if len(unexpected) > 3 else ""))
-        if shapes:
-            k = shapes[0]
-            parts.append(f"{k} is {tuple(state[k].shape)} in the capture, {tuple(own[k].shape)} in the model")
-        raise CaptureError(f"{where}: the capture is from another model than build_model() builds ({'; '.join(parts)})")
-    with torch.no_grad():
-        for k, v in own.items():
-            v.copy_(state[k].to(v.device, v.dtype))
 
 
 def layout_optimizer(layout: dict[str, Any] | None) -> Callable[[nn.Module], torch.optim.Optimizer] | None:

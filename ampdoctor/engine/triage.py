@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.replay import Captured, StartState, layout_optimizer, load_into, read_capture
+from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
 from ampdoctor.engine.shard_capture import reassemble
@@ -23,19 +23,19 @@ from ampdoctor.engine.step import batch_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
 from ampdoctor.input.batches import Batches, ModelInputs, cast_floating, filter_kwargs, grouped, micro_batches, split, to_device
-from ampdoctor.input.checkpoint import load_into as load_checkpoint_into
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
+from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
 from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck, diagnose, not_reproduced, shift_diagnosis, stall_ratio
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import words
-from ampdoctor.report.build import code_findings, enrich, shift_steps
-from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.report.build import code_findings, enrich, shift_steps, stage_summary
+from ampdoctor.report.model import Report
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.steplog import StepLogWriter
@@ -189,28 +189,6 @@ def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict
     if op is not None:
         op.loss_only = info.get("loss_only", False)
     return op
-
-
-def _summary(res: StageResult, fp32: StageResult | None) -> StageSummary:
-    recs = res.records
-    fp32_loss = None
-    if fp32 is not None and fp32.records and recs:
-        fp32_loss = fp32.records[min(len(fp32.records), len(recs)) - 1].loss  # same step, same batch
-    return StageSummary(
-        name=res.name,
-        steps_run=len(recs),
-        first_nonfinite_step=res.first_nonfinite_step,
-        skipped_steps=res.skipped_steps,
-        final_scale=recs[-1].scaler_scale if recs and recs[-1].scaler_scale is not None else None,
-        final_loss=recs[-1].loss if recs else None,
-        fp32_loss=fp32_loss,
-        losses=[r.loss for r in recs],
-        scales=[r.scaler_scale for r in recs],
-        grad_norms=[r.grad_l2_pre_clip for r in recs],
-        error=asdict(res.error) if res.error else None,
-        stopped=res.stopped,
-        master_weights=res.master_weights,
-    )
 
 
 @spec_importable
@@ -451,7 +429,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     opt = make_optimizer(spec.build_optimizer, model)
     scaler = torch.amp.GradScaler(device.type)
     state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
-    lacks = load_checkpoint_into(state, model, opt, scaler)
+    lacks = load_into(state, model, opt, scaler)
     preflight.initial_weights(model, spec.path)
     step0 = state.next_step if state.next_step is not None else skip_batches
     loader_note: list[str] = []
@@ -533,7 +511,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
         spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
         said.append(f"the loss is {type(model).__name__}.training_step (the spec has no loss_fn)")
-    load_into(model, cap.model, cap.path)
+    load_into(cap, model)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
     try:  # the optimizer (the spec's, or rebuilt from the capture's layout) and its state must fit the model
@@ -653,7 +631,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         cfg_dict["target_progress_vs_fp32"] = ratio
     report = Report(
         verdict=verdict,
-        stages=[_summary(r, fp32) for r in results.values()],
+        stages=[stage_summary(r, fp32, step0) for r in results.values()],
         findings=findings,
         layers=diag.layers,
         scaler=scaler,

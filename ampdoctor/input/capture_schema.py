@@ -32,6 +32,14 @@ MAX_MANIFEST_BYTES = 64 << 20
 """A manifest larger than this is refused before it is parsed (a real one is kilobytes)."""
 AGAIN = "the capture is damaged or was edited; capture the run again (or fix that field)"
 
+STATE_FILE = "state.pt"
+"""The state before a skipped failing step (model, optimizer, scaler): its replay runs that step alone."""
+SNAPSHOT_FILE = "snapshot.pt"
+"""The last periodic snapshot: a replay from it runs every batch since."""
+BATCHES_FILE = "batches.pt"
+RNG_FILE = "rng.pt"
+STATS_FILE = "stats.json"
+
 _TYPE_WORD = {"integer": "an integer", "number": "a number", "string": "a text", "boolean": "true or false",
               "null": "null", "object": "an object", "array": "a list"}
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampdoctor.errors import CheckpointError
+from ampdoctor.errors import CaptureError, CheckpointError
 
 Layout = str
 """'dict' | 'transformers' | 'lightning' | 'spec'."""
@@ -76,6 +76,11 @@ class CheckpointState:
     source: Path
     notes: list[str] = field(default_factory=list)
     """What was found but not used, or read with an assumption: one sentence each, for the report."""
+
+    @property
+    def kind(self) -> str:
+        """What it is, in the words of a message: 'checkpoint' (``input.resume.Saved``)."""
+        return "checkpoint"
 
     @property
     def next_step(self) -> int | None:
@@ -143,22 +148,22 @@ def load_file(path: Path, *, trust: bool = False, what: str | None = None) -> An
     except pickle.UnpicklingError as e:
         names = _unsafe_globals(path) or re.findall(r"GLOBAL ([\w.]+)", str(e))
         if not names:  # not a refusal: the pickle itself is broken
-            raise CheckpointError(f"{what}: truncated or corrupt ({_first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
+            raise CheckpointError(f"{what}: truncated or corrupt ({first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
         if trust:
             return _load_trusted(path, what)
         raise CheckpointError(f"{what}: holds pickled Python objects that weights-only loading refuses ({_short(names)}); {TRUST_HINT}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{what}: truncated or corrupt ({_first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
+        raise CheckpointError(f"{what}: truncated or corrupt ({first_line(e)}); the save was probably interrupted: use an earlier checkpoint") from None
 
 
 def _load_trusted(path: Path, what: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise CheckpointError(f"{what}: cannot be unpickled even with trust=True ({type(e).__name__}: {_first_line(e)}); import the classes it needs first, or re-save just the state_dicts") from None
+        raise CheckpointError(f"{what}: cannot be unpickled even with trust=True ({type(e).__name__}: {first_line(e)}); import the classes it needs first, or re-save just the state_dicts") from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The exception's first sentence, without terminal colours: it goes inside a one-line message."""
     text = str(e).strip().splitlines()
     line = re.sub(r"\x1b\[[0-9;]*m", "", text[0]) if text else type(e).__name__
@@ -173,7 +178,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return dict(st_load(str(path), device="cpu"))
     except Exception as e:
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({_first_line(e)}); use an earlier checkpoint") from None
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({first_line(e)}); use an earlier checkpoint") from None
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -439,7 +444,7 @@ def _from_spec(load: LoadCheckpoint, path: Path, model: Any, optimizer: Any, sca
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{path}: the spec's load_checkpoint raised {type(e).__name__}: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: the spec's load_checkpoint raised {type(e).__name__}: {first_line(e)}") from None
     step = _as_int(result)
     if result is not None and step is None:
         raise CheckpointError(f"{path}: the spec's load_checkpoint returned a {type(result).__name__}; return the run's step (an int) or None")
@@ -478,7 +483,7 @@ def read_checkpoint(
         obj = load_file(p, trust=trust)
         state = _from_dict(obj, p)
     if model is not None:
-        state.model, note = _match(model, state.model, f"{p}: ")
+        state.model, note = match_keys(model, state.model, f"{p}: ")
         if note:
             state.notes.append(note)
     return state
@@ -515,21 +520,17 @@ def _tied_groups(model: torch.nn.Module) -> dict[str, list[str]]:
     return {k: [o for o in group if o != k] for group in by_id.values() for k in group}
 
 
-def match_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | CheckpointState) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights keyed as ``model`` expects, so ``load_state_dict`` loads strictly.
+def match_keys(model: torch.nn.Module, ckpt: Mapping[str, torch.Tensor], source: str = "",
+               noun: str = "checkpoint") -> tuple[dict[str, torch.Tensor], str]:
+    """Saved weights keyed as ``model`` expects, so ``load_state_dict`` loads strictly; also a sentence saying
+    which prefix was stripped or added, if any.
 
     A common prefix is stripped (Lightning's ``model.``, DDP's ``module.``, ``torch.compile``'s
     ``_orig_mod.``) or added when that makes the keys fit; a key left out because it is tied to another
-    (transformers drops ``lm_head.weight``) is filled from its twin. Raise CheckpointError naming the
-    first missing, unexpected and mismatched keys otherwise.
+    (transformers drops ``lm_head.weight``) is filled from its twin. Otherwise raise CheckpointError (a
+    ``noun`` other than "checkpoint": CaptureError), after ``source``, naming the first missing, unexpected
+    and mismatched keys.
     """
-    source = f"{state.source}: " if isinstance(state, CheckpointState) else ""
-    ckpt = state.model if isinstance(state, CheckpointState) else dict(state)
-    return _match(model, ckpt, source)[0]
-
-
-def _match(model: torch.nn.Module, ckpt: Mapping[str, torch.Tensor], source: str) -> tuple[dict[str, torch.Tensor], str]:
-    """match_state's work; also a sentence saying which prefix was stripped or added, if any."""
     want = dict(model.state_dict())
     tied = _tied_groups(model)
     best = (dict(ckpt), "", "")
@@ -555,7 +556,8 @@ def _match(model: torch.nn.Module, ckpt: Mapping[str, torch.Tensor], source: str
     unexpected = [k for k in mapped if k not in want]
     wrong = [k for k in out if tuple(out[k].shape) != tuple(want[k].shape)]
     if missing or wrong or unexpected:
-        raise CheckpointError(source + _mismatch_message(missing, unexpected, wrong, out, want, strip, add))
+        error = CheckpointError if noun == "checkpoint" else CaptureError
+        raise error(source + _mismatch_message(missing, unexpected, wrong, out, want, strip, add, noun))
     if not (strip or add):
         return out, ""
     what = f"stripped the prefix '{strip}'" if strip else f"added the prefix '{add}'"
@@ -565,19 +567,20 @@ def _match(model: torch.nn.Module, ckpt: Mapping[str, torch.Tensor], source: str
 
 
 def _mismatch_message(
-    missing: list[str], unexpected: list[str], wrong: list[str], out: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], strip: str, add: str
+    missing: list[str], unexpected: list[str], wrong: list[str], out: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], strip: str, add: str,
+    noun: str,
 ) -> str:
     parts = []
     if missing:
-        parts.append(f"the model has {_short(missing, 3)} that the checkpoint lacks")
+        parts.append(f"the model has {_short(missing, 3)} that the {noun} lacks")
     if unexpected:
-        parts.append(f"the checkpoint has {_short(unexpected, 3)} that the model lacks")
+        parts.append(f"the {noun} has {_short(unexpected, 3)} that the model lacks")
     if wrong:
         k = wrong[0]
         more = f" (+{len(wrong) - 1} more shapes differ)" if len(wrong) > 1 else ""
-        parts.append(f"{k} is {_shape(out[k])} in the checkpoint, {_shape(want[k])} in the model{more}")
+        parts.append(f"{k} is {_shape(out[k])} in the {noun}, {_shape(want[k])} in the model{more}")
     mapping = f" (after stripping '{strip}')" if strip else f" (after adding '{add}')" if add else ""
-    return f"the checkpoint is from another model{mapping}: {'; '.join(parts)}; build_model() must build the architecture the run trained"
+    return f"the {noun} is from another model{mapping}: {'; '.join(parts)}; build_model() must build the architecture the run trained"
 
 
 def match_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
@@ -589,28 +592,3 @@ def match_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) 
             f"the optimizer state has {len(have)} parameter groups of {have} parameters, build_optimizer() makes "
             f"{len(want)} of {want}; build the optimizer the run used (same groups, same order)"
         )
-
-
-def load_into(state: CheckpointState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> list[str]:
-    """Load ``state`` into live objects, checked first; return a sentence for each part the checkpoint lacks.
-
-    The model loads strictly (keys mapped by ``match_state``); the optimizer after ``match_optimizer``;
-    the scaler when it is enabled. A part the checkpoint does not have is left as built, and said.
-    """
-    said: list[str] = []
-    model.load_state_dict(match_state(model, state))
-    if optimizer is not None:
-        if state.optimizer is None:
-            said.append(f"{state.source}: no optimizer state; the optimizer starts fresh (Adam's moments at zero)")
-        else:
-            match_optimizer(optimizer, state.optimizer)
-            try:
-                optimizer.load_state_dict(state.optimizer)
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise CheckpointError(f"{state.source}: the optimizer state does not load into build_optimizer()'s optimizer ({_first_line(e)}); build the optimizer the run used") from None
-    if scaler is not None and scaler.is_enabled():
-        if state.scaler is None:
-            said.append(f"{state.source}: no GradScaler state; the scale starts at {scaler.get_scale():g}, not the run's")
-        else:
-            scaler.load_state_dict(state.scaler)
-    return said

@@ -9,7 +9,7 @@ from typing import Any
 from ampdoctor.errors import SpecError
 from ampdoctor.input.batches import BatchError, Batches, LoaderError, materialise
 from ampdoctor.input.limits import cache_budget, data_timeout, deadline
-from ampdoctor.input.spec import Spec, call_user, where
+from ampdoctor.input.spec import Spec, call_user, exited, where
 
 ProgressFn = Callable[[str, int], None]
 
@@ -37,6 +37,5 @@ def load_batches(spec: Spec, steps: int, progress: ProgressFn | None = None) -> 
     except BatchError as e:
         raise SpecError(f"{spec.path.name}: {e}") from None
     except SystemExit as e:
-        raise SpecError(f"{where(e, spec.path)}: the dataloader called sys.exit({'' if e.code is None else repr(e.code)}) "
-                        "while yielding a batch; ampdoctor iterates it itself, so end the iteration (return) or raise "
-                        "instead of exiting") from None
+        raise exited(e, spec.path, "the dataloader", " while yielding a batch; ampdoctor iterates it itself, so end the "
+                     "iteration (return) or raise instead of exiting") from None

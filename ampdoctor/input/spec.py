@@ -105,8 +105,7 @@ def load_spec(path: str | Path, names: SpecNames | None = None, *, require_data:
     except Exception as e:
         raise SpecError(f"{_where(e, p)}: the file raised {type(e).__name__} while loading: {e}") from None
     except SystemExit as e:
-        raise SpecError(f"{_where(e, p)}: the file called sys.exit({_code(e)}) while loading; "
-                        "keep a script's main code under `if __name__ == \"__main__\":`") from None
+        raise exited(e, p, "the file", " while loading; keep a script's main code under `if __name__ == \"__main__\":`") from None
 
     def get(name: str, required: bool) -> Callable[..., Any] | None:
         fn = getattr(module, name, None)
@@ -149,12 +148,12 @@ def call_user(fn: Callable[..., Any], *args: Any, what: str, path: Path) -> Any:
     except Exception as e:
         raise SpecError(f"{_where(e, path)}: {what} raised {type(e).__name__}: {e}") from None
     except SystemExit as e:
-        raise SpecError(f"{_where(e, path)}: {what} called sys.exit({_code(e)}); ampdoctor calls {what} itself, "
-                        "so return the value instead of exiting") from None
+        raise exited(e, path, what, f"; ampdoctor calls {what} itself, so return the value instead of exiting") from None
 
 
-def _code(e: SystemExit) -> str:
-    return "" if e.code is None else repr(e.code)
+def exited(e: SystemExit, path: Path, who: str, then: str) -> SpecError:
+    """The one line for the user's code calling sys.exit: where, ``who`` called it with what code, ``then`` what to do."""
+    return SpecError(f"{_where(e, path)}: {who} called sys.exit({'' if e.code is None else repr(e.code)}){then}")
 
 
 @contextlib.contextmanager

@@ -24,9 +24,8 @@ import torch
 
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, fields
+from ampdoctor.judge.thresholds import OUTLIER_RATIO
 
-OUTLIER_RATIO = 1e3
-"""Three orders of magnitude above the field's typical magnitude (as diagnosis.OUTLIER_RATIO)."""
 MEDIAN_SAMPLE = 100_000
 """A batch's median |x| is taken over an evenly strided subsample of about this many elements."""
 

@@ -16,9 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ampdoctor.records import Call, Col, StepStats, nonfinite
-
-MODEL = "<model>"
+from ampdoctor.records import MODEL, Call, Col, StepStats, nonfinite
 
 
 def is_ancestor(a: str, b: str) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.formats import FORMATS, FP16, Format
+from ampdoctor.records import MODEL
 from ampdoctor.tensors import iter_tensors
 
 
@@ -145,8 +146,6 @@ class _FirstNonfinite(TorchFunctionMode):
 def first_nonfinite_op(model: nn.Module, run: Callable[[], Any]) -> NonfiniteOp | None:
     """Run ``run()`` (a forward of ``model`` and its loss, in the precision under test) and return
     the first op whose inputs are all finite and whose output is not, with the module running it."""
-    from ampdoctor.judge.locate import MODEL
-
     stack: list[str] = []
     names = {m: n or MODEL for n, m in model.named_modules()}
     handles = []
@@ -227,7 +226,7 @@ class InnerOps:
 
     def __enter__(self) -> InnerOps:
         for name, m in self.model.named_modules():
-            label = name or "<model>"
+            label = name or MODEL
             self._handles.append(m.register_forward_pre_hook(lambda *_, n=label: self._stack.append(n)))
             self._handles.append(m.register_forward_hook(lambda *_, n=label: self._pop(n)))
         self._mode.__enter__()

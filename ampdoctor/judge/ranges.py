@@ -17,7 +17,7 @@ import pandas as pd
 from ampdoctor.errors import UsageError
 from ampdoctor.fmt import pow2 as _pow2
 from ampdoctor.formats import BF16, Format, get_format
-from ampdoctor.records import BINADE_MIN
+from ampdoctor.records import BINADE_MIN, MODEL
 
 KINDS = ("act", "act_grad", "param", "param_grad")
 """Tensor kinds, in table order: module output, gradient at it, parameter value, parameter gradient."""
@@ -108,7 +108,7 @@ def tensor_name(module: str, kind: str, param: str) -> str:
     """A readable tensor name: 'head.weight', 'blocks.0' (its output), 'lstm[1]' (second output)."""
     if kind in ("act", "act_grad"):
         return module + param[len("output"):]
-    return param if module == "<model>" else f"{module}.{param}"
+    return param if module == MODEL else f"{module}.{param}"
 
 
 def _label(row: pd.Series) -> str:
@@ -174,7 +174,7 @@ def _innermost(modules: list[str]) -> list[str]:
     """Drop a module when one of its submodules is also listed (the container only passes it on)."""
     out = []
     for m in modules:
-        prefix = "" if m == "<model>" else m + "."
+        prefix = "" if m == MODEL else m + "."
         if any(o != m and (prefix == "" or o.startswith(prefix)) for o in modules):
             continue
         out.append(m)

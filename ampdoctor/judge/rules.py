@@ -13,11 +13,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from ampdoctor.fmt import pow2, sentences
+from ampdoctor.fmt import pow2
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
@@ -25,8 +25,8 @@ from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, scan_batches
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
-from ampdoctor.judge.rules_extra import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
-from ampdoctor.judge.scaler import diagnose_scale
+from ampdoctor.judge.scaler import ScaleFacts, diagnose_scale
+from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import (
     Col,
     Finding,
@@ -35,20 +35,13 @@ from ampdoctor.records import (
     Outcome,
     ScaleEvent,
     ScalerStory,
+    StageError,
     StageResult,
     StepStats,
     UserHook,
     nonfinite,
 )
-
-OUTLIER_RATIO = 1e3
-"""A batch whose largest value is 1000x the median batch's is an outlier (orders of magnitude)."""
-FLUSH_THRESHOLD = 0.5
-"""A parameter whose FP32-non-zero gradient elements are more than half zero in FP16 underflows."""
-STALL_RATIO = 0.5
-"""The target stalls when it makes less than half of FP32's loss progress."""
-SKIP_RATE_ALERT = 0.05
-"""Skip rate after calibration above which GradScaler is failing (the seed articles' 5% alert)."""
+from ampdoctor.records import stats_at as _stats_at
 
 
 @dataclass
@@ -95,10 +88,8 @@ class Diagnosis:
     device: str = "cpu"
     scaler_note: str | None = None
     """'overflows_hidden': the scale history looks healthy only because GradScaler never saw the overflows."""
-
-
-MIN_STALL_STEPS = 8
-"""Fewer steps than this are too few to call a stall (per-batch noise dominates)."""
+    scale: ScaleFacts | None = None
+    """The amp stage's scale history as facts, in the run's steps (``scaler``'s explanation is written from them)."""
 
 
 def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
@@ -112,13 +103,6 @@ def stall_ratio(target: StageResult, fp32: StageResult) -> float | None:
     """
     w = loss_window(target, fp32, MIN_STALL_STEPS)  # the windows, kept for the words
     return w.ratio if w is not None else None
-
-
-def _stats_at(res: StageResult, step: int) -> StepStats | None:
-    for s in res.stats:
-        if s.step == step:
-            return s
-    return None
 
 
 def underflowing_params(target: StageResult, fp32: StageResult, steps: int = 5) -> list[tuple[str, float]]:
@@ -243,10 +227,12 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, f
     return interesting[:limit]
 
 
-def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0, resumed: bool = False) -> ScalerStory | None:
+def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0,
+                 resumed: bool = False) -> tuple[ScalerStory, ScaleFacts] | None:
     """GradScaler's history in the amp stage, every step the run's own (``step0 + k``: the words are written
     from these numbers, never patched afterwards); ``resumed``: the stage started from the run's GradScaler
-    state (a capture, a checkpoint), so the story starts from that scale, not ``--init-scale``."""
+    state (a capture, a checkpoint), so the story starts from that scale, not ``--init-scale``. The story's
+    explanation is left empty: ``report.words`` writes it from the facts."""
     recs = res.records
     if not recs or recs[0].scaler_scale is None:
         return None
@@ -256,10 +242,7 @@ def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0, resumed: b
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
                        backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
     events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
-    return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events,
-                       d.pattern, sentences([d.explanation, *d.recommendations]))
-
-
+    return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events, d.pattern, ""), d
 
 
 class Ctx:
@@ -282,7 +265,9 @@ class Ctx:
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)
         self.probe = results.get("fp16")
-        self.story = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
+        told = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
+        self.story: ScalerStory | None = told[0] if told is not None else None
+        self.scale: ScaleFacts | None = told[1] if told is not None else None
 
     @cached_property
     def ratio(self) -> float | None:
@@ -548,7 +533,7 @@ def target_raised(c: Ctx) -> Outcome | None:
     e = c.tgt.error if c.tgt is not None else None
     if e is None:
         return None
-    device_limit = "device limitation" in e.hint
+    device_limit = device_limited(e, c.tgt_name, c.device)
     cause = "inconclusive" if device_limit else "amp_misuse"
     facts = {"variant": "target_raised", "stage": c.tgt_name, "type": e.type, "message": e.message, "module": e.module,
              "step": e.step, "hint": e.hint, "device": c.device, "device_limit": device_limit}
@@ -826,7 +811,7 @@ def diagnose(
     if beyond:  # a data-range finding, even when the target trained: FP16 cannot represent these values
         out.facts["beyond_fp16"] = {"field": beyond[0].field, "value": beyond[0].value, "batch": beyond[0].batches[0],
                                     "fields": len({d.field for d in beyond})}
-    return Diagnosis(replace(out, findings=findings, fixes=[*out.fixes, *extra]), table, story, device, note)
+    return Diagnosis(replace(out, findings=findings, fixes=[*out.fixes, *extra]), table, story, device, note, c.scale)
 
 
 def _not_the_root(out: Outcome) -> Outcome:
@@ -947,7 +932,7 @@ def _underflow(c: Ctx, uf: list[tuple[str, float]]) -> Outcome:
             used = story.max_scale if story else 65536.0
             if 2.0**k > used:
                 fixes = [Fix("raise_init_scale", {"largest_grad": gmax, "exponent": k,
-                                                  "growth_steps": int(math.log2(2.0**k / used)) * 2000})]
+                                                  "growth_steps": int(math.log2(2.0**k / used)) * c.cfg.growth_interval})]
             else:
                 fixes = [Fix("no_single_scale", {"module": module})]
         else:
@@ -967,8 +952,7 @@ def _forward_in_code(c: Ctx, kind: str, op: NonfiniteOp | None, rc_ev: dict[str,
     ev = dict(rc_ev)
     module = op.module if op is not None and op.module not in (None, locate.MODEL) else None
     if op is not None:
-        ev.update(op=op.op, op_line=op.line, op_in={"loss": "loss function", "model_loss": "model's forward (its loss)",
-                                                     "root": "model's forward"}[kind])
+        ev.update(op=op.op, op_line=op.line, op_in=kind)  # (a code: report.words names the place)
     dev = c.device.split(":")[0]
     place = "root" if kind == "root" and module is None else "module" if kind == "root" else kind
     facts = {"variant": "forward_in_code", "place": place, "kind": kind, "op": op.op if op else None,
@@ -1110,3 +1094,114 @@ def _mean_swallowed(res: StageResult) -> float:
     return float(np.mean(v)) if v else 0.0
 
 
+# detectors the rules call: the loss, frozen parameters, a custom Function's dtype, the device's kernels, the data -----
+#
+# * ``loss_fault``: every module output of the step is finite, yet the loss is not: the NaN/Inf was made inside the
+#   loss function (e.g. ``sigmoid`` rounds to exactly 1.0 in FP16, so ``log(1 - p)`` is -inf).
+# * ``frozen_params``: most of a parameter's FP32-non-zero gradient elements are zero in the target (flushed, as
+#   ``underflowing_params``) *and* its weights move less than ``STALL_RATIO`` of the distance they move in FP32: the
+#   per-parameter form of the loss stall, which needs no loss progress from FP32.
+# * ``custom_function_dtype``: backward raised inside a custom ``autograd.Function`` with a dtype error: its backward
+#   received FP16 tensors under autocast next to FP32 ones.
+# * ``device_limited``: the target raised because the device has no FP16 kernel for an op.
+# * ``probe_on_flagged_batch``: the raw FP16 probe's first fault falls on a batch the data scan flagged.
+
+@dataclass(frozen=True)
+class LossFault:
+    step: int
+    loss: float
+
+
+def loss_fault(res: StageResult, step: int, st: StepStats | None) -> LossFault | None:
+    """The loss of ``step`` is non-finite while every module output of that step is finite."""
+    if st is None or step >= len(res.records):
+        return None
+    loss = res.records[step].loss
+    if math.isfinite(loss) or locate.forward_fault(st):
+        return None
+    return LossFault(step, loss)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    param: str
+    module: str
+    flushed: float
+    """Median share of FP32-non-zero gradient elements that are zero in the target."""
+    moved: float
+    """Target's weight movement ‖w_end − w_0‖ as a share of FP32's over the same steps."""
+    decayed: bool = False
+    """Under weight decay, flushed at every step of the run: the decay moves it as far as in FP32, not learning."""
+
+
+def frozen_params(target: StageResult, fp32: StageResult, underflowing: list[tuple[str, float]],
+                  throughout: list[tuple[str, float]] | None = None) -> list[Frozen]:
+    """Parameters from ``underflowing`` (already in backward order) that barely move against FP32.
+
+    Weight decay moves every weight, learning or not, in both stages alike, so for a parameter under decay the
+    movement cannot tell a frozen one: there, a gradient more than half flushed over the whole run
+    (``throughout``: the median over every step, as ``underflowing_params`` over all steps) is the freeze."""
+    if not target.moved or not fp32.moved or len(target.records) != len(fp32.records) or target.stopped:
+        return []
+    whole = dict(throughout or [])
+    names = list(dict.fromkeys([p for p, _ in underflowing] + [p for p in whole if p in target.weight_decay]))
+    flushed = dict(underflowing)
+    out = []
+    for p in names:
+        d32, dt = fp32.moved.get(p), target.moved.get(p)
+        if d32 is None or dt is None or not d32 > 0 or not math.isfinite(dt):
+            continue
+        module = p.rsplit(".", 1)[0] if "." in p else locate.MODEL
+        if dt < STALL_RATIO * d32:
+            out.append(Frozen(p, module, flushed.get(p, whole.get(p, 0.0)), dt / d32))
+        elif p in target.weight_decay and p in whole:
+            out.append(Frozen(p, module, whole[p], dt / d32, decayed=True))
+    if throughout and target.stats:  # both lists are in backward order: keep it across them
+        rank = {m: i for i, m in enumerate(locate.backward_order(target.stats[0]))}
+        out.sort(key=lambda f: rank.get(f.module, 1 << 30))
+    return out
+
+
+@dataclass(frozen=True)
+class CustomFunctionDtype:
+    function: str
+    module: str | None
+
+
+_DTYPE_WORDS = ("dtype", "scalar type", "Half", "BFloat16", "c10::Half")
+
+
+def custom_function_dtype(err: StageError) -> CustomFunctionDtype | None:
+    """A dtype error raised in the backward of a custom autograd.Function."""
+    if err.custom_function is None or not any(w in err.message for w in _DTYPE_WORDS):
+        return None
+    return CustomFunctionDtype(err.custom_function, err.module)
+
+
+_NO_HALF_KERNEL = "not implemented for 'Half'"
+_CPU_KERNEL_WORDS = ("primitive descriptor", "oneDNN")
+
+
+KernelLimit = Literal["onednn_fp16", "no_half_kernel"]
+"""A kernel the device lacks: oneDNN's FP16 primitive on the CPU (under amp or raw FP16), or torch's FP16 kernel."""
+
+
+def kernel_limit(message: str, stage: str, device: str) -> KernelLimit | None:
+    """The kernel an exception's message (torch's own words) says the device lacks, or None when it says no such thing."""
+    if device.split(":")[0] == "cpu" and stage in ("amp", "fp16") and any(w in message for w in _CPU_KERNEL_WORDS):
+        return "onednn_fp16"
+    return "no_half_kernel" if _NO_HALF_KERNEL in message else None
+
+
+def device_limited(err: StageError, stage: str, device: str) -> bool:
+    """The target raised because the device has no FP16 kernel for an op (``kernel_limit``): a limit of the device,
+    not a NaN cause (verdict ``inconclusive``)."""
+    return kernel_limit(err.message, stage, device) is not None
+
+
+def probe_on_flagged_batch(step: int, batch_of: Callable[[int], int], issues: list[DataIssue]) -> list[DataIssue]:
+    """Data issues that explain the raw FP16 probe's first failure at ``step``: issues of that
+    step's batch that no earlier step's batch also holds (the probe got through those)."""
+    b = batch_of(step)
+    earlier = {batch_of(s) for s in range(step)}
+    return [d for d in issues if b in d.batches and not earlier & set(d.batches)]

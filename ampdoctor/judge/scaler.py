@@ -5,7 +5,7 @@ before that step's ``update()``, the ``scaler_scale`` column of the step log) an
 The scale after step ``i``'s update is the scale step ``i + 1`` used, so a skip at step ``i``
 shows as ``scales[i + 1] < scales[i]`` and a growth as ``scales[i + 1] > scales[i]``.
 
-Patterns (``ScaleDiagnosis.pattern``), each with its meaning:
+Patterns (``ScaleFacts.pattern``), each with its meaning:
 
 - ``collapsed``: the scale fell below 1, no step was ever applied, or it ended at its minimum
   after falling 8+ binades with most of the last steps skipped. The gradients overflow even
@@ -31,7 +31,9 @@ times a 1e6-step log).
 
 Recommendations give ``init_scale``, ``growth_interval`` and ``backoff_factor`` values computed
 from the history (the scale the run settled at, the clean steps between skips, the runs of
-consecutive skips), in ``ScaleDiagnosis.settings`` and as sentences.
+consecutive skips), in ``ScaleFacts.settings`` and as ``Advice`` codes. No English here: the classes and the
+advice are codes with their figures (``ScaleFacts.finding``, ``ScaleFacts.advice``), and
+``ampdoctor.report.scaler`` words them (``report.words.scaler``).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from ampdoctor.fmt import pow2 as _fmt_pow2
+from ampdoctor.judge.thresholds import OUTLIER_RATIO
 
 SATURATION = 2.0**16
 """Scales at or above 2^16 (up to about 2^24) mean the gradients are small and far from FP16's max."""
@@ -55,7 +57,7 @@ COLLAPSE_BINADES = 8
 """A fall of this many binades from the first scale, ending at the minimum with most steps skipped, is a collapse."""
 DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_BACKOFF = 0.5
-EXPLODE_RATIO = 1e3
+EXPLODE_RATIO = OUTLIER_RATIO
 """An applied update whose gradient norm is this many times the typical one has exploded (three orders of
 magnitude, the data scan's outlier ratio): the median of the run's recent applied norms in the Monitor, FP32's
 norm of the same step from the same weights in triage."""
@@ -128,11 +130,130 @@ def skip_ledger(
     return SkipLedger([st[i] for i in idx], [rs[i] for i in idx], [sc[i] for i in idx], runs, n)
 
 
+Pattern = Literal["calibrating", "stable", "climbing", "saturated", "oscillating", "collapsed", "never_growing", "empty"]
+"""The class of a scale history (see the module's docstring)."""
+
+
+@dataclass(frozen=True)
+class Empty:
+    """No steps were recorded (``no_scaler``: there is no GradScaler whose history could be read)."""
+
+    no_scaler: bool = False
+
+
+@dataclass(frozen=True)
+class Collapsed:
+    first: float
+    low: float
+    binades: float
+    """log2(first / low): how far the scale fell (inf when it reached 0 or below)."""
+    applied: bool
+    """Some step was applied."""
+    tail_rate: float
+    """Skip rate over the last ``tail_steps`` steps."""
+    tail_steps: int
+
+
+@dataclass(frozen=True)
+class NeverGrowing:
+    clean_run: int
+    """The longest run of clean steps."""
+    growth_interval: int
+    given: bool
+    """``growth_interval`` was the scaler's own setting (else inferred or PyTorch's default)."""
+
+
+@dataclass(frozen=True)
+class Oscillating:
+    skips: int
+    """Skips after calibration."""
+    cycles: int
+    """Growths between the first and the last of them."""
+    gap: int
+    """The median clean steps between them."""
+
+
+@dataclass(frozen=True)
+class Saturated:
+    scale: float
+    """The final scale (2^16 or above)."""
+    ceiling: bool
+    """It reached ``CEILING``: even FP16's smallest subnormal gradient times it reaches 1."""
+
+
+@dataclass(frozen=True)
+class Climbing:
+    growths: int
+    low: float
+    """The lowest scale before the first growth."""
+    high: float
+    """The scale the last growth reached."""
+    growth_interval: int
+
+
+@dataclass(frozen=True)
+class Calibrating:
+    skips: int
+    init: float
+    settled: float
+
+
+@dataclass(frozen=True)
+class Stable:
+    scale: float
+    """The last scale used."""
+    low: float
+    high: float
+    isolated: int
+    """Skips after calibration."""
+
+
+@dataclass(frozen=True)
+class Unmoved:
+    """The scale never moved, no skip, in fewer clean steps than ``growth_interval``: no evidence either way."""
+
+    scale: float
+    steps: int
+    growth_interval: int
+    assumed: bool
+    """``growth_interval`` is PyTorch's default: neither given nor seen in the history."""
+
+
+ScaleFinding = Empty | Collapsed | NeverGrowing | Oscillating | Saturated | Climbing | Calibrating | Stable | Unmoved
+"""What the history shows, with the figures its explanation needs (``report.words.scaler.explain``)."""
+
+AdviceCode = Literal[
+    "use_bf16", "keep_layer_fp32", "backoff_bad_batches", "backoff_near_ceiling", "call_update_every_step",
+    "growth_interval_recurring", "init_scale_held", "init_scale_plateau", "growth_interval_bounced",
+    "init_scale_reached", "growth_interval_faster", "init_scale_calibration", "check_isolated_skips",
+]
+"""One recommendation: its setting (``init_scale``, ``growth_interval``, ``backoff_factor`` or none) and its reason."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A recommendation as data (``report.words.scaler.advise`` writes it)."""
+
+    code: AdviceCode
+    value: float = math.nan
+    """The recommended value of the code's setting (nan for advice without one)."""
+    current: float = math.nan
+    """``backoff_*``: the back-off factor the run used."""
+    count: int = 0
+    """What the reason counts: consecutive skips (``backoff_*``), clean steps between skips (``growth_interval_recurring``),
+    overflows (``init_scale_held``), bounces, steps, growths or calibration skips."""
+    step: int = 0
+    """``init_scale_plateau``: the step where the run reached the plateau."""
+    steps: tuple[int, ...] = ()
+    """``check_isolated_skips``: the first ten isolated skips."""
+
+
 @dataclass
-class ScaleDiagnosis:
-    pattern: str
-    """calibrating | stable | climbing | saturated | oscillating | collapsed | never_growing | empty"""
-    explanation: str
+class ScaleFacts:
+    """The diagnosis of a scale history as codes and figures; ``ampdoctor.report.scaler`` words it."""
+
+    pattern: Pattern
+    finding: ScaleFinding
     calibration_skips: int
     """Skips that took the scale to a new low on its way down from init_scale."""
     later_skips: list[int]
@@ -140,7 +261,7 @@ class ScaleDiagnosis:
     growths: list[int]
     """Steps whose scale is larger than the step before's (the growth happened in the step before's update)."""
     backoffs: list[int]
-    recommendations: list[str] = field(default_factory=list)
+    advice: list[Advice] = field(default_factory=list)
     settings: dict[str, float] = field(default_factory=dict)
     """Recommended ``init_scale``, ``growth_interval``, ``backoff_factor`` (only those worth changing)."""
     growth_interval: int | None = None
@@ -154,15 +275,9 @@ class ScaleDiagnosis:
     """The scale after the last step's update, where the history shows it (else the last scale used)."""
 
 
-def pow2(x: float) -> str:
-    """2^k for exact powers of two, else the number: the one notation every sentence uses."""
-    return _fmt_pow2(x, "^")
-
-
-def setting(x: float) -> str:
-    """A scale as a setting a user types: the number, with its power of two ('16384 (2^14)')."""
-    p = _fmt_pow2(x, "^")
-    return f"{x:g}" + (f" ({p})" if p.startswith("2^") and p != f"{x:g}" else "")
+def empty(no_scaler: bool = False) -> ScaleFacts:
+    """The diagnosis of no history (``no_scaler``: the run has no GradScaler)."""
+    return ScaleFacts("empty", Empty(no_scaler), 0, [], [], [])
 
 
 def floor_pow2(x: float) -> float:
@@ -223,7 +338,7 @@ def diagnose_scale(
     backoff_factor: float | None = None,
     init_scale: float | None = None,
     steps: Sequence[int] | None = None,
-) -> ScaleDiagnosis:
+) -> ScaleFacts:
     """Classify the history of a GradScaler (one scale used and one skip flag per step).
 
     ``growth_interval`` and ``backoff_factor`` are the scaler's settings when known; otherwise
@@ -308,6 +423,27 @@ def _median_of(counts: Counter[float]) -> float:
     return a if lo == hi else (a + b) / 2
 
 
+@dataclass
+class _Reading:
+    """What every branch of ``ScaleTracker.diagnose`` reads: the settings (given, seen or PyTorch's), the final scale."""
+
+    gi: int
+    bo: float
+    gi_given: bool
+    gi_seen: int | None
+    bo_seen: float | None
+    init: float
+    final: float
+    settled: float
+    """The scale the calibration ended at (the final scale without calibration skips)."""
+    n_later: int
+    growths: list[int]
+    any_backoff: bool
+    tail_n: int
+    tail_rate: float
+    fell: float
+
+
 class ScaleTracker:
     """Everything ``diagnose_scale`` reads from a history, taken chunk by chunk in memory that does not grow with
     the steps: running counts, minima and maxima, and the steps of the events (growths, back-offs, skips: 8 bytes each).
@@ -386,59 +522,76 @@ class ScaleTracker:
         g_idx = np.flatnonzero(grow)
         b_idx = np.flatnonzero(back)
         growths_cum = self.n_growths + np.cumsum(grow)
-        # growth interval (rows j = row - 1, each with its follower)
         if not first or m > 1:
             lo = 0 if not first else 1
-            a_sk, a_sc, b_sc = prev_sk[lo:], prev[lo:], sc[lo:]
-            j = rows[lo:] - 1
-            reset = a_sk | (b_sc != a_sc)
-            grew = ~a_sk & (b_sc > a_sc)
-            r = j[reset]
-            if r.size:
-                d = r - np.concatenate([[self.last_reset], r[:-1]])
-                cand = d[grew[reset]]
-                if cand.size:
-                    c = int(cand.min())
-                    self.gi_min = c if self.gi_min is None else min(self.gi_min, c)
-                self.last_reset = int(r[-1])
-            fell = a_sk & (b_sc > 0) & (b_sc < a_sc)
-            if fell.any():
-                vals, counts = np.unique(b_sc[fell] / a_sc[fell], return_counts=True)
-                for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
-                    self.backoff_ratios[v] += c
-        # calibration skips: before the first growth (there the scale only falls, so a scale is proven exactly
-        # when an applied step of its plateau came before)
-        calib = np.zeros(m, dtype=bool)
-        if self.first_growth_row < 0:
-            end = int(g_idx[0]) if g_idx.size else m
-            if g_idx.size:
-                self.first_growth_row = o + end
-            pre_sc, pre_sk, pre_ch = sc[:end], sk[:end], changed[:end]
-            if end:
-                self.min_before_growth = min(self.min_before_growth, float(pre_sc.min()))
-                app = (~pre_sk).astype(np.int64)
-                before = np.cumsum(app) - app  # applied rows of this chunk before each row
-                run_id = np.cumsum(pre_ch)  # 0: the plateau carried from the chunk before
-                starts = np.flatnonzero(pre_ch)
-                base = np.concatenate([[0], before[starts]])[run_id]
-                proven = (before - base) > 0
-                proven |= (run_id == 0) & self.applied_in_plateau
-                calib[:end] = pre_sk & ~proven
-                last_run = run_id[-1]
-                self.applied_in_plateau = bool(((before[-1] + app[-1] - base[-1]) > 0) or (last_run == 0 and self.applied_in_plateau))
-                ci = np.flatnonzero(calib)
-                if ci.size:
-                    self.calib_count += int(ci.size)
-                    self.last_calib_scale = float(sc[ci[-1]])
+            self._feed_pairs(prev_sk[lo:], prev[lo:], sc[lo:], rows[lo:] - 1)
+        calib = self._feed_calibration(sc, sk, changed, g_idx)
         if g_idx.size:
             self.last_growth_row = o + int(g_idx[-1])
             self.scale_at_last_growth = float(sc[g_idx[-1]])
         if b_idx.size:
             self.last_backoff_row = o + int(b_idx[-1])
         self.n_growths = int(growths_cum[-1])
-        # later skips
+        self._feed_later(sc, sk, st, sk & ~calib, growths_cum)
+        self.skip_rows.add(rows[sk])
+        longest, self.skip_run = _longest_with_carry(sk, self.skip_run)
+        self.longest_skip = max(self.longest_skip, longest)
+        longest, self.clean_run = _longest_with_carry(~sk, self.clean_run)
+        self.longest_clean = max(self.longest_clean, longest)
+        self._feed_scales(sc, sk, st)
+        self.n = o + m
+
+    def _feed_pairs(self, a_sk: np.ndarray, a_sc: np.ndarray, b_sc: np.ndarray, j: np.ndarray) -> None:
+        """The growth interval and the back-off ratios, from each row ``j`` (skip flag, scale) and the scale after it."""
+        reset = a_sk | (b_sc != a_sc)  # the clean count restarts after every skip and every scale change
+        grew = ~a_sk & (b_sc > a_sc)
+        r = j[reset]
+        if r.size:
+            d = r - np.concatenate([[self.last_reset], r[:-1]])
+            cand = d[grew[reset]]
+            if cand.size:
+                c = int(cand.min())
+                self.gi_min = c if self.gi_min is None else min(self.gi_min, c)
+            self.last_reset = int(r[-1])
+        fell = a_sk & (b_sc > 0) & (b_sc < a_sc)
+        if fell.any():
+            vals, counts = np.unique(b_sc[fell] / a_sc[fell], return_counts=True)
+            for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
+                self.backoff_ratios[v] += c
+
+    def _feed_calibration(self, sc: np.ndarray, sk: np.ndarray, changed: np.ndarray, g_idx: np.ndarray) -> np.ndarray:
+        """The calibration skips of a chunk: before the first growth (there the scale only falls, so a scale is proven
+        exactly when an applied step of its plateau came before)."""
+        m = len(sc)
+        calib = np.zeros(m, dtype=bool)
+        if self.first_growth_row >= 0:
+            return calib
+        end = int(g_idx[0]) if g_idx.size else m
+        if g_idx.size:
+            self.first_growth_row = self.n + end
+        if not end:
+            return calib
+        pre_sc, pre_sk, pre_ch = sc[:end], sk[:end], changed[:end]
+        self.min_before_growth = min(self.min_before_growth, float(pre_sc.min()))
+        app = (~pre_sk).astype(np.int64)
+        before = np.cumsum(app) - app  # applied rows of this chunk before each row
+        run_id = np.cumsum(pre_ch)  # 0: the plateau carried from the chunk before
+        starts = np.flatnonzero(pre_ch)
+        base = np.concatenate([[0], before[starts]])[run_id]
+        proven = (before - base) > 0
+        proven |= (run_id == 0) & self.applied_in_plateau
+        calib[:end] = pre_sk & ~proven
+        last_run = run_id[-1]
+        self.applied_in_plateau = bool(((before[-1] + app[-1] - base[-1]) > 0) or (last_run == 0 and self.applied_in_plateau))
+        ci = np.flatnonzero(calib)
+        if ci.size:
+            self.calib_count += int(ci.size)
+            self.last_calib_scale = float(sc[ci[-1]])
+        return calib
+
+    def _feed_later(self, sc: np.ndarray, sk: np.ndarray, st: np.ndarray, later: np.ndarray, growths_cum: np.ndarray) -> None:
+        """The skips that are not calibration: their steps, scales, the growths around them and the clean steps between."""
         clean_cum = self.clean_before + np.cumsum(~sk)
-        later = sk & ~calib
         li = np.flatnonzero(later)
         if li.size:
             self.later_steps.add(st[li])
@@ -457,12 +610,9 @@ class ScaleTracker:
                     self.later_gaps[v] += c
             self.clean_at_last_later = int(cc[-1])
         self.clean_before = int(clean_cum[-1])
-        self.skip_rows.add(rows[sk])
-        longest, self.skip_run = _longest_with_carry(sk, self.skip_run)
-        self.longest_skip = max(self.longest_skip, longest)
-        longest, self.clean_run = _longest_with_carry(~sk, self.clean_run)
-        self.longest_clean = max(self.longest_clean, longest)
-        # applied scales, by binade; new highs
+
+    def _feed_scales(self, sc: np.ndarray, sk: np.ndarray, st: np.ndarray) -> None:
+        """Applied scales by binade, the steps of each new high, the range, and the last row."""
         if (~sk).any():
             self.applied = True
             for v in np.unique(sc[~sk]).tolist():
@@ -480,7 +630,6 @@ class ScaleTracker:
         self.smax = max(self.smax, float(sc.max()))
         self.last_scale = float(sc[-1])
         self.last_skipped = bool(sk[-1])
-        self.n = o + m
 
     # read-outs --------------------------------------------------------------------------------
     def skips_in_last(self, k: int) -> int:
@@ -499,147 +648,114 @@ class ScaleTracker:
         return next((s for v, s in self.highs if v >= level), self.highs[0][1] if self.highs else 0)
 
     def diagnose(self, *, growth_interval: int | None = None, backoff_factor: float | None = None,
-                 init_scale: float | None = None) -> ScaleDiagnosis:
+                 init_scale: float | None = None) -> ScaleFacts:
         """The diagnosis of the history fed so far (see ``diagnose_scale``)."""
-        n = self.n
-        if n == 0:
-            return ScaleDiagnosis("empty", "no steps were recorded", 0, [], [], [])
-        gi_given, bo_given = growth_interval, backoff_factor
+        if self.n == 0:
+            return empty()
+        r = self._reading(growth_interval, backoff_factor, init_scale)
+        pattern, finding, advice, settings = self._classify(r)
+        if self.calib_count and pattern != "collapsed" and "init_scale" not in settings:
+            settings["init_scale"] = r.settled
+            advice.insert(0, Advice("init_scale_calibration", r.settled, count=self.calib_count))
+        if r.n_later and pattern in ("stable", "calibrating"):
+            advice.append(Advice("check_isolated_skips", steps=tuple(self.later_steps.first(10))))
+        return ScaleFacts(
+            pattern, finding, self.calib_count, self.later_steps.array().tolist(), r.growths,
+            self.backoff_steps.array().tolist(), advice, settings, r.gi_seen, r.bo_seen,
+            # the scale after the last update belongs to the range too: a skip at the last step takes the
+            # scale below every scale used, and "final 2^13, min 2^14" would contradict itself
+            min(self.smin, r.final), self.smax, r.final,
+        )
+
+    def _reading(self, growth_interval: int | None, backoff_factor: float | None, init_scale: float | None) -> _Reading:
         gi_inf = self.gi_min
         bo_inf = float(_median_of(self.backoff_ratios)) if self.backoff_ratios else None
-        gi = gi_given or gi_inf or DEFAULT_GROWTH_INTERVAL
-        bo = bo_given or bo_inf or DEFAULT_BACKOFF
-        first_sc, last_sc = self.first_scale, self.last_scale
-        init = init_scale if init_scale is not None else first_sc
-        n_later = self.later_steps.n
-        growths = self.growth_steps.array().tolist()
-        backoffs = self.backoff_steps.array().tolist()
-        later_steps = self.later_steps.array().tolist()
-        final = last_sc * (bo if self.last_skipped else 1.0)
-        smin, smax = self.smin, self.smax
-        longest_skip_run = self.longest_skip
-        tail_n = max(1, n // 4)
-        tail_rate = self.skips_in_last(tail_n) / tail_n
-        fell = math.log2(first_sc / smin) if smin > 0 else math.inf
-        recs: list[str] = []
+        gi = growth_interval or gi_inf or DEFAULT_GROWTH_INTERVAL
+        bo = backoff_factor or bo_inf or DEFAULT_BACKOFF
+        final = self.last_scale * (bo if self.last_skipped else 1.0)
+        tail_n = max(1, self.n // 4)
+        return _Reading(
+            gi, bo, bool(growth_interval), growth_interval or gi_inf, backoff_factor or bo_inf,
+            init_scale if init_scale is not None else self.first_scale, final,
+            self.last_calib_scale * bo if self.calib_count else final, self.later_steps.n,
+            self.growth_steps.array().tolist(), bool(self.backoff_steps.n), tail_n, self.skips_in_last(tail_n) / tail_n,
+            math.log2(self.first_scale / self.smin) if self.smin > 0 else math.inf,
+        )
+
+    def _classify(self, r: _Reading) -> tuple[Pattern, ScaleFinding, list[Advice], dict[str, float]]:
+        advice: list[Advice] = []
         settings: dict[str, float] = {}
-        settled = final
-        if self.calib_count:
-            settled = self.last_calib_scale * bo
-
-        def backoff_rec(why: str) -> None:
-            b = min(0.8, max(0.7, round(math.sqrt(bo), 2)))
-            if b > bo + 1e-9:
-                settings["backoff_factor"] = b
-                lost = bo**longest_skip_run
-                recs.append(
-                    f"backoff_factor={b:g}: {why}; a run of {longest_skip_run} consecutive skips cuts the scale "
-                    f"to {lost:.3g} times itself with {bo:g}, to {b**longest_skip_run:.3g} times with {b:g}"
-                )
-
-        cycles = self.growths_at_last_later - self.growths_at_first_later if n_later >= 2 else 0
-        if smin < 1.0 or not self.applied or (last_sc <= smin and fell >= COLLAPSE_BINADES and tail_rate >= 0.5):
-            pattern = "collapsed"
-            parts = [f"the scale fell from {pow2(first_sc)} to {pow2(smin)} ({fell:.0f} binades)"]
-            if smin < 1:
-                parts.append("below 1")
-            if not self.applied:
-                parts.append("and no step was ever applied")
-            else:
-                parts.append(f"and {tail_rate:.0%} of the last {tail_n} steps were skipped")
-            expl = (", ".join(parts) + ": steps overflow whatever the scale, so either the gradients overflow FP16 "
-                    "even unscaled (only a scale below 1 fits them, and every growth overflows again) or the forward "
-                    "pass is non-finite, which no loss scale changes")
-            recs.append("use bf16 autocast (no scaler needed) if the device supports it")
-            recs.append("or keep the layer whose gradients overflow in FP32, and normalise the loss (mean, not sum)")
-            if longest_skip_run >= 2:
-                backoff_rec("if the overflows come from a few bad batches, a gentler back-off loses less scale per skip")
-        elif self.longest_clean >= gi and not growths:
-            pattern = "never_growing"
-            expl = (
-                f"{self.longest_clean} clean steps in a row (growth_interval={gi}{'' if gi_given else ', assumed'}) and the "
-                "scale never grew: scaler.update() is probably not called every step"
-            )
-            recs.append("call scaler.update() after every step, on the skip path too")
-        elif n_later >= 2 and cycles > 0:
-            pattern = "oscillating"
-            m = int(_median_of(self.later_gaps)) if self.later_gaps else gi  # type: ignore[arg-type]
-            expl = (
-                f"{n_later} skips after calibration with {cycles} growth(s) in between, about {m} clean steps apart: "
-                "the gradients sit at the edge of FP16's range and each growth overflows again"
-            )
-            new_gi = _nice(max(2 * gi, 2 * m))
-            settings["growth_interval"] = new_gi
-            recs.append(
-                f"growth_interval={new_gi}: skips recur about every {m} clean steps (skip rate about 1/{m + 1}), soon after "
-                f"each growth; waiting {new_gi} steps to grow cuts that to about 1/{new_gi + 1}"
-            )
-            recent = list(self.later_recent)
-            held = floor_pow2(min(recent) * bo)
-            if abs(held - init) > 1e-9 * init:
-                settings["init_scale"] = held
-                recs.append(f"init_scale={setting(held)}: the scale that held between the last {len(recent)} overflows")
-            backoff_rec("a gentler back-off keeps the scale nearer the ceiling between overflows")
-        elif final >= SATURATION and (n_later or (backoffs and not growths) or final >= CEILING):
+        cycles = self.growths_at_last_later - self.growths_at_first_later if r.n_later >= 2 else 0
+        if self.smin < 1.0 or not self.applied or (self.last_scale <= self.smin and r.fell >= COLLAPSE_BINADES
+                                                    and r.tail_rate >= 0.5):
+            advice += [Advice("use_bf16"), Advice("keep_layer_fp32")]
+            if self.longest_skip >= 2:
+                self._backoff(r, "backoff_bad_batches", advice, settings)
+            return "collapsed", Collapsed(self.first_scale, self.smin, r.fell, self.applied, r.tail_rate, r.tail_n), \
+                advice, settings
+        if self.longest_clean >= r.gi and not r.growths:
+            return "never_growing", NeverGrowing(self.longest_clean, r.gi, r.gi_given), \
+                [Advice("call_update_every_step")], settings
+        if r.n_later >= 2 and cycles > 0:
+            return "oscillating", self._oscillating(r, cycles, advice, settings), advice, settings
+        if r.final >= SATURATION and (r.n_later or (r.any_backoff and not r.growths) or r.final >= CEILING):
             # evidence that the gradients are small: the scale bounced off a top at 2^16 or more, came down
             # from init_scale only as far as 2^16 or more, or kept growing to 2^24; a scale that never
             # moved is no evidence (it is "stable")
-            pattern = "saturated"
-            expl = f"the scale sits at {pow2(final)}: the gradients are small and far from FP16's max; this is healthy"
-            if final >= CEILING:
-                expl += "; at 2^24 even FP16's smallest subnormal gradient reaches 1: check that the loss is not vanishing"
-            safe = self.max_safe_floor()
-            plateau = safe if safe is not None else floor_pow2(final)
-            if plateau > init * 1.0001:
-                settings["init_scale"] = plateau
-                recs.append(f"init_scale={setting(plateau)} starts at the plateau this run reached at step "
-                            f"{self.first_step_at_least(plateau)}")
-            if n_later:
-                med = int(_median_of(self.later_gaps)) if self.later_gaps else gi  # type: ignore[arg-type]
-                new_gi = _nice(2 * max(gi, med))
-                settings["growth_interval"] = new_gi
-                recs.append(f"growth_interval={new_gi}: the scale bounced off its top {n_later} time(s); growing less often skips less")
-        elif growths and self.last_growth_row >= self.last_backoff_row:
-            pattern = "climbing"
-            k = len(growths)
-            expl = (
-                f"the scale grew {k} time(s), from {pow2(self.min_before_growth)} to {pow2(self.scale_at_last_growth)}, "
-                f"every {gi} clean steps and has not overflowed since: healthy, still searching upwards"
-            )
-            if floor_pow2(final) > init * 1.0001:
-                settings["init_scale"] = floor_pow2(final)
-                recs.append(f"init_scale={setting(floor_pow2(final))} starts where this run got after {n} steps")
-            if k >= 2 and gi > 1:
-                new_gi = max(1, gi // 2)
-                settings["growth_interval"] = new_gi
-                recs.append(f"growth_interval={new_gi}: {k} growths without an overflow; growing twice as often finds the top sooner")
-        elif self.calib_count and not n_later:
-            pattern = "calibrating"
-            expl = (
-                f"{self.calib_count} skip(s) while the scale came down from {pow2(init)} to {pow2(settled)}; "
-                "normal: GradScaler finds the largest scale the gradients allow"
-            )
-        else:
-            pattern = "stable"
-            expl = (f"the scale stayed at {pow2(last_sc)}" if smin == smax else
-                    f"the scale held at {pow2(smax)}, then {pow2(last_sc)} after the back-off(s)")
-            expl += (("," if smin != smax else "") + f" with {n_later} isolated skip(s)") if n_later else ""
-            if not growths and not backoffs and not n_later:
-                expl = (f"the scale stayed at {pow2(last_sc)} for all {n} step(s): no overflow, and fewer clean steps than "
-                        f"growth_interval={gi}{'' if gi_given or gi_inf else ' (assumed)'}, so GradScaler never tried a "
-                        "larger scale; the history cannot tell how far the gradients are from FP16's limits")
+            return "saturated", self._saturated(r, advice, settings), advice, settings
+        if r.growths and self.last_growth_row >= self.last_backoff_row:
+            return "climbing", self._climbing(r, advice, settings), advice, settings
+        if self.calib_count and not r.n_later:
+            return "calibrating", Calibrating(self.calib_count, r.init, r.settled), advice, settings
+        if not r.growths and not r.any_backoff and not r.n_later:
+            return "stable", Unmoved(self.last_scale, self.n, r.gi, not r.gi_seen), advice, settings
+        return "stable", Stable(self.last_scale, self.smin, self.smax, r.n_later), advice, settings
 
-        if self.calib_count and pattern != "collapsed" and "init_scale" not in settings:
-            settings["init_scale"] = settled
-            recs.insert(0, f"init_scale={setting(settled)} skips the {self.calib_count} calibration step(s)")
-        if n_later and pattern in ("stable", "calibrating"):
-            recs.append(f"isolated skips at steps {', '.join(str(s) for s in self.later_steps.first(10))}: check those batches")
-        return ScaleDiagnosis(
-            pattern, expl, self.calib_count, later_steps, growths, backoffs,
-            # the scale after the last update belongs to the range too: a skip at the last step takes the
-            # scale below every scale used, and "final 2^13, min 2^14" would contradict itself
-            recs, settings, gi_given or gi_inf, bo_given or bo_inf, min(smin, final), smax, final,
-        )
+    def _backoff(self, r: _Reading, code: AdviceCode, advice: list[Advice], settings: dict[str, float]) -> None:
+        b = min(0.8, max(0.7, round(math.sqrt(r.bo), 2)))
+        if b > r.bo + 1e-9:
+            settings["backoff_factor"] = b
+            advice.append(Advice(code, b, current=r.bo, count=self.longest_skip))
+
+    def _gap(self, r: _Reading) -> int:
+        """The median clean steps between later skips (growth_interval when there is no gap)."""
+        return int(_median_of(self.later_gaps)) if self.later_gaps else r.gi  # type: ignore[arg-type]
+
+    def _oscillating(self, r: _Reading, cycles: int, advice: list[Advice], settings: dict[str, float]) -> Oscillating:
+        m = self._gap(r)
+        new_gi = _nice(max(2 * r.gi, 2 * m))
+        settings["growth_interval"] = new_gi
+        advice.append(Advice("growth_interval_recurring", new_gi, count=m))
+        recent = list(self.later_recent)
+        held = floor_pow2(min(recent) * r.bo)
+        if abs(held - r.init) > 1e-9 * r.init:
+            settings["init_scale"] = held
+            advice.append(Advice("init_scale_held", held, count=len(recent)))
+        self._backoff(r, "backoff_near_ceiling", advice, settings)
+        return Oscillating(r.n_later, cycles, m)
+
+    def _saturated(self, r: _Reading, advice: list[Advice], settings: dict[str, float]) -> Saturated:
+        safe = self.max_safe_floor()
+        plateau = safe if safe is not None else floor_pow2(r.final)
+        if plateau > r.init * 1.0001:
+            settings["init_scale"] = plateau
+            advice.append(Advice("init_scale_plateau", plateau, step=self.first_step_at_least(plateau)))
+        if r.n_later:
+            new_gi = _nice(2 * max(r.gi, self._gap(r)))
+            settings["growth_interval"] = new_gi
+            advice.append(Advice("growth_interval_bounced", new_gi, count=r.n_later))
+        return Saturated(r.final, r.final >= CEILING)
+
+    def _climbing(self, r: _Reading, advice: list[Advice], settings: dict[str, float]) -> Climbing:
+        k = len(r.growths)
+        if floor_pow2(r.final) > r.init * 1.0001:
+            settings["init_scale"] = floor_pow2(r.final)
+            advice.append(Advice("init_scale_reached", floor_pow2(r.final), count=self.n))
+        if k >= 2 and r.gi > 1:
+            new_gi = max(1, r.gi // 2)
+            settings["growth_interval"] = new_gi
+            advice.append(Advice("growth_interval_faster", new_gi, count=k))
+        return Climbing(k, self.min_before_growth, self.scale_at_last_growth, r.gi)
 
 
 @dataclass

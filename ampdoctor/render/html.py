@@ -8,21 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ampdoctor.render.common import (
-    CAUSE_TITLES,
-    history,
-    listed,
-    num,
-    option_value,
-    pct,
-    ran_steps,
-    scale,
-    scaled_stage,
-    skip_reasons,
-    spec_name,
-    step0,
-    steps,
-)
+from ampdoctor.render import common
+from ampdoctor.render.common import num, pct, scale, steps
 from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
 from ampdoctor.report import words
 from ampdoctor.report.model import Report
@@ -76,7 +63,7 @@ def _folded(head: list[str], rows: list[list[str]], what: str, right: set[int] |
 
 def _verdict(report: Report) -> str:
     v = report.verdict
-    title = CAUSE_TITLES.get(v.cause, v.cause)
+    title = common.CAUSE_TITLES.get(v.cause, v.cause)
     color = _COLOR.get(v.cause, "#cf222e")
     facts = [("first module", f"<code>{e(v.first_module)}</code>" if v.first_module else "-"),
              ("first bad batch" if v.cause == "data" else "first bad step", e(num(v.first_step))),
@@ -149,23 +136,23 @@ def _scaler(report: Report) -> str:
     sc = report.scaler
     if sc is None:
         return ""
-    why = skip_reasons(sc.skips)
+    why = common.skip_reasons(sc.skips)
     parts = [f"<h2>GradScaler</h2><p><b>Pattern: {e(sc.pattern)}.</b> {e(sc.explanation)}</p><ul>",
              f"<li>scale: init {e(scale(sc.init_scale))}, final {e(scale(sc.final_scale))}, min {e(scale(sc.min_scale))}, "
              f"max {e(scale(sc.max_scale))}</li>",
              f"<li>skipped steps ({len(sc.skips)}): {e(steps([x.step for x in sc.skips]))}; why: {e(why)}</li>",
              f"<li>calibration skips: {sc.calibration_skips}</li></ul>"]
-    stage = scaled_stage(report)
+    stage = common.scaled_stage(report)
     if stage is not None:
-        parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage, step0(report))], "scale runs", {1, 2}))
+        parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage, common.step0(report))], "scale runs", {1, 2}))
     return "".join(parts)
 
 
 def _findings(report: Report) -> str:
     out = []
-    errors = [f for f in listed(report) if f.severity == "error"]
-    other = [f for f in listed(report) if f.severity != "error"]
-    told = history(report)
+    errors = [f for f in common.listed(report) if f.severity == "error"]
+    other = [f for f in common.listed(report) if f.severity != "error"]
+    told = common.history(report)
     if told is not None:  # the lookback ring's story of the steps before the failure
         out.append("<h2>Before the failure</h2><p><b>" + e(told.title) + "</b></p><ul>"
                    + "".join(f"<li>{e(x)}</li>" for x in told.evidence.get("lines", [])) + "</ul>")
@@ -209,7 +196,7 @@ def environment_section(env: Mapping[str, Any], config: Mapping[str, Any]) -> st
     known = {k for k, _ in ENV_KEYS} | {"command"}
     rows = [[f"<b>{e(label)}</b>", e(num(env[k]) if env.get(k) is not None else "-")] for k, label in ENV_KEYS if k in env]
     rows += [[f"<b>{e(k)}</b>", e(num(v))] for k, v in env.items() if k not in known]
-    cfg = [[e(k), e(option_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
+    cfg = [[e(k), e(common.option_value(v) if v is not None else "-")] for k, v in config.items() if k != "spec"]
     opts = f"<details><summary>Options</summary>{_table(['option', 'value'], cfg)}</details>" if cfg else ""
     return "<h2>Environment</h2>" + _table(None, rows) + opts
 
@@ -224,13 +211,13 @@ def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing
         else:
             missing_plots = plots.INSTALL_HINT
     v = report.verdict
-    title = f"ampdoctor: {CAUSE_TITLES.get(v.cause, v.cause)}" + (f" in {spec_name(report)}" if spec_name(report) else "")
+    title = f"ampdoctor: {common.CAUSE_TITLES.get(v.cause, v.cause)}" + (f" in {common.spec_name(report)}" if common.spec_name(report) else "")
     fixes = ""
     if report.fixes:
         fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{e(f)}</li>" for f in report.fixes) + "</ol>"
     body = "".join([
-        f"<h1>{e(CAUSE_TITLES.get(v.cause, v.cause))} <span class=\"muted\">{e(spec_name(report))}</span></h1>",
-        f'<p class="muted">{e(words.what_ran(report.tool, report.config, ran_steps(report)))}</p>',
+        f"<h1>{e(common.CAUSE_TITLES.get(v.cause, v.cause))} <span class=\"muted\">{e(common.spec_name(report))}</span></h1>",
+        f'<p class="muted">{e(words.what_ran(report.tool, report.config, common.ran_steps(report)))}</p>',
         _verdict(report), _code(report), fixes,
         _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
         _reproduce(report), _environment(report),

@@ -106,17 +106,12 @@ def headroom_figure(fmt: dict[str, Any], n: int = 0) -> bytes | None:
     from matplotlib.patches import Patch
 
     culprits = _culprits(fmt)
-    plt = _plt()
-    n = max(n, len(rows))
-    fig, ax = plt.subplots(figsize=(WIDTH, _height(n)), layout="constrained")
+    fig, ax = _panel(len(rows), n)
     hs = [r["headroom_binades"] for r in rows]
     colors = ["#d62728" if h < 0 else "#ff7f0e" if h < 2 else "#2ca02c" for h in hs]
     mine = [_mine(r, culprits) for r in rows]
     ax.barh(range(len(rows)), hs, color=colors, edgecolor=["black" if m else "none" for m in mine], linewidth=1.2)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([_label(r) for r in rows], fontsize=FONT)
-    ax.tick_params(axis="x", labelsize=FONT)
-    ax.set_ylim(_bottom(n), -0.6)
+    _row_labels(ax, rows, n)
     ax.axvline(0, color="black", linewidth=1)
     lo = min(hs)
     if lo < 0:  # a slightly negative bar must not be a sliver
@@ -133,9 +128,18 @@ def headroom_figure(fmt: dict[str, Any], n: int = 0) -> bytes | None:
     return _png(fig, tight=False)
 
 
-def _bottom(n: int) -> float:
-    """The bottom of the y axis: rows fill from the top, whatever their count (one panel size for all)."""
-    return max(n, 1) - 0.4
+def _panel(rows: int, n: int) -> tuple[Any, Any]:
+    """A figure of one panel sized for ``n`` rows (at least ``rows``): every panel of a document has one size."""
+    return _plt().subplots(figsize=(WIDTH, _height(max(n, rows))), layout="constrained")
+
+
+def _row_labels(ax: Any, rows: list[dict[str, Any]], n: int) -> None:
+    """One tick a row, labelled with its tensor, the rows filling from the top of a panel made for ``n``."""
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([_label(r) for r in rows], fontsize=FONT)
+    ax.tick_params(axis="x", labelsize=FONT)
+    # the bottom of the y axis: rows fill from the top, whatever their count (one panel size for all)
+    ax.set_ylim(max(n, len(rows), 1) - 0.4, -0.6)
 
 
 def fractions_figure(fmt: dict[str, Any], n: int = 0) -> bytes | None:
@@ -146,17 +150,12 @@ def fractions_figure(fmt: dict[str, Any], n: int = 0) -> bytes | None:
     import numpy as np
 
     culprits = _culprits(fmt)
-    plt = _plt()
-    n = max(n, len(rows))
-    fig, ax = plt.subplots(figsize=(WIDTH, _height(n)), layout="constrained")
+    fig, ax = _panel(len(rows), n)
     y = np.arange(len(rows))
     h = 0.8 / len(_FRACTIONS)
     for i, (key, label, color) in enumerate(_FRACTIONS):
         ax.barh(y + (i - 1.5) * h, [100 * r[key] for r in rows], height=h, color=color, label=label)
-    ax.set_yticks(y)
-    ax.set_yticklabels([_label(r) for r in rows], fontsize=FONT)
-    ax.tick_params(axis="x", labelsize=FONT)
-    ax.set_ylim(_bottom(n), -0.6)
+    _row_labels(ax, rows, n)
     ax.set_xscale("symlog", linthresh=0.01)
     ax.set_xlim(left=0)
     ax.set_xlabel("% of elements (worst step)", fontsize=FONT)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ampdoctor.fmt import command
 from ampdoctor.render.common import (
     CAUSE_TITLES,
     history,
@@ -50,16 +51,9 @@ _OPTIONS = (("steps", "--steps"), ("target", "--target"), ("seed", "--seed"), ("
 def reproduce_command(report: Report) -> str | None:
     """The triage command with every option that shapes the run spelled out (seed included)."""
     cfg = report.config
-    spec = cfg.get("spec")
-    if not spec:
+    parts = command("triage", cfg, _OPTIONS, report.environment.get("device"))
+    if parts is None:
         return None
-    parts = ["ampdoctor", "triage", shlex.quote(str(spec))]
-    for key, flag in _OPTIONS:
-        v = cfg.get(key)
-        if key == "device" and v == "auto" and report.environment.get("device"):
-            v = report.environment["device"]  # where it actually ran
-        if v is not None:
-            parts += [flag, shlex.quote(option_value(v))]
     if cfg.get("stages"):
         parts += ["--stages", shlex.quote(option_value(cfg["stages"]))]
     if (cfg.get("accumulate") or 1) > 1:

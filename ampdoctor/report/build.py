@@ -9,8 +9,8 @@ the target stage flushed to zero.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
+from dataclasses import asdict
 
 import numpy as np
 
@@ -18,7 +18,8 @@ from ampdoctor.formats import FP16
 from ampdoctor.judge import locate
 from ampdoctor.lint import BY_CODE, LintFinding
 from ampdoctor.records import NCOLS, Col, StageResult, StepStats
-from ampdoctor.report.model import CodeFinding, LayerStep, Report
+from ampdoctor.report import words
+from ampdoctor.report.model import CodeFinding, LayerStep, Report, StageSummary
 
 Key = tuple[str, str]
 """(module or parameter name, kind)"""
@@ -134,11 +135,46 @@ def enrich(report: Report, results: dict[str, StageResult]) -> Report:
     return report
 
 
+def stage_summary(res: StageResult, fp32: StageResult | None, step0: int = 0) -> StageSummary:
+    """A stage's line of the report, every step the run's own (a replay's or a resumed run's step k is the run's
+    step ``step0 + k``): the steps are facts, and the sentence of a stage that stopped is written from its step."""
+    recs = res.records
+    fp32_loss = None
+    if fp32 is not None and fp32.records and recs:
+        fp32_loss = fp32.records[min(len(fp32.records), len(recs)) - 1].loss  # same step, same batch
+    first_bad = res.first_nonfinite_step
+    return StageSummary(
+        name=res.name,
+        steps_run=len(recs),
+        first_nonfinite_step=None if first_bad is None else first_bad + step0,
+        skipped_steps=[k + step0 for k in res.skipped_steps],
+        final_scale=recs[-1].scaler_scale if recs and recs[-1].scaler_scale is not None else None,
+        final_loss=recs[-1].loss if recs else None,
+        fp32_loss=fp32_loss,
+        losses=[r.loss for r in recs],
+        scales=[r.scaler_scale for r in recs],
+        grad_norms=[r.grad_l2_pre_clip for r in recs],
+        error=asdict(res.error) if res.error else None,
+        stopped=_stopped(res, step0),
+        master_weights=res.master_weights,
+    )
+
+
+def _stopped(res: StageResult, step0: int) -> str | None:
+    """Why the stage stopped early: the step it stopped at is its last record's (the stage breaks right after it),
+    the weights when that step left them non-finite, else its loss (a stage without GradScaler)."""
+    if res.stopped is None or not res.records:
+        return res.stopped
+    last = res.records[-1]
+    return words.stage_stopped("loss" if last.params_finite else "weights", last.step + step0)
+
+
 def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
     """Number every step as the run did: a replay's step k is the run's step ``offset + k``.
 
     ``judged=False``: the verdict and findings already carry the run's steps (``rules.shift_diagnosis``
-    shifted them before their words were written); shift the rest only.
+    shifted them before their words were written); shift the rest only. The stages are not shifted here:
+    ``stage_summary`` builds them in the run's steps.
     """
     if offset == 0:
         return report
@@ -148,12 +184,6 @@ def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
     for f in report.findings if judged else []:
         if f.step is not None:
             f.step += offset
-    for s in report.stages:
-        if s.stopped:  # 'loss became non-finite at step 0', written by the engine in its own numbering
-            s.stopped = re.sub(r"step (\d+)", lambda m: f"step {int(m.group(1)) + offset}", s.stopped)
-        if s.first_nonfinite_step is not None:
-            s.first_nonfinite_step += offset
-        s.skipped_steps = [k + offset for k in s.skipped_steps]
     for row in report.layers:
         if row.first_nonfinite_step is not None:
             row.first_nonfinite_step += offset

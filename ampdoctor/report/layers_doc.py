@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from ampdoctor.fmt import option_value, pow2
+from ampdoctor.fmt import command, pow2
 from ampdoctor.formats import BF16
 from ampdoctor.judge.ranges import DEFAULT_TOLERANCE, GRAD_KINDS, advise, format_table, sort_summary, tensor_name
 from ampdoctor.report.model import _clean
@@ -118,16 +118,9 @@ def rows(summary: pd.DataFrame) -> list[dict[str, Any]]:
 
 def reproduce_command(config: dict[str, Any], environment: dict[str, Any] | None = None) -> str | None:
     """The layers command with every option that shapes the run and its tables (``--device auto`` → where it ran)."""
-    spec = config.get("spec")
-    if not spec:
+    parts = command("layers", config, _FLAGS, (environment or {}).get("device"))
+    if parts is None:
         return None
-    parts = ["ampdoctor", "layers", shlex.quote(str(spec))]
-    for key, flag in _FLAGS:
-        v = config.get(key)
-        if key == "device" and v == "auto" and environment and environment.get("device"):
-            v = environment["device"]
-        if v is not None:
-            parts += [flag, shlex.quote(option_value(v))]
     for key, flag in _NAMES:
         v = config.get(key)
         if v is not None and v != DEFAULTS[key]:

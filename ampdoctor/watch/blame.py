@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.records import MODEL
 from ampdoctor.tensors import iter_tensors
-from ampdoctor.watch.hooks import call_wrapping_enabled, track_calls, unlisten_calls, uses_compile
-
-MODEL = "<model>"
+from ampdoctor.watch.calls import call_wrapping_enabled, track_calls, unlisten_calls, uses_compile
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,8 @@ def _nodes(obj: Any) -> list[Any]:
 
 
 class GraphRecorder:
-    """Forward pre/post hooks on every module that keep (module, input nodes, output nodes)."""
+    """Keeps (module, input nodes, output nodes) of every call of the model's modules: a ``CallTracker`` of the
+    ``__call__`` wrapper (``watch.calls``), else forward pre/post hooks on every module."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -49,7 +49,7 @@ class GraphRecorder:
         self._tracking = False
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
             return  # a compiled model runs its modules inside dynamo's graph: hooks there would break it
-        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way, nothing on the model (watch.hooks)
+        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way, nothing on the model (watch.calls)
             self._tracking = True
             track_calls(self)
             weakref.finalize(self, unlisten_calls, None)
@@ -58,7 +58,8 @@ class GraphRecorder:
             self.handles.append(m.register_forward_pre_hook(self._pre(m), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post(names[m]), with_kwargs=True))
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A call begins (``watch.calls.CallTracker``): note its input nodes when it is one of the model's."""
         if id(module) not in self._names:
             return False
         if module is self.model:
@@ -66,7 +67,8 @@ class GraphRecorder:
         self._open.append(_nodes((args, kwargs)) if torch.is_grad_enabled() else [])
         return True
 
-    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def leave_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The call returned: keep (module, input nodes, output nodes)."""
         ins = self._open.pop() if self._open else []
         if torch.is_grad_enabled():
             self.calls.append((self._names[id(module)], ins, _nodes(output)))

@@ -17,7 +17,8 @@ no Python call in backward), used once the kernel is built, and the Python code 
 without a compiler.
 
 Nothing is stored on the model. Module calls are seen by wrapping ``nn.Module.__call__`` while a
-step is recorded (one frame around torch's own, which keeps its fast path for modules without
+step is recorded (``watch.calls``: ``Hooks`` is a ``NativeListener`` of it, ``ModuleTracker`` a
+``CallTracker``; one frame around torch's own, which keeps its fast path for modules without
 hooks; a global forward hook sends every call through ``_call_impl``'s slow path, about 4 µs a
 call). Where a module of the model is compiled, or with ``AMPDOCTOR_MODULE_HOOK=global``, a
 process-wide forward hook (``register_module_forward_hook``) is used instead. Either is filtered
@@ -34,7 +35,6 @@ a no-op.)
 """
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -44,9 +44,18 @@ import torch
 from torch import nn
 
 from ampdoctor.formats import FP16, Format
-from ampdoctor.records import NCOLS, Call, StepStats
+from ampdoctor.records import MODEL, NCOLS, Call, StepStats
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import fused
+from ampdoctor.watch.calls import (
+    call_wrapping_enabled,
+    listen_calls,
+    listener_failed,
+    remove_hooks,
+    track_calls,
+    unlisten_calls,
+    uses_compile,
+)
 from ampdoctor.watch.stats import StatsBuffer, _thresholds, scaled_stats
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel")
@@ -144,123 +153,12 @@ def _global_hook(ref: weakref.ref[Hooks]) -> Callable[[nn.Module, tuple, dict, A
         h = ref()
         if h is not None:
             try:
-                h._on_forward(module, args, kwargs, output)
+                h.after_call(module, args, kwargs, output)
             except Exception as e:  # never in the user's forward
                 h._active = False
-                _listener_failed(h, e)
+                listener_failed(h, e)
 
     return hook
-
-
-# While a step is recorded, module calls are seen by wrapping ``nn.Module.__call__`` (one Python frame
-# around torch's own, which keeps its fast path for modules with no hooks) instead of a global forward
-# hook, which sends every module call through ``_call_impl``'s slow path: about 4 µs a call, which on a
-# model of many small modules was most of what watching cost (docs/performance.md). Recording Hooks
-# listen weakly; the wrapper is in place only while one does, and is taken away with the last.
-# Trackers (ModuleTracker, blame.GraphRecorder) also need the start of each call: see _tracked_call.
-_LISTENERS: list[tuple[weakref.ref[Any], Callable[..., bool] | None]] = []
-_TRACKERS: list[weakref.ref[Any]] = []
-_ORIG_CALL: Any = nn.Module.__call__
-
-
-def _tracked_call(self: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """A call while a tracker listens (``ModuleTracker``, ``blame.GraphRecorder``): ``t._enter(module, args,
-    kwargs)`` before the call, and for the trackers that returned True, ``t._leave(module, args, kwargs,
-    output)`` after it. An exception skips ``_leave``: what was entered stays (the module it came from)."""
-    entered = []
-    if not torch.compiler.is_compiling():
-        for ref in _TRACKERS:
-            t = ref()
-            if t is not None and t._enter(self, args, kwargs):
-                entered.append(t)
-    out = _ORIG_CALL(self, *args, **kwargs)
-    for t in entered:
-        t._leave(self, args, kwargs, out)
-    return out
-
-
-def track_calls(t: Any) -> None:
-    """Have ``t._enter`` and ``t._leave`` called around every module call (``t`` held weakly)."""
-    _TRACKERS.append(weakref.ref(t))
-    _wrap()
-
-
-def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    out = _ORIG_CALL(self, *args, **kwargs) if not _TRACKERS else _tracked_call(self, args, kwargs)
-    if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
-        return out
-    for ref, fast in _LISTENERS:
-        try:
-            if fast is not None:  # the C++ recorder, called directly (it filters modules and steps itself)
-                if fast(self, args, kwargs, out):
-                    h = ref()
-                    if h is not None:
-                        h._take_acts()
-                continue
-            h = ref()
-            if h is not None:
-                h._on_forward(self, args, kwargs, out)
-        except Exception as e:  # never in the user's forward: the listener goes, its owner is told
-            _listener_failed(ref(), e)
-    return out
-
-
-def _listener_failed(h: Any, exc: BaseException) -> None:
-    """A listener raised inside the user's forward: stop it listening and hand the error to its ``on_error``."""
-    if h is None:
-        return
-    try:
-        unlisten_calls(h)
-        cb = getattr(h, "on_error", None)
-        if cb is not None:
-            cb(exc)
-    except Exception:  # pragma: no cover - reporting must not raise either
-        pass
-
-
-def listen_calls(h: Any, fast: Callable[..., bool] | None = None) -> None:
-    """Have ``h._on_forward(module, args, kwargs, output)`` called after every module call (``h`` held weakly),
-    or ``fast(module, args, kwargs, output)``, which holds no reference to ``h`` and returns whether to call
-    ``h._take_acts()``."""
-    unlisten_calls(h)
-    _LISTENERS.append((weakref.ref(h), fast))
-    _wrap()
-
-
-def _wrap() -> None:
-    global _ORIG_CALL
-    if nn.Module.__call__ is not _recording_call:
-        _ORIG_CALL = nn.Module.__call__
-        nn.Module.__call__ = _recording_call  # type: ignore[method-assign]
-
-
-def unlisten_calls(h: Any) -> None:
-    """Stop ``h`` listening (None: only drop dead listeners); unwrap ``__call__`` when nobody listens."""
-    _LISTENERS[:] = [(r, f) for r, f in _LISTENERS if r() is not None and r() is not h]
-    _TRACKERS[:] = [r for r in _TRACKERS if r() is not None and r() is not h]
-    if not _LISTENERS and not _TRACKERS and nn.Module.__call__ is _recording_call:  # (wrapped again by someone
-        nn.Module.__call__ = _ORIG_CALL  # type: ignore[method-assign]  # else: left to them)
-
-
-def watchers() -> int:
-    """How many ``Hooks`` watch module calls now: the ``__call__`` wrapper's live listeners plus global forward
-    hooks (0 means nothing of ampdoctor's is in any module call)."""
-    live = sum(1 for r, _ in _LISTENERS if r() is not None) + sum(1 for r in _TRACKERS if r() is not None)
-    return live + len(torch.nn.modules.module._global_forward_hooks) + (
-        1 if not live and nn.Module.__call__ is _recording_call else 0)
-
-
-def uses_compile(root: nn.Module) -> bool:
-    """Whether any module of ``root`` runs compiled (``torch.compile(sub)`` inside, or ``sub.compile()``)."""
-    # _modules, not getattr: a missing attribute goes through nn.Module.__getattr__ and an exception, per module
-    return any(isinstance(m._modules.get("_orig_mod"), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in root.modules())
-
-
-def call_wrapping_enabled() -> bool:
-    """Whether module calls are watched through the ``__call__`` wrapper (``AMPDOCTOR_MODULE_HOOK=global``: a
-    global forward hook instead, the slower way torch offers, kept as a fallback)."""
-    return os.environ.get("AMPDOCTOR_MODULE_HOOK", "call") != "global"
 
 
 def _drain(ref: weakref.ref[Hooks]) -> None:
@@ -268,17 +166,6 @@ def _drain(ref: weakref.ref[Hooks]) -> None:
     h = ref()
     if h is not None:
         h._take_grads()
-
-
-def remove_hooks(handles: list[Any]) -> None:
-    """Remove process-wide module hooks (and the flag torch leaves behind for a with_kwargs one)."""
-    kw = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
-    for h in handles:
-        h.remove()
-        # torch (2.13) leaves a with_kwargs global hook's flag behind on remove, and while any flag is
-        # there torch.compile'd modules warn about global hooks: take it away with the hook
-        kw.pop(h.id, None)
-    handles.clear()
 
 
 class Hooks:
@@ -316,7 +203,7 @@ class Hooks:
         self._root = weakref.ref(root)
         self._root_id = id(root)
         # keyed by id: no reference to the modules from here (the model owns them; while it lives ids are unique)
-        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in named_modules(root)}
+        self._names: dict[int, str] = {id(m): n or MODEL for n, m in named_modules(root)}
         self._param_names = named_parameters(root)
         self._pgrad_keys: list[tuple[Hashable, torch.Tensor]] = [(("pgrad", n), p) for n, p in self._param_names]
         self._param_keys: list[Hashable] = [("param", n) for n, _ in self._param_names]
@@ -471,10 +358,11 @@ class Hooks:
             for k in (k for k, m in enumerate(mods) if m == root):
                 st.model_inputs = tuple(st.model_inputs) + tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
                 st.model_outputs = tuple(st.model_outputs) + tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
-        self._take_acts()
+        self.take_acts()
         self._take_grads()
 
-    def _take_acts(self) -> None:
+    def take_acts(self) -> None:
+        """Take the activations the C++ tap queued (``watch.calls.NativeListener``)."""
         tids, ts, numel, mixed, rtids, rows = self._native.tap_take_acts(self._tap)
         if tids:
             self._buf.add_many([("act", t) for t in tids], ts, numel, mixed)
@@ -512,7 +400,7 @@ class Hooks:
                 self._buf.add(("grad", tid), g)
             except Exception as e:  # never in the user's backward
                 self._active = False
-                _listener_failed(self, e)
+                listener_failed(self, e)
 
     def _take_grads(self) -> None:
         """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
@@ -533,7 +421,8 @@ class Hooks:
             return [self._tid(t) for t in obj if t.is_floating_point()]
         return [self._tid(t) for t in iter_tensors(obj) if t.is_floating_point()]
 
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def after_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module call returned (``watch.calls.CallListener``): record it when it is one of the model's."""
         if not self._active:
             return
         if self._sharded:
@@ -545,7 +434,7 @@ class Hooks:
             return
         if self._tap is not None:
             if self._native.tap_record(self._tap, idx, args, kwargs, output, torch.is_grad_enabled()):
-                self._take_acts()  # bounded: the queue holds a flush's worth at most
+                self.take_acts()  # bounded: the queue holds a flush's worth at most
             return
         name = self._mods[idx]
         self._grad_enabled = torch.is_grad_enabled()
@@ -683,8 +572,9 @@ class ModuleTracker:
     """Which module is running, to name where an exception came from.
 
     ``current`` is the innermost module whose forward has started and not finished: after an
-    exception escapes the forward, the module that raised it. Like ``Hooks``, it uses process-wide
-    pre/post forward hooks filtered to the model's modules, held weakly: nothing is stored on the model.
+    exception escapes the forward, the module that raised it. Like ``Hooks``, it is told of every call, held
+    weakly, and keeps only the model's own modules: a ``CallTracker`` of the ``__call__`` wrapper
+    (``watch.calls``), else process-wide pre/post forward hooks. Nothing is stored on the model.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -693,7 +583,7 @@ class ModuleTracker:
         """A compiled model: no hooks (dynamo would trace them), so no module is named."""
         self._wrap_call = call_wrapping_enabled() and not uses_compile(root)
         """Through the ``__call__`` wrapper (as ``Hooks``), else process-wide pre/post forward hooks."""
-        self._names: dict[int, str] = {id(m): n or "<model>" for n, m in root.named_modules()}
+        self._names: dict[int, str] = {id(m): n or MODEL for n, m in root.named_modules()}
         self.stack: list[str] = []
         self._handles: list[Any] = []
         self._listening = False
@@ -722,14 +612,16 @@ class ModuleTracker:
     def current(self) -> str | None:
         return self.stack[-1] if self.stack else None
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A call begins (``watch.calls.CallTracker``): the model's own module goes on the stack."""
         name = self._names.get(id(module))
         if name is None:
             return False
         self.stack.append(name)
         return True
 
-    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def leave_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The call returned: off the stack."""
         if self.stack:
             self.stack.pop()
 

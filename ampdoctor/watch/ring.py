@@ -27,7 +27,7 @@ import numpy as np
 
 from ampdoctor.formats import Format
 from ampdoctor.input.capture_schema import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
-from ampdoctor.records import Col, StepStats
+from ampdoctor.records import MODEL, Col, StepStats
 
 DEFAULT_STEPS = 256
 """Steps the ring keeps (``Monitor(ring=...)``)."""
@@ -36,9 +36,6 @@ STEP_COLUMNS: tuple[str, ...] = RING_STEP_COLUMNS[1:]
 LAYER_COLUMNS: tuple[str, ...] = RING_LAYER_COLUMNS[2:]
 STEPS_FILE = RING_STEPS_FILE
 LAYERS_FILE = RING_LAYERS_FILE
-
-MODEL = "<model>"
-"""The model's own name among the layers (as ``judge.locate.MODEL``)."""
 
 _ABSMAX, _HEADROOM, _OVER, _FLUSH, _NONFIN, _GNORM, _UNORM, _VMIN = range(len(LAYER_COLUMNS))
 _S = {n: i for i, n in enumerate(STEP_COLUMNS)}

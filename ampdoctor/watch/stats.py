@@ -25,7 +25,8 @@ from ampdoctor.watch.fused import fused_stats
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
 
 
-_INF_BITS = 0x7F800000
+INF_BITS = 0x7F800000
+"""FP32 +inf as int32 bits: an |x| below it is finite (the on-device kernels compare bits)."""
 _NEG_INF_BITS = -8388608  # 0xFF800000 as int32
 _INT_MAX = 0x7FFFFFFF
 
@@ -57,7 +58,7 @@ def _segments(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 @lru_cache(maxsize=64)
 def _bounds(fmt: Format, device: torch.device) -> torch.Tensor:
     uf, sub, of = _thresholds(fmt)
-    return torch.tensor([1, uf, sub, of, _INF_BITS, _INF_BITS + 1], dtype=torch.int32, device=device)
+    return torch.tensor([1, uf, sub, of, INF_BITS, INF_BITS + 1], dtype=torch.int32, device=device)
 
 
 def tensor_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float = 1.0) -> torch.Tensor:
@@ -116,7 +117,7 @@ def _thresholds_scaled(fmt: Format, scale: float) -> tuple[int, int, int] | None
     for t in _thresholds(fmt):
         v = _bits_f32(t) / scale
         if v > _F32_MAX:
-            out.append(_INF_BITS)  # no finite value reaches it: nothing overflows (as x * s cannot)
+            out.append(INF_BITS)  # no finite value reaches it: nothing overflows (as x * s cannot)
         elif v < _F32_MIN_NORMAL:
             return None
         else:
@@ -151,7 +152,7 @@ def eager_stats(tensors: list[torch.Tensor], fmt: Format = FP16, scale: float = 
         ai = bits & _INT_MAX
         cat = torch.bucketize(ai, _bounds(fmt, device), right=True, out_int32=True)
         cat.add_(bits == _NEG_INF_BITS, alpha=2)  # -inf: 5 -> 7
-        finite = torch.where(ai < _INF_BITS, ai, 0).view(torch.float32)  # |x|, 0 where not finite
+        finite = torch.where(ai < INF_BITS, ai, 0).view(torch.float32)  # |x|, 0 where not finite
         nonzero = torch.where(finite > 0, finite, float("inf"))
         if n == 1:
             counts = torch.bincount(cat, minlength=8)[None, :8]
@@ -213,8 +214,8 @@ def _fp16_stats(flat: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         minnz = minnz_bits.view(torch.float16).float() if minnz_bits.dtype == torch.int16 else minnz_bits
     else:
         ai = flat.view(torch.int32) & _INT_MAX
-        fin = torch.where(ai < _INF_BITS, ai, 0)
-        absmax_bits, minnz_bits = _segment_max_min_bits(fin, sizes, device, _INF_BITS)
+        fin = torch.where(ai < INF_BITS, ai, 0)
+        absmax_bits, minnz_bits = _segment_max_min_bits(fin, sizes, device, INF_BITS)
         absmax = absmax_bits.view(torch.float32)
         minnz = minnz_bits.view(torch.float32)
     if n == 1:

@@ -386,9 +386,22 @@ def read_step_log(path: str | Path) -> StepLog:
     Raises ``StepLogError`` naming the column or row (1-based data row, with its line number) that
     is wrong: a missing column, a non-numeric value, a non-integer step, a skipped flag not 0/1.
     """
-    import pandas as pd
-
     p = Path(path)
+    notes: list[str] = []
+    text = _read_text(p, notes)
+    from ampdoctor.watch.steplog_fast import read_clean
+
+    try:
+        clean = read_clean(text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)  # a clean log in one vectorised read
+    except csv.Error:
+        clean = None  # the validating reader names the line
+    if clean is not None:
+        return _finish(clean, p, notes)
+    return _finish(_validated(_table(text, p), p), p, notes)
+
+
+def _read_text(p: Path, notes: list[str]) -> str:
+    """The log's text, its incomplete last line (a run killed mid-write) dropped and said in ``notes``."""
     if not p.exists():
         raise StepLogError(f"{p} does not exist")
     if p.is_dir():
@@ -397,7 +410,6 @@ def read_step_log(path: str | Path) -> StepLog:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise StepLogError(f"{p} is not a text CSV ({e.reason} at byte {e.start})") from None
-    notes: list[str] = []
     if not text.strip():
         raise StepLogError(f"{p} is empty; a step log starts with the header {','.join(COLUMNS)}")
     lines = text.split("\n")
@@ -410,14 +422,13 @@ def read_step_log(path: str | Path) -> StepLog:
         if last_n < header_n:
             notes.append(f"the last line ({len(lines)}) is incomplete (a run killed mid-write?) and was ignored")
             text = "\n".join(lines[:-1]) + "\n"
-    from ampdoctor.watch.steplog_fast import read_clean
+    return text
 
-    try:
-        clean = read_clean(text, COLUMNS, NUMERIC, MAY_BE_EMPTY, _TRUE, _FALSE)  # a clean log in one vectorised read
-    except csv.Error:
-        clean = None  # the validating reader names the line
-    if clean is not None:
-        return _finish(clean, p, notes)
+
+def _table(text: str, p: Path) -> Any:
+    """The CSV as text cells, every row as wide as the header and every column a step log needs there."""
+    import pandas as pd
+
     try:
         rows = list(csv.reader(io.StringIO(text)))
     except csv.Error as e:
@@ -441,23 +452,34 @@ def read_step_log(path: str | Path) -> StepLog:
         )
     if len(df) == 0:
         raise StepLogError(f"{p} has a header but no steps")
+    return df
 
-    def where(i: int) -> str:
-        return f"row {i + 1} (line {i + 2})"
+
+def _where(i: int) -> str:
+    return f"row {i + 1} (line {i + 2})"
+
+
+def _first(bad: Any) -> int:
+    return int(bad.to_numpy().nonzero()[0][0])
+
+
+def _validated(df: Any, p: Path) -> Any:
+    """The text cells as a step log's columns (int steps, float figures, bool skipped), the first bad cell named."""
+    import pandas as pd
 
     out = pd.DataFrame(index=df.index)
     steps = pd.to_numeric(df["step"].str.strip(), errors="coerce")
     bad = steps.isna() | (steps != steps.round())
     if bad.any():
-        i = int(bad.to_numpy().nonzero()[0][0])
-        raise StepLogError(f"{p}: column step, {where(i)}: {df['step'].iloc[i]!r} is not an integer step number")
+        i = _first(bad)
+        raise StepLogError(f"{p}: column step, {_where(i)}: {df['step'].iloc[i]!r} is not an integer step number")
     # a 40-digit step would wrap around int64 (to -9223372036854775808): refuse it, and negative steps
     big = (steps.astype("float64") >= 2.0**63) | (steps < 0)
     if big.any():
-        i = int(big.to_numpy().nonzero()[0][0])
+        i = _first(big)
         shown = str(df["step"].iloc[i]).strip()
         shown = shown if len(shown) <= 24 else f"{shown[:12]}...({len(shown)} digits)"
-        raise StepLogError(f"{p}: column step, {where(i)}: {shown} is not a step number (0 to {2**63 - 1})")
+        raise StepLogError(f"{p}: column step, {_where(i)}: {shown} is not a step number (0 to {2**63 - 1})")
     out["step"] = steps.astype("int64")
     for c in NUMERIC:
         raw = df[c].str.strip()
@@ -467,21 +489,20 @@ def read_step_log(path: str | Path) -> StepLog:
         if c not in MAY_BE_EMPTY:
             bad = bad | empty
         if bad.any():
-            i = int(bad.to_numpy().nonzero()[0][0])
-            raise StepLogError(f"{p}: column {c}, {where(i)}: {df[c].iloc[i]!r} is not a number")
+            i = _first(bad)
+            raise StepLogError(f"{p}: column {c}, {_where(i)}: {df[c].iloc[i]!r} is not a number")
         out[c] = vals.astype("float64")
     sk = df["skipped"].str.strip()
     bad = ~sk.isin(_TRUE | _FALSE)
     if bad.any():
-        i = int(bad.to_numpy().nonzero()[0][0])
-        raise StepLogError(f"{p}: column skipped, {where(i)}: {df['skipped'].iloc[i]!r} is not 0 or 1")
+        i = _first(bad)
+        raise StepLogError(f"{p}: column skipped, {_where(i)}: {df['skipped'].iloc[i]!r} is not 0 or 1")
     out["skipped"] = sk.isin(_TRUE)
     out["skip_reason"] = df["skip_reason"].fillna("")
     for c in df.columns:
         if c not in out.columns:
             out[c] = df[c]
-    out = out[list(df.columns)]  # the file's column order
-    return _finish(out, p, notes)
+    return out[list(df.columns)]  # the file's column order
 
 
 def _finish(out: Any, p: Path, notes: list[str]) -> StepLog:

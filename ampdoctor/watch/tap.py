@@ -19,15 +19,8 @@ import torch
 from torch import nn
 
 from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.watch.hooks import (
-    call_wrapping_enabled,
-    listen_calls,
-    remove_hooks,
-    track_calls,
-    unlisten_calls,
-    unwrap,
-    uses_compile,
-)
+from ampdoctor.watch.calls import call_wrapping_enabled, listen_calls, remove_hooks, track_calls, unlisten_calls, uses_compile
+from ampdoctor.watch.hooks import unwrap
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
@@ -43,8 +36,9 @@ def output_loss(output: Any) -> torch.Tensor | None:
 
 
 class ForwardTap:
-    """A process-wide forward hook filtered to one model's root (held weakly: nothing is stored on the
-    model). On each *training* forward (the root in train mode, grad enabled) it hands the output's
+    """A listener of every module call filtered to one model's root (``watch.calls``: a ``CallListener``, and a
+    ``CallTracker`` when ``on_start`` is given; else a process-wide forward hook), held weakly: nothing is stored on
+    the model. On each *training* forward (the root in train mode, grad enabled) it hands the output's
     loss to ``on_loss`` (when ``loss=True``) and keeps the inputs (when ``inputs=True``)."""
 
     def __init__(self, model: nn.Module, on_loss: Callable[[torch.Tensor], None] | None, inputs: bool,
@@ -59,11 +53,11 @@ class ForwardTap:
         self.on_error: Callable[[BaseException], None] | None = None
         """Called when the tap raised inside the user's forward (it stops listening)."""
         self._handles: list[Any] = []
-        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way (see watch.hooks)
+        if call_wrapping_enabled() and not uses_compile(model):  # the cheap way (see watch.calls)
             self._listening = True
             listen_calls(self)
             if on_start is not None:
-                track_calls(self)  # (its _enter: the start of a call)
+                track_calls(self)  # (its enter_call: the start of a call)
             weakref.finalize(self, unlisten_calls, None)
             return
         self._listening = False
@@ -89,13 +83,14 @@ class ForwardTap:
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
         weakref.finalize(self, remove_hooks, self._handles)
 
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def after_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module call returned (``watch.calls.CallListener``)."""
         # the model itself, or a torch.compile wrapper made later (a Trainer compiles after callbacks exist)
         if id(module) == self._root_id or id(module._modules.get("_orig_mod")) == self._root_id:
             self._seen(module, args, kwargs, output)
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
-        """A call begins (the ``__call__`` wrapper's trackers): the model's own training call tells ``on_start``."""
+    def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A call begins (``watch.calls.CallTracker``): the model's own training call tells ``on_start``."""
         if self.on_start is not None and id(module) == self._root_id and module.training and torch.is_grad_enabled():
             try:
                 self.on_start()
@@ -103,7 +98,10 @@ class ForwardTap:
                 self.on_start = None
                 if self.on_error is not None:
                     self.on_error(e)
-        return False  # (no _leave needed)
+        return False  # (no leave_call needed)
+
+    def leave_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Never called: ``enter_call`` returns False."""
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):

@@ -22,9 +22,9 @@ import torch
 
 from ampdoctor.formats import Format
 from ampdoctor.records import NCOLS
+from ampdoctor.watch.stats import INF_BITS
 
 BLOCK = 1024
-_INF_BITS = 0x7F800000
 
 
 @lru_cache(maxsize=1)
@@ -119,7 +119,7 @@ def triton_stats(tensors: list[torch.Tensor], fmt: Format, scale: float = 1.0) -
             flat = flat * scale
         counts = torch.zeros(n * 8, dtype=torch.int32, device=device)
         amax = torch.zeros(n, dtype=torch.int32, device=device)
-        amin = torch.full((n,), _INF_BITS, dtype=torch.int32, device=device)
+        amin = torch.full((n,), INF_BITS, dtype=torch.int32, device=device)
         starts, lens, segs = _blocks(sizes, device)
         if starts.numel():
             uf, sub, of = _thresholds(fmt)

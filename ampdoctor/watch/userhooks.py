@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.records import UserHook
+from ampdoctor.records import MODEL, UserHook
 from ampdoctor.watch.hooks import unwrap
 
 _KINDS = (
@@ -70,7 +70,7 @@ def found(model: nn.Module) -> list[UserHook]:
             for fn in list((getattr(m, attr, None) or {}).values()):
                 if not _own(fn):
                     q, w, line = describe_hook(fn)
-                    out.append(UserHook(kind, "module", mname or "<model>", q, w, _ops(line)))
+                    out.append(UserHook(kind, "module", mname or MODEL, q, w, _ops(line)))
     for pname, p in inner.named_parameters():
         for target, attr, kind in _KINDS:
             if target != "parameter":
@@ -144,7 +144,7 @@ class Probe:
                 self._undo.append(h)
                 n += 1
         for mname, m in self.model.named_modules():
-            name = mname or "<model>"
+            name = mname or MODEL
             if any(not _own(v) for v in (getattr(m, "_backward_hooks", None) or {}).values()):
                 self._undo.append(m.register_full_backward_hook(functools.partial(_seen_module, self._flags, name),
                                                                 prepend=True))

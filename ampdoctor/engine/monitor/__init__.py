@@ -92,10 +92,11 @@ from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.input.batches import Micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
-from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger
+from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.notify import alert, say
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.report import alerts as words
+from ampdoctor.report.scaler import ScaleDiagnosis
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks, unwrap

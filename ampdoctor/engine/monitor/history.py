@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ampdoctor.engine.monitor.records import STATE_VERSION
 from ampdoctor.errors import UsageError
-from ampdoctor.judge.scaler import ScaleDiagnosis, SkipLedger, diagnose_scale, skip_ledger
+from ampdoctor.judge.scaler import SkipLedger, skip_ledger
+from ampdoctor.report.scaler import ScaleDiagnosis, diagnose_scale, no_scale_history
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ class History:
     def diagnose(self, first: int, stop: int, scaler: torch.amp.GradScaler | None) -> ScaleDiagnosis:
         steps, scales, skipped = self.scales(first, stop)
         if scaler is None or not self.scale_changes:
-            return ScaleDiagnosis("empty", "no GradScaler: no scale history", 0, [], [], [])
+            return no_scale_history()
         return diagnose_scale(scales, skipped, growth_interval=scaler.get_growth_interval(),
                               backoff_factor=scaler.get_backoff_factor(), steps=steps)
 

@@ -21,6 +21,7 @@ from ampdoctor.formats import FP16
 from ampdoctor.judge.progress import LossWindow
 from ampdoctor.judge.rules import Diagnosis
 from ampdoctor.records import Finding, Fix, ScalerStory, Verdict
+from ampdoctor.report.words import scaler as scaler_words
 
 Facts = Mapping[str, Any]
 
@@ -529,13 +530,15 @@ def write(d: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory 
     scaler = d.scaler
     if scaler is not None and d.scaler_note is not None:
         scaler = replace(scaler, explanation=SCALER_NOTES[d.scaler_note](scaler))
+    elif scaler is not None and d.scale is not None:
+        scaler = replace(scaler, explanation=scaler_words.story(d.scale))
     findings = []
     for i, f in enumerate(o.findings):
         if i == 0 and variant in RULE_TITLES:
             title, fix = RULE_TITLES[variant](o.facts), _rule_fix(variant, o.facts, o.fixes)
         else:
             title, fix = FINDINGS[f.code](f, scaler)
-        ev = {k: v for k, v in f.evidence.items() if not k.startswith("_")}
+        ev = {k: OP_PLACES.get(v, v) if k == "op_in" else v for k, v in f.evidence.items() if not k.startswith("_")}
         findings.append(replace(f, title=title, fix=fix, evidence=ev))
     return verdict, findings, [fix_text(fx) for fx in o.fixes], scaler
 
@@ -589,6 +592,10 @@ def _ev_range(ev: Facts, module: str | None) -> str | None:
     if ev.get("op_overflow_frac") is not None:
         s += f"; {_share(ev['op_overflow_frac'])} of its elements overflow FP16"
     return s + "."
+
+
+OP_PLACES = {"loss": "loss function", "model_loss": "model's forward (its loss)", "root": "model's forward"}
+"""Where the first op that made NaN/Inf ran (evidence ``op_in``, a code of the rule's): its words."""
 
 
 def _ev_op_place(ev: Facts) -> str | None:
@@ -762,6 +769,11 @@ def evidence(ev: Facts, module: str | None = None) -> list[str]:
         if k not in told and not k.startswith("_") and v is not None:
             out.append(f"{k.replace('_', ' ')}: {num(v) if not isinstance(v, (list, dict)) else v}.")
     return out
+
+
+def stage_stopped(what: str, step: int) -> str:
+    """Why a stage stopped early (``what``: 'loss' or 'weights'), at the run's ``step``."""
+    return f"{what} became non-finite at step {step}"
 
 
 def replay_scaler(scale: float, steps: int, manifest: Facts) -> str:

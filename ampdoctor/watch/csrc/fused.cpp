@@ -14,10 +14,40 @@
 
 namespace {
 
+constexpr int32_t INF_BITS = 0x7F800000;  // float32 +inf: an |x| below these bits is finite
+
 struct Acc {
-  int64_t c[8];
-  int32_t amax;   // largest finite |x| bits (0: none)
-  int32_t amin;   // smallest non-zero finite |x| bits (INF: none)
+  int64_t c[8] = {};
+  int32_t amax = 0;         // largest finite |x| bits (0: none)
+  int32_t amin = INF_BITS;  // smallest non-zero finite |x| bits (INF: none)
+};
+
+// A tensor the kernels read: on the CPU, float32, float16 or bfloat16 (anything else takes the eager path).
+bool readable(const torch::Tensor& t) {
+  auto st = t.scalar_type();
+  return t.device().is_cpu() && (st == at::kFloat || st == at::kHalf || st == at::kBFloat16);
+}
+
+// The tensors (made contiguous) cut into chunks of at most `chunk` elements: chunk k is elements
+// [c0[k], c1[k]) of tensor ct[k]; `grain` keeps a small step on one thread (handing a few chunks to
+// the pool costs more than it saves).
+struct Chunks {
+  std::vector<torch::Tensor> cs;
+  std::vector<int64_t> ct, c0, c1;
+  int64_t grain = 1;
+
+  Chunks(const std::vector<torch::Tensor>& ts, int64_t chunk) {
+    cs.reserve(ts.size());
+    for (auto& t : ts) cs.push_back(t.contiguous());
+    int64_t total = 0;
+    for (int64_t j = 0; j < static_cast<int64_t>(cs.size()); ++j) {
+      int64_t m = cs[j].numel();
+      total += m;
+      for (int64_t s = 0; s < m; s += chunk) { ct.push_back(j); c0.push_back(s); c1.push_back(std::min(m, s + chunk)); }
+    }
+    const int64_t nc = ct.size();
+    grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
+  }
 };
 
 // one chunk: |x| bits against the thresholds' bits. Counts of |x| at or above each threshold (and of
@@ -25,7 +55,7 @@ struct Acc {
 // the extremes are plain min/max reductions: g++ -O3 vectorises the loop. Category counts are the
 // differences of the threshold counts.
 void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
-  const int32_t INF = 0x7F800000;
+  constexpr int32_t INF = INF_BITS;
   int32_t ge1 = 0, geuf = 0, gesub = 0, geof = 0, geinf = 0, nan = 0, neginf = 0;
   int32_t amax = 0, amin = INF;
   for (int32_t i = 0; i < n; ++i) {
@@ -105,34 +135,19 @@ void fill_row(const Acc& t, double* o) {
 
 torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
   const int64_t n = ts.size();
-  const int32_t INF = 0x7F800000;
-  for (auto& t : ts) {  // another device or dtype: an undefined result, and the caller takes the eager path
-    auto st = t.scalar_type();
-    if (!t.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return torch::Tensor();
-  }
-  std::vector<torch::Tensor> cs;
-  cs.reserve(n);
-  for (auto& t : ts) cs.push_back(t.contiguous());
-  // chunks: (tensor, start, end)
-  std::vector<int64_t> ct, c0, c1;
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t m = cs[j].numel();
-    for (int64_t s = 0; s < m; s += chunk) { ct.push_back(j); c0.push_back(s); c1.push_back(std::min(m, s + chunk)); }
-  }
+  // another device or dtype: an undefined result, and the caller takes the eager path
+  if (!std::all_of(ts.begin(), ts.end(), readable)) return torch::Tensor();
+  const Chunks ch(ts, chunk);
+  const auto& cs = ch.cs;
+  const auto& ct = ch.ct;
   const int64_t nc = ct.size();
   std::vector<Acc> part(nc);
-  int64_t total = 0;
-  for (auto& t : cs) total += t.numel();
-  // small steps: one thread (handing a few chunks to the pool costs more than it saves)
-  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
-  at::parallel_for(0, nc, grain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, nc, ch.grain, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       Acc& a = part[k];
-      for (int q = 0; q < 8; ++q) a.c[q] = 0;
-      a.amax = 0; a.amin = INF;
       const auto& t = cs[ct[k]];
-      int64_t s = c0[k];
-      int32_t len = static_cast<int32_t>(c1[k] - c0[k]);
+      int64_t s = ch.c0[k];
+      int32_t len = static_cast<int32_t>(ch.c1[k] - ch.c0[k]);
       switch (t.scalar_type()) {
         case at::kFloat: {
           const float* f = t.data_ptr<float>() + s;
@@ -148,7 +163,6 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
   auto out = torch::zeros({n, 11}, torch::kFloat64);
   auto o = out.accessor<double, 2>();
   std::vector<Acc> tot(n);
-  for (int64_t j = 0; j < n; ++j) { for (int q = 0; q < 8; ++q) tot[j].c[q] = 0; tot[j].amax = 0; tot[j].amin = INF; }
   for (int64_t k = 0; k < nc; ++k) {
     Acc& t = tot[ct[k]];
     for (int q = 0; q < 8; ++q) t.c[q] += part[k].c[q];
@@ -161,12 +175,10 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
 
 // the row of one tensor, read right where it is made (the tap): no batching, the data still in cache
 bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double* o) {
-  auto st = t0.scalar_type();
-  if (!t0.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return false;
+  if (!readable(t0)) return false;
+  const auto st = t0.scalar_type();
   const torch::Tensor t = t0.contiguous();
   Acc a;
-  for (int q = 0; q < 8; ++q) a.c[q] = 0;
-  a.amax = 0; a.amin = 0x7F800000;
   const int64_t m = t.numel();
   constexpr int64_t C = int64_t{1} << 30;  // int32 counts per pass
   for (int64_t s = 0; s < m; s += C) {
@@ -200,27 +212,15 @@ double sumsq(const T* p, int64_t n) {
 
 torch::Tensor norms(std::vector<torch::Tensor> ts, int64_t chunk) {
   const int64_t n = ts.size();
-  for (auto& t : ts) {
-    auto st = t.scalar_type();
-    if (!t.device().is_cpu() || (st != at::kFloat && st != at::kHalf && st != at::kBFloat16)) return torch::Tensor();
-  }
-  std::vector<torch::Tensor> cs;
-  cs.reserve(n);
-  for (auto& t : ts) cs.push_back(t.contiguous());
-  std::vector<int64_t> ct, c0, c1;
-  int64_t total = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t m = cs[j].numel();
-    total += m;
-    for (int64_t s = 0; s < m; s += chunk) { ct.push_back(j); c0.push_back(s); c1.push_back(std::min(m, s + chunk)); }
-  }
+  if (!std::all_of(ts.begin(), ts.end(), readable)) return torch::Tensor();
+  const Chunks ch(ts, chunk);
+  const auto& ct = ch.ct;
   const int64_t nc = ct.size();
   std::vector<double> part(nc, 0.0);
-  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(nc, 1) : 1;
-  at::parallel_for(0, nc, grain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, nc, ch.grain, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
-      const auto& t = cs[ct[k]];
-      const int64_t s = c0[k], len = c1[k] - c0[k];
+      const auto& t = ch.cs[ct[k]];
+      const int64_t s = ch.c0[k], len = ch.c1[k] - ch.c0[k];
       switch (t.scalar_type()) {
         case at::kFloat: part[k] = sumsq(t.data_ptr<float>() + s, len); break;
         case at::kHalf: part[k] = sumsq(t.data_ptr<at::Half>() + s, len); break;
