@@ -100,3 +100,27 @@ def test_fused_adamw_run_is_bit_identical_with_and_without_watch(tmp_path: Path)
     for a, b in zip(bare.parameters(), seen.parameters(), strict=True):  # type: ignore[attr-defined]
         assert torch.isfinite(b).all() and torch.equal(a, b)
     assert read_step_log(tmp_path / "seen" / "steps.csv").frame["skipped"].sum() == 1
+
+
+def test_close_undoes_the_class_swap_and_the_wrapped_methods(tmp_path: Path) -> None:
+    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.integrations.accelerate import _Watch
+
+    acc = Accelerator(cpu=True)
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    plain_step, plain_backward = type(opt).step, type(acc).backward
+    mon = watch(acc, model, opt, log=tmp_path / "steps.csv")
+    assert type(mon) is _Watch and "step" in vars(opt) and "backward" in vars(acc)
+    acc.backward(model(torch.ones(2, 16)).sum())
+    opt.step()
+    opt.zero_grad()
+    assert mon.step_num == 1 and mon.last is not None and mon.last.step == 0
+    mon.close()
+    assert type(mon) is Monitor and "_restore" not in vars(mon) and "_attached" not in vars(mon)
+    assert "step" not in vars(opt) and "backward" not in vars(acc)
+    assert type(opt).step is plain_step and type(acc).backward is plain_backward
+    mon.close()  # closing it again is safe
+    acc.backward(model(torch.ones(2, 16)).sum())  # the loop runs on, unwatched
+    opt.step()
+    assert mon.step_num == 1

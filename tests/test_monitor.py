@@ -326,3 +326,32 @@ def test_note_clip_logs_the_loops_own_pre_clip_norm_and_the_norm_after_its_clip(
     with pytest.raises(UsageError, match="one total norm"):
         mon.note_clip(torch.ones(3))
     mon.close()
+
+
+def test_every_keyword_argument_is_a_validated_config_field() -> None:
+    """``Monitor(...)``'s keyword arguments and ``MonitorConfig``'s fields are one list, with one default each; the
+    config is frozen and refuses misuse with the words the Monitor gives."""
+    import dataclasses
+    import inspect
+
+    from ampdoctor.engine.monitor import MonitorConfig
+
+    kw = {n: p.default for n, p in inspect.signature(Monitor.__init__).parameters.items()
+          if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: f.default for f in dataclasses.fields(MonitorConfig)}
+    assert list(kw) == list(fields)
+    assert {n: d for n, d in kw.items() if n not in ("inject_inf_at", "inject_spike_at")} == {
+        n: d for n, d in fields.items() if n not in ("inject_inf_at", "inject_spike_at")}
+    model = nn.Linear(2, 2)
+    mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), window=7, inject_inf_at=[3, 5], ring=0)
+    assert mon.config.window == 7 and mon.config.inject_inf_at == frozenset({3, 5}) and mon.inject_inf_at == {3, 5}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mon.config.window = 8  # type: ignore[misc]
+    mon.close()
+    for bad, said in ((dict(window=0), "window must be at least 1, got 0"),
+                      (dict(spike_sigmas=3.0, ring=0), "spike_sigmas needs the lookback ring"),
+                      (dict(mode="fast"), "mode must be 'full' or 'sentinel', got 'fast'")):
+        with pytest.raises(UsageError, match=said):
+            MonitorConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match=said):
+            Monitor(model, None, **bad)  # type: ignore[arg-type]

@@ -28,10 +28,9 @@ import torch
 
 from ampdoctor.formats import Format
 from ampdoctor.judge.history import DEFAULT_HORIZON, Forecast, Spike, forecast, robust_z, spiking_layers, story
-from ampdoctor.judge.rules import forward_overflow_fixes
 from ampdoctor.notify import alert
 from ampdoctor.records import Finding, StepStats
-from ampdoctor.report.words import forecast_message, history_lines, history_title
+from ampdoctor.report.alerts import forecast_alert, history_words
 from ampdoctor.watch.ring import Ring
 
 
@@ -322,12 +321,9 @@ class Lookback:
         return forecast(steps, a, bad, self.ring.names, self.fmt.max, self.horizon or DEFAULT_HORIZON)
 
     def _warn(self, fcs: list[Forecast]) -> None:
-        fc = fcs[0]
-        self.warned = fc
-        if not self.speaks:
-            return
-        msg = forecast_message(fc, forward_overflow_fixes(fc.layer, self.device), more=len(fcs) - 1)
-        alert(msg, ForecastWarning, quiet=self.quiet)
+        self.warned = fcs[0]
+        if self.speaks:
+            alert(forecast_alert(fcs, self.device), ForecastWarning, quiet=self.quiet)
 
     def _spike(self, step: int, loss: float, grad_norm: float, skipped: bool) -> Spike | None:
         """A finite loss or gradient norm far above the window of applied steps before it (skips are GradScaler's)."""
@@ -376,13 +372,12 @@ def _finite(x: Any) -> Any:
 
 def history_finding(ring: tuple[Any, Any], fail_step: int, culprit: str | None) -> Finding | None:
     """The story of the steps before a captured failure, as one finding (code ``history``, severity info): its
-    evidence holds the figures (``judge.history.story``), its title and fix the words (``report.words``)."""
+    evidence holds the figures (``judge.history.story``), its title and lines the words (``report.alerts.history_words``)."""
     steps_df, layers_df = ring
     told = story(steps_df, layers_df, fail_step, culprit)
     if told is None:
         return None
-    title = history_title(told)
-    lines = history_lines(told)
+    title, lines = history_words(told)
     return Finding("history", "info", title=title, module=told.get("layer"), step=told.get("crossed_step"),
                    evidence=_finite({**told, "lines": lines}))
 

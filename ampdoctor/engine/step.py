@@ -363,6 +363,10 @@ class TrainStep:
         """Norms and parameter rows are the whole model's: not sharded, or sharded and reduced across ranks."""
         return self.shards is None or self.ranks is not None
 
+    def hint_scale(self, scale: float | None) -> None:
+        """The scale this step's backward used, from a caller that knows it (an engine's own loss scaler)."""
+        self._scale_hint = scale
+
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` with the policy's dtype on the model's device (disabled without one)."""

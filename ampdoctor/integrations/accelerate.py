@@ -46,7 +46,7 @@ def _amp_dtype(accelerator: Any) -> torch.dtype | None:
 
 
 class _Watch(Monitor):
-    """The Monitor ``watch`` returns: ``close()`` also unwraps the accelerator and the optimizer."""
+    """The Monitor ``watch`` returns (made by ``adopt``): ``close()`` also unwraps the accelerator and the optimizer."""
 
     _restore: list[tuple[Any, str]]
     _attached: Attached
@@ -58,6 +58,25 @@ class _Watch(Monitor):
         if hasattr(self, "_attached") and self._attached.tap is not None:
             self._attached.tap.close()
         super().close()
+        self.__dict__.pop("_restore", None)
+        self.__dict__.pop("_attached", None)
+        self.__class__ = Monitor  # type: ignore[assignment]  # undone: a plain Monitor again
+
+
+def adopt(mon: Monitor, attached: Attached, restore: list[tuple[Any, str]]) -> _Watch:
+    """The Monitor ``attached`` built, made in place into the one ``watch`` returns. The contract of the swap:
+
+    - ``mon`` stays the same object: its state, hooks, log and capture are untouched; only its class becomes
+      ``_Watch``, a ``Monitor`` that overrides ``close`` alone and adds two attributes (``_attached``, ``_restore``);
+    - ``restore`` is the (object, name) of each method ``watch`` wrapped as an instance attribute of that object;
+    - ``close()`` undoes all of it: the instance attributes go (the class's own methods show through again), the
+      tap closes, the monitor closes, and ``mon`` is a plain ``Monitor`` once more (closing it again is safe).
+    """
+    mon.__class__ = _Watch
+    assert isinstance(mon, _Watch)
+    mon._attached = attached
+    mon._restore = restore
+    return mon
 
 
 def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path | None = "ampdoctor/steps.csv",
@@ -74,11 +93,7 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
     a = Attached(model, inner_optimizer(optimizer), scaler, amp_dtype=_amp_dtype(accelerator), first_step=0, log=log,
                  asked={"fp16": "fp16", "bf16": "bf16"}.get(mp, "fp32"), framework=f"accelerate (mixed_precision={mp!r})",
                  capture=capture, loss_from_output=False, monitor_kwargs=monitor_kwargs)
-    mon = a.monitor
-    mon.__class__ = _Watch  # the same object, with a close() that also unwraps
-    assert isinstance(mon, _Watch)
-    mon._attached = a
-    mon._restore = []
+    mon = adopt(a.monitor, a, [])
     backward, step = accelerator.backward, optimizer.step
 
     def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
@@ -101,4 +116,4 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
     return mon
 
 
-__all__ = ["watch"]
+__all__ = ["adopt", "watch"]

@@ -402,7 +402,7 @@ class DeepSpeedMonitor(Monitor):
         try:
             self._read_grads(want)
             if self._view is not None and self.off is None:
-                self.recipe._scale_hint = self._view.get_scale()  # type: ignore[attr-defined]  # the scale this step's backward used
+                self.recipe.hint_scale(self._view.get_scale())  # the scale this step's backward used
         except Exception as e:
             self._fail("reading DeepSpeed's gradients", e)
         self.after_backward(None)  # (off: only joins the exchange it owes)

@@ -1,0 +1,158 @@
+"""The monitor's record of a step, its step-log columns, and the names its users catch (warnings, errors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ampdoctor.engine.ranks import RankView
+from ampdoctor.engine.step import Measured
+from ampdoctor.errors import AmpDoctorError
+from ampdoctor.records import StepStats
+from ampdoctor.report.alerts import first_fault
+
+EXTRA_COLUMNS: tuple[str, ...] = ("scale_after", "skip_rate", "nonfinite_params", "injected")
+"""Columns the monitor writes after the standard ones (see ``steplog.COLUMNS``)."""
+CAPTURE_COLUMNS: tuple[str, ...] = ("capture_held_bytes",)
+"""With a capture armed, after ``EXTRA_COLUMNS``: the host bytes it holds after the step (its last snapshot
+and the batches since; bounded by ``capture_hold_bytes``)."""
+RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
+"""Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
+value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
+STEP_COLUMNS: tuple[str, ...] = ("step_convention",)
+"""Under a framework, after ``EXTRA_COLUMNS``: which number the ``step`` column is (``STEP_CONVENTIONS``)."""
+STEP_CONVENTIONS: dict[str, int] = {
+    "monitor": 0,
+    "trainer_global_step": 1,
+    "lightning_global_step": 0,
+}
+"""What a step log's ``step`` counts, and the number of a fresh run's first step:
+
+- ``monitor``: the monitor's own count of optimizer steps, from ``first_step`` (a loop of your own, accelerate);
+- ``trainer_global_step``: the transformers Trainer's ``state.global_step`` after the step, the ``step`` its
+  log history gives the step and the N of the ``checkpoint-N`` saved after it (a fresh run's first step is 1);
+- ``lightning_global_step``: Lightning's ``trainer.global_step`` while the step runs (before its optimizer
+  step), which is the ``step`` its loggers (CSVLogger's ``metrics.csv``) give what the step logged.
+
+A log without the ``step_convention`` column counts as ``monitor`` does."""
+STATE_VERSION = 1
+
+
+class SkipRateError(AmpDoctorError):
+    """The rolling skip rate stayed above ``max_skip_rate`` for ``patience`` steps."""
+
+
+class SkipRateWarning(UserWarning):
+    """The rolling skip rate went above ``alert_rate``."""
+
+
+class MonitorOffWarning(UserWarning):
+    """Something inside ampdoctor failed, or the setup is one it cannot read correctly: the monitor turned
+    itself off and the training goes on without it."""
+
+
+UNSUPPORTED = {
+    "deepspeed": "DeepSpeed",
+}
+"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning."""
+SHARDED = {
+    "fsdp1": "FSDP1 (FullyShardedDataParallel)",
+    "fsdp2": "FSDP2 (fully_shard)",
+    "tensor_parallel": "tensor parallelism (DTensor parameters)",
+}
+"""Sharding engines read through their pieces (``engine.shards``): norms and rows reduced across the ranks."""
+
+
+class _Unreadable(Exception):
+    """The setup is one the monitor cannot read correctly (a sharded layout it does not reduce yet)."""
+
+
+@dataclass
+class MonitorRecord:
+    """One step as the monitor saw it (the step-log row, plus the per-layer statistics)."""
+
+    step: int
+    lr: float | None
+    grad_l2_pre_clip: float
+    grad_l2_post_clip: float
+    loss: float
+    skipped: bool
+    skip_reason: str
+    scaler_scale: float | None
+    """The scale this step used (None without a GradScaler)."""
+    scale_after: float | None = None
+    """The scale after this step's ``scaler.update()``."""
+    skip_rate: float = 0.0
+    """Rolling skip rate over the last ``window`` steps, this one included."""
+    nonfinite_params: list[str] = field(default_factory=list)
+    """Parameters whose gradient held NaN/Inf (all of them on recorded steps; else the first)."""
+    nonfinite_count: int = 0
+    """How many parameters had a non-finite gradient."""
+    injected: str = ""
+    """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
+    stats: StepStats | None = None
+    tripped: bool = False
+    """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
+    ``full_after`` steps are recorded in full)."""
+    capture: str = ""
+    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
+    rank: int | None = None
+    """Under torch.distributed: this process's rank."""
+    ranks: RankView | None = None
+    """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
+    capture_held: int | None = None
+    """With a capture armed: the host bytes it holds after this step."""
+    step_convention: str | None = None
+    """Under a framework: what ``step`` counts (``STEP_CONVENTIONS``)."""
+
+    def row(self) -> dict[str, Any]:
+        """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
+        names = self.nonfinite_params[:8]
+        more = self.nonfinite_count - len(names)
+        return {
+            "step": self.step, "lr": self.lr, "grad_l2_pre_clip": self.grad_l2_pre_clip,
+            "grad_l2_post_clip": self.grad_l2_post_clip, "loss": self.loss, "skipped": self.skipped,
+            "skip_reason": self.skip_reason, "scaler_scale": self.scaler_scale, "scale_after": self.scale_after,
+            "skip_rate": round(self.skip_rate, 6),
+            "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
+            **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
+            **({"step_convention": self.step_convention} if self.step_convention is not None else {}),
+            **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
+               if self.rank is not None else {}),
+        }
+
+
+@dataclass(frozen=True)
+class FirstFault:
+    """The first step at which any rank saw a non-finite value, and who."""
+
+    step: int
+    rank: int
+    kind: str
+    """input | forward | loss | backward | grad (see ``engine.ranks.KINDS``)."""
+    module: str | None
+    others_clean: bool
+    """No other rank saw it in its own batch, forward, loss or activation gradients: one rank's
+    problem (a bad batch, a rank-local overflow), not every rank's."""
+    ranks: str
+    """Every rank that saw it, as the step log's ``ranks`` column."""
+    spread: bool = False
+    """Tensor parallelism: the other ranks went bad too, later in the forward, through a collective."""
+
+    def describe(self) -> str:
+        """'step 5: rank 1 went non-finite first (input in embed); the other ranks were clean: ... [1:input:embed]'."""
+        return first_fault(self.step, self.rank, self.kind, self.module, self.others_clean, self.ranks, self.spread)
+
+
+@dataclass
+class _Pending:
+    """What ``after_backward`` learned, waiting for ``after_step``."""
+
+    step: int
+    m: Measured
+    injected: str
+
+
+
+__all__ = ["CAPTURE_COLUMNS", "EXTRA_COLUMNS", "RANK_COLUMNS", "SHARDED", "STATE_VERSION", "STEP_COLUMNS", "STEP_CONVENTIONS",
+           "UNSUPPORTED", "FirstFault", "MonitorOffWarning", "MonitorRecord", "SkipRateError", "SkipRateWarning"]
