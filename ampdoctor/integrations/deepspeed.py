@@ -47,6 +47,7 @@ from ampdoctor.engine.capture import Capture, host_copy
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating
+from ampdoctor.report.alerts import Off
 
 ENGINE = "deepspeed"
 """The manifest's ``sharded`` of a DeepSpeed capture."""
@@ -396,7 +397,7 @@ class DeepSpeedMonitor(Monitor):
         want: bool | None = None  # (a rank that turned off and owes the exchange joins the collectives, with zeros)
         try:
             self._params_view.param_groups[0]["lr"] = _lr(self.engine_ds)
-            want = None if self.off is not None else bool(self._scheduled(self.step_num))
+            want = None if self.off is not None else bool(self.sentinel.scheduled(self.step_num))
         except Exception as e:
             self._fail("reading DeepSpeed's step", e)
         try:
@@ -451,9 +452,8 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
             raise UsageError(f"{k}: not with DeepSpeed (it clips, casts and steps itself; ampdoctor only observes it)")
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
-        return _off(engine, f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: "
-                            + ("ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer")
-                            + "), so it watches nothing of this run",
+        why = "ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer"
+        return _off(engine, Off("unsupported", f"DeepSpeed ZeRO stage {stage} (ampdoctor reads ZeRO stages 1 and 2: {why})"),
                     bool(monitor_kwargs.get("quiet", False)))
     monitor_kwargs.setdefault("capture_ranks", "all")
     if log is not None:
@@ -543,7 +543,7 @@ def _no_backward(mon: Monitor) -> None:
           "there); the step log's loss column stays empty until then", UserWarning, quiet=mon.quiet)
 
 
-def _off(engine: Any, why: str, quiet: bool) -> DeepSpeedMonitor:
+def _off(engine: Any, why: Off, quiet: bool) -> DeepSpeedMonitor:
     """A monitor that is off from the start, with one warning (from rank 0): it touches nothing of the engine
     (built on an empty module), and every call on it returns at once."""
     mon = Monitor(nn.Module(), None, None, log=None, distributed=False, quiet=quiet)

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, NORMAL_SKIPS, Capture, FailingStep, Trigger, sharded_engine
+from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
 from ampdoctor.engine.monitor import alerts, capturing, exchange, history, lookback
 from ampdoctor.engine.monitor.alerts import Rates
 from ampdoctor.engine.monitor.config import MonitorConfig, steps
@@ -365,9 +366,11 @@ class Monitor:
         self.hooks = Hooks(self.model, BF16 if amp == torch.bfloat16 else FP16, activations=cfg.activations,
                            params=cfg.weights, every=cfg.every)
         self.recipe = TrainStep(self.model, self.optimizer, self.scaler, hooks=self.hooks, max_norm=cfg.max_norm,
-                                precision=Precision("monitor", autocast=amp, loss_scaling=self.scaler is not None),
+                                precision=Precision.for_autocast(amp, self.scaler is not None),
                                 sentinel=self.hooks.fmt.max if cfg.mode == "sentinel" else None)
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
+        self.driver = Driver(self.recipe)
+        """The loop's parts around the recipe, the same the triage stages, ``layers`` and the replay run."""
         self._params = self.recipe.params
         self._names = self.recipe.names
         self.sentinel = Sentinel(cfg, self.hooks, self.recipe)
@@ -532,7 +535,7 @@ class Monitor:
 
     def _blank(self) -> MonitorRecord:
         """The record of a step taken while the monitor is off (no measurement)."""
-        rec = MonitorRecord(self.step_num, None, math.nan, math.nan, math.nan, False, "", None, rank=self.rank)
+        rec = blank_record(self.step_num, self.rank)
         self.step_num += 1
         return rec
 
@@ -638,7 +641,7 @@ class Monitor:
         pend = self._after_backward(loss, batch, observe=False)
         if pend is None:  # it failed: the step goes on without the monitor
             return self._plain_step(None)
-        self.recipe.apply(pend.m)  # step or skip, scaler.update() on both paths
+        self.driver.apply(pend.m)  # step or skip, scaler.update() on both paths
         self.recipe.zero_grad()
         return self._guarded_after_step(None)
 
@@ -729,7 +732,7 @@ class Monitor:
             return None
 
     def _measure(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
-        m, injected = self.recipe.measure(loss, before_unscale=self._inject_inf, observe=observe)
+        m, injected = self.driver.measure(loss, self._inject_inf, observe=observe)
         if m.ranks is not None and m.ranks.off:  # a rank's monitor failed: every rank turns off, here and now
             self.ranks = self.recipe.ranks = None
             self._turn_off(words.Off("rank_failed", step=self.step_num, rank=m.ranks.off[0]), warn=True, who=0)
@@ -803,21 +806,16 @@ class Monitor:
         m = pend.m
         will = m.will_skip if m.will_skip is not None else m.skip
         sk = will if skipped is None else bool(skipped)
-        reason = exchange.skip_reason(m, self.rank, m.reason) if sk else ""
-        if not sk and m.skip:  # the step was applied with a non-finite loss or gradient: say so
-            reason = f"applied:{m.reason}"
-        if sk and not reason:
-            reason = "skipped_by_caller"
+        reason = skip_reason(m, sk, self.rank)
         rate = self.rates.push(sk)
         self.history.add(pend.step, sk, reason, m.scale)
         pre, post = (m.grad_l2_pre_clip, m.grad_l2_post_clip) if self.recipe.reduced else (math.nan, math.nan)
-        return MonitorRecord(
-            pend.step, m.lr, pre, post, m.loss, sk, reason, m.scale,
-            m.scale_after_if_skipped if sk else m.scale_after_if_applied, rate,
-            m.bad_params, m.bad_count, pend.injected, m.stats if self.keep_stats else None,
-            m.stats is not None and "sentinel_trip" in m.stats.extra, rank=self.rank, ranks=m.ranks,
-            capture_held=self.capture.held if self.capture is not None else None, step_convention=self.step_convention,
-        )
+        return step_record(pend.step, m, skipped=sk, reason=reason, rank=self.rank, grad_l2_pre_clip=pre,
+                           grad_l2_post_clip=post, skip_rate=rate, injected=pend.injected,
+                           stats=m.stats if self.keep_stats else None,
+                           tripped=m.stats is not None and "sentinel_trip" in m.stats.extra,
+                           capture_held=self.capture.held if self.capture is not None else None,
+                           step_convention=self.step_convention)
 
     def _judge_failure(self, rec: MonitorRecord, pend: _Pending, spike: Any) -> None:
         """Whether the step failed (``engine.capture.FailingStep``): the run's first failure is said once, with the

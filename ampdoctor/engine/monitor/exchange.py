@@ -76,17 +76,6 @@ def pay(mon: Monitor) -> None:
         pass
 
 
-def skip_reason(m: Measured, rank: int | None, reason: str) -> str:
-    """A skip clean on this rank whose non-finite gradients came through DDP's all-reduce from the rank that
-    went first: ``nonfinite_from_rank:<rank>``; else ``reason``."""
-    view = m.ranks
-    first = view.first if view is not None else None
-    if view is not None and first is not None and first.rank != rank and first.local and not any(
-            f.local for f in view.faults if f.rank == rank):
-        return f"nonfinite_from_rank:{first.rank}"
-    return reason
-
-
 def first_fault(m: Measured, step: int) -> FirstFault | None:
     """The step's first fault across the ranks, if any rank saw one."""
     view = m.ranks
@@ -96,4 +85,4 @@ def first_fault(m: Measured, step: int) -> FirstFault | None:
     return FirstFault(step, f.rank, f.kind, f.module, view.others_clean, view.column(), view.spread)
 
 
-__all__ = ["FirstFault", "detect", "dist_rank", "first_fault", "pay", "process_rank", "skip_reason"]
+__all__ = ["FirstFault", "detect", "dist_rank", "first_fault", "pay", "process_rank"]

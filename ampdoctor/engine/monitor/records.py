@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from ampdoctor.engine.ranks import RankView
 from ampdoctor.engine.step import Measured
 from ampdoctor.errors import AmpDoctorError
-from ampdoctor.records import StepStats
+from ampdoctor.records import StepRecord
 from ampdoctor.report.alerts import first_fault
 
 EXTRA_COLUMNS: tuple[str, ...] = ("scale_after", "skip_rate", "nonfinite_params", "injected")
@@ -67,59 +65,8 @@ class _Unreadable(Exception):
     """The setup is one the monitor cannot read correctly (a sharded layout it does not reduce yet)."""
 
 
-@dataclass
-class MonitorRecord:
-    """One step as the monitor saw it (the step-log row, plus the per-layer statistics)."""
-
-    step: int
-    lr: float | None
-    grad_l2_pre_clip: float
-    grad_l2_post_clip: float
-    loss: float
-    skipped: bool
-    skip_reason: str
-    scaler_scale: float | None
-    """The scale this step used (None without a GradScaler)."""
-    scale_after: float | None = None
-    """The scale after this step's ``scaler.update()``."""
-    skip_rate: float = 0.0
-    """Rolling skip rate over the last ``window`` steps, this one included."""
-    nonfinite_params: list[str] = field(default_factory=list)
-    """Parameters whose gradient held NaN/Inf (all of them on recorded steps; else the first)."""
-    nonfinite_count: int = 0
-    """How many parameters had a non-finite gradient."""
-    injected: str = ""
-    """'inf:<param>' or 'spike' when the monitor injected a fault at this step."""
-    stats: StepStats | None = None
-    tripped: bool = False
-    """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
-    ``full_after`` steps are recorded in full)."""
-    capture: str = ""
-    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
-    rank: int | None = None
-    """Under torch.distributed: this process's rank."""
-    ranks: RankView | None = None
-    """Under torch.distributed: the ranks that saw a non-finite value at this step (the same on every rank)."""
-    capture_held: int | None = None
-    """With a capture armed: the host bytes it holds after this step."""
-    step_convention: str | None = None
-    """Under a framework: what ``step`` counts (``STEP_CONVENTIONS``)."""
-
-    def row(self) -> dict[str, Any]:
-        """The step-log row (standard columns, then ``EXTRA_COLUMNS``)."""
-        names = self.nonfinite_params[:8]
-        more = self.nonfinite_count - len(names)
-        return {
-            "step": self.step, "lr": self.lr, "grad_l2_pre_clip": self.grad_l2_pre_clip,
-            "grad_l2_post_clip": self.grad_l2_post_clip, "loss": self.loss, "skipped": self.skipped,
-            "skip_reason": self.skip_reason, "scaler_scale": self.scaler_scale, "scale_after": self.scale_after,
-            "skip_rate": round(self.skip_rate, 6),
-            "nonfinite_params": ";".join(names) + (f";+{more}" if more > 0 else ""), "injected": self.injected,
-            **({"capture_held_bytes": self.capture_held} if self.capture_held is not None else {}),
-            **({"step_convention": self.step_convention} if self.step_convention is not None else {}),
-            **({"rank": self.rank, "ranks": self.ranks.column() if self.ranks is not None else ""}
-               if self.rank is not None else {}),
-        }
+MonitorRecord = StepRecord
+"""One step as the monitor saw it: the one step record of every driver (``records.StepRecord``)."""
 
 
 @dataclass(frozen=True)

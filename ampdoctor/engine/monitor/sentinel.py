@@ -9,12 +9,12 @@ the kernel is ready (``AMPDOCTOR_WARMUP=full`` keeps full statistics on the eage
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.ranks import RankExchange
+from ampdoctor.engine.shards import trip_stats
 from ampdoctor.engine.step import Measured, TrainStep
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.watch import fused
@@ -93,32 +93,7 @@ class Sentinel:
         """The sentinel tripped on a step not recorded: take what is still there in full now, the parameter
         gradients (and weights with ``weights=True``). A second host copy, on this step only. ``inv_scale``: the
         gradients still carry the loss scale (see ``Hooks.after_backward``)."""
-        h = self.hooks
-        h.begin_step(step, record=True)
-        h.after_backward(inv_scale)
-        h.after_step()
-        sh = self.recipe.shards
-        if sh is None or ranks is None:
-            st = h.end_step()
-        else:  # every rank trips at the same step (``trip``): the pieces' rows are reduced across them
-            ns, nm = sh.sizes(True)
-            nrow = len(sh.counts)
-            group = ranks.group
-
-            def reduce(keys: list[Any], rows: torch.Tensor) -> torch.Tensor:
-                import torch.distributed as dist
-
-                sums, maxes = sh.tables(keys, rows)
-                dist.all_reduce(sums, group=group)
-                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-                return torch.cat([sums, maxes])
-
-            st = h.end_step(reduce)
-            got = h.exchanged
-            if got is not None:
-                sh.apply(st, got[: ns - nrow], got[ns - nrow: ns - nrow + nm])
-        st.extra["sentinel_trip"] = 1.0
-        return st
+        return trip_stats(self.hooks, step, inv_scale, self.recipe.shards, ranks)
 
 
 __all__ = ["Sentinel"]
