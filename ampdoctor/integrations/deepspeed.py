@@ -453,7 +453,7 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
         why = "ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer"
-        return _off(engine, Off("unsupported", f"DeepSpeed ZeRO stage {stage} (ampdoctor reads ZeRO stages 1 and 2: {why})"),
+        return _off(engine, Off("unreadable", f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: {why})"),
                     bool(monitor_kwargs.get("quiet", False)))
     monitor_kwargs.setdefault("capture_ranks", "all")
     if log is not None:
