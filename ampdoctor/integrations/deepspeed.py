@@ -345,7 +345,7 @@ class DeepSpeedMonitor(Monitor):
         turns off after them)."""
         params = self._module_params
         err: Exception | None = None
-        if getattr(self, "mode", "full") == "sentinel":
+        if self.config.mode == "sentinel":
             sq = torch.zeros(len(params) + 1, dtype=torch.float64)
             try:
                 if want is not None:
