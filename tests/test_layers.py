@@ -16,6 +16,8 @@ from ampdoctor import layer_stats
 from ampdoctor.cli.app import app
 from ampdoctor.engine.layers import COLUMNS, advise, choose_scale
 from ampdoctor.formats import FP16
+from ampdoctor.report.layers_doc import recommendation
+from ampdoctor.report.words import layers as layer_words
 
 from .conftest import write_spec
 
@@ -119,8 +121,8 @@ def test_auto_scale_and_the_limiting_layer(net_df: tuple[Net, pd.DataFrame]) -> 
     # the gradient rows at the chosen scale: nothing overflows there, and twice the scale would
     at = df[(df.dtype == "fp16") & (df.scale == choice.scale) & df.kind.isin(["act_grad", "param_grad"])]
     assert len(at) > 0 and at["overflow_frac"].max() == 0
-    if choice.overflow_limit.endswith("(step 0)"):
-        assert worst_name.split(" ", 1)[1] in choice.overflow_limit
+    if choice.overflow_limit.step == 0:
+        assert worst_name.split(" ", 1)[1] in layer_words.tensor(choice.overflow_limit)
     # bf16 needs no scale; the advice says bf16 removes the fp16 activation overflow
     assert choose_scale(df, "bf16").scale == 1.0
     a = advise(df, "fp16")
@@ -253,8 +255,9 @@ def test_layers_names_the_module_whose_inner_op_overflows_and_says_it_measures_o
     a = advise(df, "fp16")
     assert a.verdict == "unsafe" and [(o["module"], o["op"]) for o in a.inner] == [("blocks.1.attn", "matmul")]
     assert abs(a.inner[0]["absmax"] - 7.571e4) < 7.571e4 * 2**-10  # triage's figure, within FP16's precision
-    assert "inside the module (its output fits)" in a.keep_high["blocks.1.attn"]
-    assert any("layers measures module outputs and parameters only" in n for n in a.notes)
+    rec = recommendation(df, "fp16")
+    assert "inside the module (its output fits)" in {k["module"]: k["reason"] for k in rec["keep_high"]}["blocks.1.attn"]
+    assert any("layers measures module outputs and parameters only" in n for n in rec["notes"])
     assert not advise(df, "bf16").inner and advise(df, "bf16").verdict == "safe"  # 7.6e4 is nothing to bf16
 
     model = nn.Sequential(nn.Linear(4, 4), _ExpNorm())
