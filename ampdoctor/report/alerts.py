@@ -104,7 +104,7 @@ def off_reason(o: Off) -> str:
     if o.code == "unsupported":
         return words.unsupported_engine(o.what)
     if o.code == "zero_stage":
-        return words.unsupported_engine(ds_words.zero_stage(o.stage))
+        return ds_words.zero_stage(o.stage)
     if o.code == "unreadable":
         return words.unreadable_layout(o.what)
     if o.code == "rank_failed":

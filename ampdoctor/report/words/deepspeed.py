@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 def zero_stage(stage: int) -> str:
-    """The engine ``watch`` cannot read, as ``unsupported_engine`` names it: 'DeepSpeed ZeRO stage 3 (...)'."""
+    """Why the monitor is off under a ZeRO stage ``watch`` cannot read (``monitor_off``'s ``why``)."""
     why = "ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer"
-    return f"DeepSpeed ZeRO stage {stage} (ampdoctor reads ZeRO stages 1 and 2: {why})"
+    return (f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: {why}), "
+            "so it watches nothing of this run")
 
 
 def replay_hint(where: object, spec: str) -> str:
