@@ -272,3 +272,23 @@ def test_layers_names_the_module_whose_inner_op_overflows_and_says_it_measures_o
     got = advise(df2, "fp16")
     assert [(o["module"], o["op"]) for o in got.inner] == [("1", "exp")] and got.verdict == "unsafe"
     assert got.inner[0]["overflow_frac"] == 1.0 and abs(got.inner[0]["absmax"] - math.exp(12)) < 1.0
+
+
+def test_layers_words_say_each_code_with_its_figures() -> None:
+    """The advice is facts (codes and figures, ``judge.ranges``); ``report.words.layers`` words each one."""
+    from ampdoctor.judge.ranges import KeepReason, Note, TensorAt
+
+    kr = layer_words.keep_reason
+    assert kr(KeepReason("overflow", "fp16", "act")) == "output overflow fp16"
+    assert kr(KeepReason("underflow", "fp8_e4m3", "param", 0.01)) == "weights underflow fp8_e4m3 (> 1%)"
+    assert kr(KeepReason("no_scale", "fp16")) == "its gradients underflow at every scale that overflows nothing"
+    assert kr(KeepReason("inner_op", "fp16", op="exp", absmax=162754.79, max=FP16.max)) == (
+        "its exp op reaches 1.628e+05 in FP32, beyond fp16's max 65504, inside the module (its output fits)")
+    g0, w = TensorAt("0", "act_grad", "output", 2), TensorAt("head", "param_grad", "weight", 0)
+    assert layer_words.tensor(g0) == "gradient at module 0's output (step 2)"
+    assert layer_words.tensor(w) == "gradient of head.weight (step 0)"
+    gap = layer_words.note(Note("no_scale_fits", overflow=w, underflow=g0, hi=2.0**7, lo=2.0**10, tolerance=0.01))
+    assert gap == ("no loss scale fits every gradient: gradient of head.weight (step 0) overflows above 2^7 while "
+                   "gradient at module 0's output (step 2) loses more than 1% to underflow below 2^10")
+    bad = layer_words.note(Note("fp32_nonfinite", at=TensorAt("blocks.1", "act", "output", 3)))
+    assert bad.startswith("the FP32 reference already has NaN/Inf (output of blocks.1 (step 3))")

@@ -45,4 +45,43 @@ def note(n: Note) -> str:
             "(found by scanning the ops of the first step's forward); `ampdoctor triage` names the op that overflows")
 
 
-__all__ = ["keep_reason", "note", "tensor"]
+HEADLINES = {
+    "safe": ("safe for this model as is", "no overflow, underflow within {tol}"),
+    "safe_with_scale": ("safe with a loss scale", "activations and weights fit"),
+    "unsafe": ("not safe as is", ""),
+    "fp32_nonfinite": ("cannot judge", "the FP32 reference itself has NaN/Inf"),
+}
+"""verdict → (headline, detail)."""
+
+
+def headline(verdict: str, dtype: str, tolerance: float) -> tuple[str, str]:
+    """(headline, detail) of a format's verdict: ('fp16: safe for this model as is', 'no overflow, underflow within 1%')."""
+    head, detail = HEADLINES[verdict]
+    return f"{dtype}: {head}", detail.format(tol=f"{tolerance:.0%}")
+
+
+KEEP_HIGH = "keep in higher precision (FP32, or autocast(enabled=False)):"
+NO_GRADIENT = "loss scale: no non-zero gradient; any init_scale works"
+BF16_NO_SCALE = "loss scale: none needed (bf16 has FP32's exponent range)"
+
+
+def loss_scale(scale: float, limit: str) -> str:
+    """The loss scale to give GradScaler, and the gradient that limits it."""
+    return (f"loss scale: GradScaler(init_scale={scale:g}), {pow2(scale)}, the largest power of "
+            f"two that overflows no gradient; limited by the {limit}")
+
+
+def window(lo: float, hi: float, tolerance: float, limit: str) -> str:
+    """The loss-scale window every gradient allows, and the gradient that sets its lower end."""
+    return (f"window: {pow2(lo)}..{pow2(hi)} keeps every gradient's underflow within {tolerance:.0%} "
+            f"(lower end set by the {limit})")
+
+
+def bf16(fixes: bool) -> str:
+    """Whether bf16 removes the format's range problem."""
+    return ("bf16: removes the range problem (it keeps 8 bits of precision: check accuracy)" if fixes
+            else "bf16: does not remove the problem (run with --dtype bf16 to see where)")
+
+
+__all__ = ["BF16_NO_SCALE", "HEADLINES", "KEEP_HIGH", "NO_GRADIENT", "bf16", "headline", "keep_reason", "loss_scale",
+           "note", "tensor", "window"]
