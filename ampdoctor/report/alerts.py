@@ -20,6 +20,7 @@ from ampdoctor.report.words.monitor import (
     capture_without_batch,
     first_fault,
     monitor_off,
+    rank_alone,
     sharded_no_exchange,
     sharded_plain_scaler,
     skip_rate_error,
@@ -152,5 +153,5 @@ def history_words(told: Mapping[str, Any]) -> tuple[str, list[str]]:
 
 __all__ = ["Failure", "FirstRank", "Off", "SkipRate", "capture_without_batch", "deepspeed_no_backward",
            "deepspeed_replay_hint", "failure_message", "first_fault",
-           "forecast_alert", "history_words", "monitor_off", "off_reason", "sharded_no_exchange", "sharded_plain_scaler",
+           "forecast_alert", "history_words", "monitor_off", "off_reason", "rank_alone", "sharded_no_exchange", "sharded_plain_scaler",
            "skip_rate_error", "skip_rate_message"]
