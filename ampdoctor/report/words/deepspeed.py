@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from ampdoctor.report.words.monitor import unreadable_layout
+
 
 def zero_stage(stage: int) -> str:
     """Why the monitor is off under a ZeRO stage ``watch`` cannot read (``monitor_off``'s ``why``)."""
     why = "ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer"
-    return (f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: {why}), "
-            "so it watches nothing of this run")
+    return unreadable_layout(f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: {why})")
 
 
 def replay_hint(where: object, spec: str) -> str:
