@@ -16,6 +16,8 @@ from ampdoctor import layer_stats
 from ampdoctor.cli.app import app
 from ampdoctor.engine.layers import COLUMNS, advise, choose_scale
 from ampdoctor.formats import FP16
+from ampdoctor.report.layers_doc import recommendation
+from ampdoctor.report.words import layers as layer_words
 
 from .conftest import write_spec
 
@@ -119,8 +121,8 @@ def test_auto_scale_and_the_limiting_layer(net_df: tuple[Net, pd.DataFrame]) -> 
     # the gradient rows at the chosen scale: nothing overflows there, and twice the scale would
     at = df[(df.dtype == "fp16") & (df.scale == choice.scale) & df.kind.isin(["act_grad", "param_grad"])]
     assert len(at) > 0 and at["overflow_frac"].max() == 0
-    if choice.overflow_limit.endswith("(step 0)"):
-        assert worst_name.split(" ", 1)[1] in choice.overflow_limit
+    if choice.overflow_limit.step == 0:
+        assert worst_name.split(" ", 1)[1] in layer_words.tensor(choice.overflow_limit)
     # bf16 needs no scale; the advice says bf16 removes the fp16 activation overflow
     assert choose_scale(df, "bf16").scale == 1.0
     a = advise(df, "fp16")
@@ -253,8 +255,9 @@ def test_layers_names_the_module_whose_inner_op_overflows_and_says_it_measures_o
     a = advise(df, "fp16")
     assert a.verdict == "unsafe" and [(o["module"], o["op"]) for o in a.inner] == [("blocks.1.attn", "matmul")]
     assert abs(a.inner[0]["absmax"] - 7.571e4) < 7.571e4 * 2**-10  # triage's figure, within FP16's precision
-    assert "inside the module (its output fits)" in a.keep_high["blocks.1.attn"]
-    assert any("layers measures module outputs and parameters only" in n for n in a.notes)
+    rec = recommendation(df, "fp16")
+    assert "inside the module (its output fits)" in {k["module"]: k["reason"] for k in rec["keep_high"]}["blocks.1.attn"]
+    assert any("layers measures module outputs and parameters only" in n for n in rec["notes"])
     assert not advise(df, "bf16").inner and advise(df, "bf16").verdict == "safe"  # 7.6e4 is nothing to bf16
 
     model = nn.Sequential(nn.Linear(4, 4), _ExpNorm())
@@ -269,3 +272,23 @@ def test_layers_names_the_module_whose_inner_op_overflows_and_says_it_measures_o
     got = advise(df2, "fp16")
     assert [(o["module"], o["op"]) for o in got.inner] == [("1", "exp")] and got.verdict == "unsafe"
     assert got.inner[0]["overflow_frac"] == 1.0 and abs(got.inner[0]["absmax"] - math.exp(12)) < 1.0
+
+
+def test_layers_words_say_each_code_with_its_figures() -> None:
+    """The advice is facts (codes and figures, ``judge.ranges``); ``report.words.layers`` words each one."""
+    from ampdoctor.judge.ranges import KeepReason, Note, TensorAt
+
+    kr = layer_words.keep_reason
+    assert kr(KeepReason("overflow", "fp16", "act")) == "output overflow fp16"
+    assert kr(KeepReason("underflow", "fp8_e4m3", "param", 0.01)) == "weights underflow fp8_e4m3 (> 1%)"
+    assert kr(KeepReason("no_scale", "fp16")) == "its gradients underflow at every scale that overflows nothing"
+    assert kr(KeepReason("inner_op", "fp16", op="exp", absmax=162754.79, max=FP16.max)) == (
+        "its exp op reaches 1.628e+05 in FP32, beyond fp16's max 65504, inside the module (its output fits)")
+    g0, w = TensorAt("0", "act_grad", "output", 2), TensorAt("head", "param_grad", "weight", 0)
+    assert layer_words.tensor(g0) == "gradient at module 0's output (step 2)"
+    assert layer_words.tensor(w) == "gradient of head.weight (step 0)"
+    gap = layer_words.note(Note("no_scale_fits", overflow=w, underflow=g0, hi=2.0**7, lo=2.0**10, tolerance=0.01))
+    assert gap == ("no loss scale fits every gradient: gradient of head.weight (step 0) overflows above 2^7 while "
+                   "gradient at module 0's output (step 2) loses more than 1% to underflow below 2^10")
+    bad = layer_words.note(Note("fp32_nonfinite", at=TensorAt("blocks.1", "act", "output", 3)))
+    assert bad.startswith("the FP32 reference already has NaN/Inf (output of blocks.1 (step 3))")

@@ -370,9 +370,9 @@ def agree(store: Any, base: str, rank: int, world: int, timeout: float) -> bool:
 def _warn_alone(rank: int, world: int, timeout: float) -> None:
     import warnings
 
-    warnings.warn(f"ampdoctor: rank {rank} of {world}: not every rank built a Monitor within {timeout:g} s, so this "
-                  "monitor does not exchange with the others (no first-rank column); put a Monitor on every rank, "
-                  "or pass Monitor(distributed=False) to skip this wait", RuntimeWarning, stacklevel=4)
+    from ampdoctor.report.alerts import rank_alone
+
+    warnings.warn(rank_alone(rank, world, timeout), RuntimeWarning, stacklevel=4)
 
 
 def rank_path(path: str, rank: int) -> str:

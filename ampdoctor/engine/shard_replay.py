@@ -51,14 +51,10 @@ class RankReplay:
         ff = self.stages.get(stage, {}).get("first_fault")
         return list(ff[:4]) if ff else None
 
-    def words(self) -> str:
-        parts = []
-        for st in self.stages:
-            ff = self.first(st)
-            parts.append(f"{st}: step {ff[0]}, rank {ff[1]}'s {ff[2]}, first at {ff[3] or 'the model'}" if ff
-                         else f"{st}: finite on every rank")
-        return (f"replayed on {self.nproc} ranks under {self.layout} (each rank its own shard and batch, over gloo): "
-                + "; ".join(parts))
+    def words(self, rules_at: tuple[Any, Any] | None = None) -> str:
+        from ampdoctor.report.stages import ranks_replayed
+
+        return ranks_replayed(self.nproc, self.layout, [(st, self.first(st)) for st in self.stages], rules_at)
 
     def apply(self, report: Any) -> None:
         """Say in the report that the replay ran on N ranks (in place of the one-process reassembly), and keep its
@@ -67,8 +63,7 @@ class RankReplay:
         v = report.verdict
         ff = next((self.first(s) for s in self.stages if self.first(s)), None)
         agree = ff is None or v.first_step is None or (ff[0] == v.first_step and (v.first_module in (None, ff[3])))
-        notes.insert(0, self.words() + ("" if agree else f"; the rules, run on the same state on one process, point at "
-                                        f"step {v.first_step} ({v.first_module}) instead"))
+        notes.insert(0, self.words(None if agree else (v.first_step, v.first_module)))
         report.notes = notes
         report.config["replayed_on"] = {"nproc": self.nproc, "layout": self.layout, "stages": self.stages}
 
@@ -131,11 +126,9 @@ def _installed(module: str) -> bool:
 
 
 def layout_words(rec: dict[str, Any]) -> str:
-    mp = rec.get("mp_policy") or {}
-    dts = ", ".join(f"{k}={v}" for k, v in mp.items() if k.endswith("dtype") and v)
-    mods = ", ".join(m or "the model" for m in rec.get("fully_shard") or [])
-    return (f"fsdp2 (fully_shard of {mods} on a mesh of {tuple(rec.get('mesh') or [])}"
-            + (f", MixedPrecisionPolicy({dts})" if dts else "") + ")")
+    from ampdoctor.report.stages import layout
+
+    return layout(rec)
 
 
 # the replay -------------------------------------------------------------------------------------------

@@ -431,12 +431,12 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     model = build_model(spec, cfg, device)
     if spec.loss_fn is None and rebuild.is_lightning(model):  # a LightningModule's loss is its own training_step
         spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
-        said.append(f"the loss is {type(model).__name__}.training_step, as the run computed it")
+        said.append(stage_report.source(stage_report.Source("training_step", type(model).__name__)))
     if spec.build_optimizer is None and spec.load_checkpoint is None and rebuild.is_lightning(model):
         spec = replace(spec, build_optimizer=rebuild.lightning_optimizer)
         groups = rebuild.lightning_optimizer(model).param_groups
-        said.append(f"the optimizer and its {len(groups)} parameter group(s) ({[len(g['params']) for g in groups]}) come "
-                    f"from {type(model).__name__}.configure_optimizers(), as Lightning made them")
+        said.append(stage_report.source(stage_report.Source("lightning_optimizer", type(model).__name__,
+                                                            groups=tuple(len(g["params"]) for g in groups))))
     elif spec.build_optimizer is None and spec.load_checkpoint is None:
         saved = read_checkpoint(path, model=model).optimizer
         if saved is not None:
@@ -459,11 +459,8 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
     scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    at = (f"saved after the run's step {state.step}, so the replay's first step is its step {step0}, numbered as "
-          "the Trainer logs it" if state.step is not None and step0 != state.step else f"the run's step {step0}")
-    note = (f"started from the {state.layout} checkpoint {path} ({at}"
-            + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
-            + "".join(f"; {n}" for n in [*state.notes, *lacks, *loader_note]))
+    note = stage_report.checkpoint_start(state.layout, path, state.step, step0, skip_batches,
+                                         [*state.notes, *lacks, *loader_note])
     return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
 
 
@@ -515,21 +512,22 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
         spec = replace(spec, build_model=rb.build)
         if rb.lightning and spec.loss_fn is None:  # its loss is its own training_step, on the whole batch
             spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
-            said.append(rb.source + ", with its own training_step as the loss")
+            said.append(stage_report.source(stage_report.Source("rebuilt", text=rb.source, loss="training_step")))
         else:
-            said.append(rb.source + (", with the model's own loss" if spec.loss_fn is None else ""))
+            said.append(stage_report.source(stage_report.Source("rebuilt", text=rb.source,
+                                                                loss="model" if spec.loss_fn is None else "")))
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
         if rebuilt_from_layout is not None:
             spec = replace(spec, build_optimizer=rebuilt_from_layout)
             lay = cap.manifest["optimizer_layout"]
-            said.append(f"the optimizer is {lay.get('class')} over the run's {len(lay.get('groups') or [])} parameter "
-                        "group(s), by parameter name, as the capture recorded them")
+            said.append(stage_report.source(stage_report.Source("layout_optimizer", str(lay.get("class")),
+                                                                count=len(lay.get("groups") or []))))
     model = build_model(spec, cfg, device)
     if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
         spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
-        said.append(f"the loss is {type(model).__name__}.training_step (the spec has no loss_fn)")
+        said.append(stage_report.source(stage_report.Source("training_step", type(model).__name__, spec_has_none=True)))
     load_into(cap, model)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line

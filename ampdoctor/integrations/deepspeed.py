@@ -47,7 +47,7 @@ from ampdoctor.engine.capture import Capture, host_copy
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating
-from ampdoctor.report.alerts import Off
+from ampdoctor.report.alerts import Off, deepspeed_no_backward, deepspeed_replay_hint
 
 ENGINE = "deepspeed"
 """The manifest's ``sharded`` of a DeepSpeed capture."""
@@ -277,9 +277,7 @@ class _RankCapture(Capture):
     def replay_hint(self) -> str:
         from ampdoctor.engine.capture import spec_hint
 
-        spec = spec_hint() or "SPEC.py"
-        return (f"captured to {self.written}: this rank's piece of a DeepSpeed ZeRO model, beside every other rank's\n"
-                f"  replay it (the ranks' pieces reassembled on one process): ampdoctor triage {spec} --from {self.written}")
+        return deepspeed_replay_hint(self.written, spec_hint() or "SPEC.py")
 
 
 def _fp32(batch: Any) -> Any:
@@ -452,9 +450,7 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
             raise UsageError(f"{k}: not with DeepSpeed (it clips, casts and steps itself; ampdoctor only observes it)")
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
-        why = "ZeRO-3 partitions the parameters too" if stage == 3 else "stage 0 has no ZeRO optimizer"
-        return _off(engine, Off("unreadable", f"DeepSpeed ZeRO stage {stage} is not supported yet (ampdoctor reads ZeRO stages 1 and 2: {why})"),
-                    bool(monitor_kwargs.get("quiet", False)))
+        return _off(engine, Off("zero_stage", stage=stage), bool(monitor_kwargs.get("quiet", False)))
     monitor_kwargs.setdefault("capture_ranks", "all")
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -538,9 +534,7 @@ def _no_backward(mon: Monitor) -> None:
         return
     from ampdoctor.notify import alert
 
-    alert("ampdoctor: engine.step() came without engine.backward(loss) since the last step: call engine.backward(loss), "
-          "not loss.backward() (DeepSpeed scales the loss and reduces the gradients there, and ampdoctor reads the loss "
-          "there); the step log's loss column stays empty until then", UserWarning, quiet=mon.quiet)
+    alert(deepspeed_no_backward(), UserWarning, quiet=mon.quiet)
 
 
 def _off(engine: Any, why: Off, quiet: bool) -> DeepSpeedMonitor:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
 from ampdoctor.errors import UsageError
-from ampdoctor.fmt import pow2 as _pow2
 from ampdoctor.formats import BF16, Format, get_format
 from ampdoctor.records import BINADE_MIN, MODEL
 
@@ -82,6 +81,17 @@ def _kind_key(s: pd.Series) -> pd.Series:
 
 
 @dataclass(frozen=True)
+class TensorAt:
+    """One tensor of the table at one step: the row that sets a limit (``report.words.layers.tensor`` words it)."""
+
+    module: str
+    kind: str
+    """act | act_grad | param | param_grad (``KINDS``)."""
+    param: str
+    step: int
+
+
+@dataclass(frozen=True)
 class ScaleChoice:
     """The loss scale the gradient windows of one format allow."""
 
@@ -93,9 +103,9 @@ class ScaleChoice:
     """Smallest scale keeping every gradient's underflow within the tolerance (0: no lower limit)."""
     hi: float
     """Largest scale overflowing no gradient (inf: no gradient is non-zero)."""
-    overflow_limit: str | None
-    """The gradient whose window sets ``hi`` ('module kind param, step s')."""
-    underflow_limit: str | None
+    overflow_limit: TensorAt | None
+    """The gradient whose window sets ``hi``."""
+    underflow_limit: TensorAt | None
     """The gradient whose window sets ``lo``."""
 
     @property
@@ -111,14 +121,8 @@ def tensor_name(module: str, kind: str, param: str) -> str:
     return param if module == MODEL else f"{module}.{param}"
 
 
-def _label(row: pd.Series) -> str:
-    name = tensor_name(str(row["module"]), str(row["kind"]), str(row["param"]))
-    if name.isdigit():  # Sequential children are named 0, 1, ...
-        name = f"module {name}"
-    kind = str(row["kind"])
-    what = {"act": f"output of {name}", "act_grad": f"gradient at {name}'s output", "param": name,
-            "param_grad": f"gradient of {name}"}.get(kind, name)
-    return f"{what} (step {int(row['step'])})"
+def _at(row: pd.Series) -> TensorAt:
+    return TensorAt(str(row["module"]), str(row["kind"]), str(row["param"]), int(row["step"]))
 
 
 def choose_scale(df: pd.DataFrame, dtype: str) -> ScaleChoice:
@@ -136,8 +140,42 @@ def choose_scale(df: pd.DataFrame, dtype: str) -> ScaleChoice:
     scale = hi
     if not math.isfinite(hi) or (dtype == BF16.name and lo <= 1.0 <= hi):
         scale = 1.0
-    return ScaleChoice(dtype, scale, lo, hi, _label(hi_row) if math.isfinite(hi) else None,
-                       _label(lo_row) if lo > 0 else None)
+    return ScaleChoice(dtype, scale, lo, hi, _at(hi_row) if math.isfinite(hi) else None, _at(lo_row) if lo > 0 else None)
+
+
+@dataclass(frozen=True)
+class KeepReason:
+    """Why a module should stay in higher precision (``report.words.layers.keep_reason`` words it)."""
+
+    code: Literal["overflow", "underflow", "no_scale", "inner_op"]
+    """overflow / underflow: its ``kind``'s values overflow ``dtype`` / underflow it beyond ``tolerance``;
+    no_scale: its gradients underflow at every scale that overflows nothing; inner_op: an op inside it (``op``)
+    reaches ``absmax`` in FP32, beyond ``dtype``'s ``max``, while its output fits."""
+    dtype: str
+    kind: str = ""
+    """act | param (overflow, underflow)."""
+    tolerance: float = 0.0
+    op: str = ""
+    absmax: float = 0.0
+    max: float = 0.0
+
+
+@dataclass(frozen=True)
+class Note:
+    """A note on a format's advice (``report.words.layers.note`` words it)."""
+
+    code: Literal["fp32_nonfinite", "no_scale_fits", "inner_unseen"]
+    """fp32_nonfinite: the FP32 reference already has NaN/Inf (at ``at``); no_scale_fits: ``overflow`` overflows
+    above ``hi`` while ``underflow`` loses more than ``tolerance`` below ``lo``; inner_unseen: no row shows the
+    ``op`` inside ``module``."""
+    at: TensorAt | None = None
+    overflow: TensorAt | None = None
+    underflow: TensorAt | None = None
+    hi: float = 0.0
+    lo: float = 0.0
+    tolerance: float = 0.0
+    module: str = ""
+    op: str = ""
 
 
 @dataclass
@@ -148,11 +186,11 @@ class Advice:
     verdict: str
     """'safe' (as is, no loss scale needed), 'safe_with_scale', 'unsafe', or 'fp32_nonfinite'."""
     scale: ScaleChoice
-    keep_high: dict[str, str]
+    keep_high: dict[str, KeepReason]
     """Module → why it should stay in higher precision."""
     bf16_fixes: bool | None = None
     """For a non-bf16 format, when bf16 rows are present: whether bf16 is safe as is."""
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
     inner: list[dict[str, Any]] = field(default_factory=list)
     """Ops inside modules (``df.attrs["inner_ops"]``) that overflow the format while their module's output fits:
     ``{module, op, absmax}``, the largest op per module. No module row shows them."""
@@ -185,36 +223,33 @@ def advise(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLERANCE) -
     """Is ``dtype`` safe for this model as is; which modules to keep in higher precision; the loss scale."""
     d = df[(df["dtype"] == dtype) & ~df["kind"].isin(GRAD_KINDS)]
     choice = choose_scale(df, dtype)
-    keep: dict[str, str] = {}
+    keep: dict[str, KeepReason] = {}
     fp32_bad = df[(df["dtype"] == dtype) & (df["nonfinite_frac"] > 0) & (df["scale"] == 1.0)]
-    for kind, what in (("act", "output"), ("param", "weights")):
+    for kind in ("act", "param"):
         k = d[d["kind"] == kind]
         over = list(dict.fromkeys(k.loc[k["overflow_frac"] > 0, "module"]))
         under = list(dict.fromkeys(k.loc[k["underflow_frac"] > tolerance, "module"]))
         for m in _innermost(over):
-            keep.setdefault(m, f"{what} overflow {dtype}")
+            keep.setdefault(m, KeepReason("overflow", dtype, kind))
         for m in _innermost(under):
-            keep.setdefault(m, f"{what} underflow {dtype} (> {tolerance:.0%})")
+            keep.setdefault(m, KeepReason("underflow", dtype, kind, tolerance))
     notes = []
     g = df[(df["dtype"] == dtype) & df["kind"].isin(GRAD_KINDS)]
     lo_module = g.loc[g["min_scale"].idxmax(), "module"] if not g.empty else None
     if not choice.fits:
-        notes.append(f"no loss scale fits every gradient: {choice.overflow_limit} overflows above {_pow2(choice.hi)} while "
-                     f"{choice.underflow_limit} loses more than {tolerance:.0%} to underflow below {_pow2(choice.lo)}")
+        notes.append(Note("no_scale_fits", overflow=choice.overflow_limit, underflow=choice.underflow_limit,
+                          hi=choice.hi, lo=choice.lo, tolerance=tolerance))
         if choice.underflow_limit:
-            keep.setdefault(str(lo_module), "its gradients underflow at every scale that overflows nothing")
+            keep.setdefault(str(lo_module), KeepReason("no_scale", dtype))
     inner = inner_overflows(df, dtype, set(keep)) if dtype != BF16.name else []
     for o in inner:
-        keep.setdefault(o["module"], f"its {o['op']} op reaches {o['absmax']:.4g} in FP32, beyond {dtype}'s max "
-                                     f"{get_format(dtype).max:g}, inside the module (its output fits)")
+        keep.setdefault(o["module"], KeepReason("inner_op", dtype, op=o["op"], absmax=o["absmax"],
+                                                max=get_format(dtype).max))
     if inner:
-        notes.append(f"layers measures module outputs and parameters only: no row shows the {inner[0]['op']} op inside "
-                     f"{inner[0]['module']} (found by scanning the ops of the first step's forward); "
-                     "`ampdoctor triage` names the op that overflows")
+        notes.append(Note("inner_unseen", module=inner[0]["module"], op=inner[0]["op"]))
     if not fp32_bad.empty:
         verdict = "fp32_nonfinite"
-        notes.insert(0, f"the FP32 reference already has NaN/Inf ({_label(fp32_bad.iloc[0])}): fix that first "
-                        "(ampdoctor triage names the cause)")
+        notes.insert(0, Note("fp32_nonfinite", at=_at(fp32_bad.iloc[0])))
     elif keep:
         verdict = "unsafe"
     elif choice.lo <= 1.0 <= choice.hi:

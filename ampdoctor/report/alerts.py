@@ -13,12 +13,14 @@ from typing import Any
 
 from ampdoctor.judge.history import Forecast, Spike
 from ampdoctor.judge.rules import forward_overflow_fixes
+from ampdoctor.report.words import deepspeed as ds_words
 from ampdoctor.report.words import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words import monitor as words
 from ampdoctor.report.words.monitor import (
     capture_without_batch,
     first_fault,
     monitor_off,
+    rank_alone,
     sharded_no_exchange,
     sharded_plain_scaler,
     skip_rate_error,
@@ -83,7 +85,7 @@ class Off:
     """Why the monitor turned itself off (``Monitor.off`` keeps the words)."""
 
     code: str
-    """unsupported (a sharding engine it cannot read), unreadable (a sharded layout it cannot reduce), failed (its
+    """unsupported (a sharding engine it cannot read), zero_stage (a DeepSpeed ZeRO stage it cannot read), unreadable (a sharded layout it cannot reduce), failed (its
     own code raised), rank_failed (another rank's monitor failed)."""
     what: str = ""
     """unsupported: the engine's name; unreadable: the layout's problem; failed: what failed (the step's part)."""
@@ -94,12 +96,16 @@ class Off:
     """failed: the exception's type."""
     detail: str = ""
     """failed: the first line of its message."""
+    stage: int = 0
+    """zero_stage: DeepSpeed's ZeRO stage."""
 
 
 def off_reason(o: Off) -> str:
     """The reason ``Monitor.off`` gives, and the warning's middle."""
     if o.code == "unsupported":
         return words.unsupported_engine(o.what)
+    if o.code == "zero_stage":
+        return ds_words.zero_stage(o.stage)
     if o.code == "unreadable":
         return words.unreadable_layout(o.what)
     if o.code == "rank_failed":
@@ -130,11 +136,22 @@ def forecast_alert(forecasts: list[Forecast], device: str) -> str:
     return forecast_message(fc, forward_overflow_fixes(fc.layer, device), more=len(forecasts) - 1)
 
 
+def deepspeed_replay_hint(where: object, spec: str) -> str:
+    """Where a DeepSpeed rank's capture went and how to replay every rank's pieces (``DeepSpeedMonitor.replay_hint``)."""
+    return ds_words.replay_hint(where, spec)
+
+
+def deepspeed_no_backward() -> str:
+    """The warning for a DeepSpeed step that came without ``engine.backward(loss)``."""
+    return ds_words.NO_BACKWARD
+
+
 def history_words(told: Mapping[str, Any]) -> tuple[str, list[str]]:
     """The ring's story before a failure (``judge.history.story``): the finding's title and its lines."""
     return history_title(told), history_lines(told)
 
 
-__all__ = ["Failure", "FirstRank", "Off", "SkipRate", "capture_without_batch", "failure_message", "first_fault",
-           "forecast_alert", "history_words", "monitor_off", "off_reason", "sharded_no_exchange", "sharded_plain_scaler",
+__all__ = ["Failure", "FirstRank", "Off", "SkipRate", "capture_without_batch", "deepspeed_no_backward",
+           "deepspeed_replay_hint", "failure_message", "first_fault",
+           "forecast_alert", "history_words", "monitor_off", "off_reason", "rank_alone", "sharded_no_exchange", "sharded_plain_scaler",
            "skip_rate_error", "skip_rate_message"]

@@ -24,6 +24,7 @@ from ampdoctor.fmt import command, pow2
 from ampdoctor.formats import BF16
 from ampdoctor.judge.ranges import DEFAULT_TOLERANCE, GRAD_KINDS, advise, format_table, sort_summary, tensor_name
 from ampdoctor.report.model import _clean
+from ampdoctor.report.words import layers as words
 
 SCHEMA_VERSION = 1
 TOOL = "ampdoctor layers"
@@ -31,13 +32,8 @@ TOOL = "ampdoctor layers"
 KIND_LABEL = {"act": "act", "act_grad": "∂act", "param": "param", "param_grad": "∂param"}
 """Short kind labels for tables: ∂ marks a gradient."""
 
-HEADLINES = {
-    "safe": ("safe for this model as is", "no overflow, underflow within {tol}"),
-    "safe_with_scale": ("safe with a loss scale", "activations and weights fit"),
-    "unsafe": ("not safe as is", ""),
-    "fp32_nonfinite": ("cannot judge", "the FP32 reference itself has NaN/Inf"),
-}
-"""verdict → (headline, detail)."""
+HEADLINES = words.HEADLINES
+"""verdict → (headline, detail) (``report.words.layers``)."""
 
 DEFAULTS: dict[str, Any] = {"dtype": ["fp16"], "steps": 3, "scale": 1.0, "what": ["activations", "grads", "weights"],
                             "sort": "risk", "top": 40, "filter": None, "underflow_tolerance": DEFAULT_TOLERANCE,
@@ -55,38 +51,39 @@ def recommendation(df: pd.DataFrame, dtype: str, tolerance: float = DEFAULT_TOLE
     """What ``advise`` says about ``dtype``, as data plus ``advice``: plain-text items ``{level, text}``."""
     a = advise(df, dtype, tolerance)
     c = a.scale
-    head, detail = HEADLINES[a.verdict]
-    items: list[tuple[int, str]] = [(0, n) for n in a.notes]
-    if a.keep_high:
-        items.append((0, "keep in higher precision (FP32, or autocast(enabled=False)):"))
-        items += [(1, f"{m}: {why}") for m, why in a.keep_high.items()]
+    head, detail = words.headline(a.verdict, dtype, tolerance)
+    notes = [words.note(n) for n in a.notes]
+    keep = {m: words.keep_reason(r) for m, r in a.keep_high.items()}
+    over, under = words.tensor(c.overflow_limit), words.tensor(c.underflow_limit)
+    items: list[tuple[int, str]] = [(0, n) for n in notes]
+    if keep:
+        items.append((0, words.KEEP_HIGH))
+        items += [(1, f"{m}: {why}") for m, why in keep.items()]
     init_scale: float | None = None
     if grads and dtype != BF16.name:
         if c.overflow_limit is not None:
             init_scale = c.scale
-            items.append((0, f"loss scale: GradScaler(init_scale={c.scale:g}), {pow2(c.scale)}, the largest power of "
-                             f"two that overflows no gradient; limited by the {c.overflow_limit}"))
+            items.append((0, words.loss_scale(c.scale, over)))
         else:
-            items.append((0, "loss scale: no non-zero gradient; any init_scale works"))
+            items.append((0, words.NO_GRADIENT))
         if c.fits and c.lo > 0:
-            items.append((0, f"window: {pow2(c.lo)}..{pow2(c.hi)} keeps every gradient's underflow within {tolerance:.0%} "
-                             f"(lower end set by the {c.underflow_limit})"))
+            items.append((0, words.window(c.lo, c.hi, tolerance, under)))
     elif grads and c.scale == 1.0:
         init_scale = 1.0
-        items.append((0, "loss scale: none needed (bf16 has FP32's exponent range)"))
+        items.append((0, words.BF16_NO_SCALE))
     if a.bf16_fixes is not None:
-        items.append((0, "bf16: removes the range problem (it keeps 8 bits of precision: check accuracy)" if a.bf16_fixes
-                      else "bf16: does not remove the problem (run with --dtype bf16 to see where)"))
+        items.append((0, words.bf16(a.bf16_fixes)))
     return {
         "verdict": a.verdict,
         "safe": a.verdict == "safe",
-        "headline": f"{dtype}: {head}",
-        "detail": detail.format(tol=f"{tolerance:.0%}"),
-        "keep_high": [{"module": m, "reason": why} for m, why in a.keep_high.items()],
+        "headline": head,
+        "detail": detail,
+        "keep_high": [{"module": m, "reason": why} for m, why in keep.items()],
         "loss_scale": {"init_scale": init_scale, "min_scale": c.lo, "max_scale": c.hi, "fits": c.fits,
-                       "overflow_limit": c.overflow_limit, "underflow_limit": c.underflow_limit} if grads else None,
+                       "overflow_limit": over if c.overflow_limit is not None else None,
+                       "underflow_limit": under if c.underflow_limit is not None else None} if grads else None,
         "bf16_fixes": a.bf16_fixes,
-        "notes": list(a.notes),
+        "notes": notes,
         "inner_ops": list(a.inner),
         "advice": [{"level": lv, "text": t} for lv, t in items],
     }

@@ -5,7 +5,8 @@ notes on the batches, the device, where the stages started and the RNG (each sta
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from ampdoctor.report import words as all_words
 from ampdoctor.report.words import stages as words
@@ -56,7 +57,57 @@ def notes(*, said: list[str], start_note: str, replay: Mapping[str, Any] | None,
     return [*said, *out]
 
 
-__all__ = ["epochs", "error_hint", "notes", "rng", "start"]
+@dataclass(frozen=True)
+class Source:
+    """Where the model, its loss or the optimizer of a replay or a checkpoint's triage came from (the report's
+    first notes, ``source`` words it)."""
+
+    code: Literal["rebuilt", "training_step", "lightning_optimizer", "layout_optimizer"]
+    """rebuilt: the model the capture's ``model_identity`` describes (``text``: the rebuild's words, ``loss``: which
+    loss); training_step: a LightningModule's training_step is the loss (``name``: its class; ``spec_has_none``: the
+    spec has no loss_fn, else as the run computed it); lightning_optimizer: its configure_optimizers()
+    (``groups``: parameters per group); layout_optimizer: rebuilt from the capture's ``optimizer_layout`` (``name``:
+    the class, ``count``: its parameter groups)."""
+    name: str = ""
+    text: str = ""
+    loss: Literal["", "training_step", "model"] = ""
+    spec_has_none: bool = False
+    groups: tuple[int, ...] = ()
+    count: int = 0
+
+
+def source(s: Source) -> str:
+    """The note on where the model, its loss or the optimizer came from."""
+    if s.code == "rebuilt":
+        return words.own_loss(s.text, s.loss)
+    if s.code == "training_step":
+        return words.training_step_loss(s.name, s.spec_has_none)
+    if s.code == "lightning_optimizer":
+        return words.lightning_optimizer(s.name, list(s.groups))
+    return words.layout_optimizer(s.name, s.count)
+
+
+def checkpoint_start(layout: str, path: Any, saved_step: int | None, step0: int, skip_batches: int,
+                     notes: list[str]) -> str:
+    """Where a checkpoint's triage started (``words.stages.checkpoint_start``)."""
+    return words.checkpoint_start(layout, path, saved_step, step0, skip_batches, notes)
+
+
+def layout(recipe: Mapping[str, Any]) -> str:
+    """How a sharded capture's model was sharded (its manifest's ``shards.recipe``), in words."""
+    mp = recipe.get("mp_policy") or {}
+    return words.fsdp2_layout(list(recipe.get("fully_shard") or []), tuple(recipe.get("mesh") or []),
+                              [(k, v) for k, v in mp.items() if k.endswith("dtype") and v])
+
+
+def ranks_replayed(nproc: int, layout: str, firsts: list[tuple[str, list[Any] | None]],
+                   rules_at: tuple[Any, Any] | None) -> str:
+    """The note on a replay on ``nproc`` ranks (``words.stages.ranks_replayed``)."""
+    return words.ranks_replayed(nproc, layout, firsts, rules_at)
+
+
+__all__ = ["Source", "checkpoint_start", "epochs", "error_hint", "layout", "notes", "ranks_replayed", "rng",
+           "source", "start"]
 
 
 def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:

@@ -110,6 +110,13 @@ def rank_failed(rank: int, step: int) -> str:
             f"from step {step}")
 
 
+def rank_alone(rank: int, world: int, timeout: float) -> str:
+    """Not every rank built a Monitor within ``timeout`` seconds: this one exchanges nothing."""
+    return (f"ampdoctor: rank {rank} of {world}: not every rank built a Monitor within {timeout:g} s, so this "
+            "monitor does not exchange with the others (no first-rank column); put a Monitor on every rank, "
+            "or pass Monitor(distributed=False) to skip this wait")
+
+
 def sharded_no_exchange(name: str) -> str:
     return (f"ampdoctor: {name}: each rank holds a shard of the gradients and this monitor exchanges nothing with "
             "the other ranks (distributed=False), so the step log leaves the gradient norms out")
@@ -129,4 +136,4 @@ def capture_without_batch(path: Any, step: int) -> str:
 
 __all__ = ["capture_without_batch", "failed_at", "failure", "failure_what", "first_fault", "monitor_off", "rank_failed",
            "ranks_story", "sharded_no_exchange", "sharded_plain_scaler", "skip_rate_alert", "skip_rate_error",
-           "spike_failure", "unreadable_layout", "unsupported_engine"]
+           "rank_alone", "spike_failure", "unreadable_layout", "unsupported_engine"]

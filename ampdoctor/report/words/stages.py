@@ -102,4 +102,64 @@ def epochs(epoch: int, at: int, how: str) -> str:
     return head + " (each epoch iterated in order, as the run's loop does)"
 
 
-__all__ = ["CPU_AUTOCAST", "ERROR_HINTS", "MODEL_INPUTS", "cycled", "epochs", "error_hint", "replayed", "rng", "start"]
+# where the model, the loss and the optimizer came from, and where a checkpoint started ------------------------
+
+
+def own_loss(source: str, loss: str) -> str:
+    """A model rebuilt from a capture's ``model_identity`` (``source``, the rebuild's words), with its loss:
+    'training_step' (a LightningModule's), 'model' (the model's own), '' (the spec's)."""
+    return source + {"training_step": ", with its own training_step as the loss", "model": ", with the model's own loss"}.get(loss, "")
+
+
+def training_step_loss(cls: str, spec_has_none: bool) -> str:
+    """The loss is a LightningModule's training_step: the spec has no loss_fn (a replay), or as the run computed it."""
+    return f"the loss is {cls}.training_step" + (" (the spec has no loss_fn)" if spec_has_none else ", as the run computed it")
+
+
+def lightning_optimizer(cls: str, groups: list[int]) -> str:
+    """The optimizer a LightningModule's configure_optimizers() builds (``groups``: parameters per group)."""
+    return (f"the optimizer and its {len(groups)} parameter group(s) ({groups}) come "
+            f"from {cls}.configure_optimizers(), as Lightning made them")
+
+
+def layout_optimizer(cls: Any, n_groups: int) -> str:
+    """The optimizer rebuilt from a capture's ``optimizer_layout``."""
+    return (f"the optimizer is {cls} over the run's {n_groups} parameter "
+            "group(s), by parameter name, as the capture recorded them")
+
+
+def checkpoint_start(layout: str, path: Any, saved_step: int | None, step0: int, skip_batches: int, notes: list[str]) -> str:
+    """Where a checkpoint's triage started: its layout and path, the run's step, the dataloader's skipped batches,
+    then the checkpoint's own notes."""
+    at = (f"saved after the run's step {saved_step}, so the replay's first step is its step {step0}, numbered as "
+          "the Trainer logs it" if saved_step is not None and step0 != saved_step else f"the run's step {step0}")
+    return (f"started from the {layout} checkpoint {path} ({at}"
+            + (f", the dataloader after {skip_batches} batch(es)" if skip_batches else "") + ")"
+            + "".join(f"; {n}" for n in notes))
+
+
+# a sharded capture replayed on N ranks ---------------------------------------------------------------------
+
+
+def fsdp2_layout(modules: list[str], mesh: tuple[int, ...], dtypes: list[tuple[str, Any]]) -> str:
+    """'fsdp2 (fully_shard of blocks.0, the model on a mesh of (2,), MixedPrecisionPolicy(param_dtype=...))':
+    the layout a sharded capture recorded (``modules``: '' is the model; ``dtypes``: the policy's set dtypes)."""
+    dts = ", ".join(f"{k}={v}" for k, v in dtypes)
+    mods = ", ".join(m or "the model" for m in modules)
+    return f"fsdp2 (fully_shard of {mods} on a mesh of {mesh}" + (f", MixedPrecisionPolicy({dts})" if dts else "") + ")"
+
+
+def ranks_replayed(nproc: int, layout: str, firsts: list[tuple[str, list[Any] | None]],
+                   rules_at: tuple[Any, Any] | None) -> str:
+    """The replay on ``nproc`` ranks: per stage, the first non-finite value on any rank ((step, rank, kind, module),
+    None: finite on every rank); ``rules_at``: (step, module) the one-process rules point at instead, when they differ."""
+    parts = [f"{st}: step {ff[0]}, rank {ff[1]}'s {ff[2]}, first at {ff[3] or 'the model'}" if ff
+             else f"{st}: finite on every rank" for st, ff in firsts]
+    tail = ("" if rules_at is None else
+            f"; the rules, run on the same state on one process, point at step {rules_at[0]} ({rules_at[1]}) instead")
+    return (f"replayed on {nproc} ranks under {layout} (each rank its own shard and batch, over gloo): "
+            + "; ".join(parts) + tail)
+
+
+__all__ = ["CPU_AUTOCAST", "ERROR_HINTS", "MODEL_INPUTS", "checkpoint_start", "cycled", "epochs", "error_hint",
+           "fsdp2_layout", "layout_optimizer", "lightning_optimizer", "own_loss", "ranks_replayed", "replayed", "rng", "start", "training_step_loss"]
