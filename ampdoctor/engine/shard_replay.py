@@ -3,13 +3,16 @@ under the layout the run used.
 
 The parent checks first (one line, exit 2, before any process starts): the capture is a sharded one, ``N``
 is its ``world_size``, its manifest records how the model was sharded (``shards.recipe``: FSDP2's
-``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; FSDP1's wrapping, a tensor-parallel plan and
-DeepSpeed's engine are not recorded) and the engine is installed. It then starts N processes over gloo on
-the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's model, shards it as recorded, checks
+``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; a tensor-parallel plan, ``engine.tp_layout``;
+FSDP1's wrapping and DeepSpeed's engine are not recorded) and the engine is installed. It then starts N
+processes over gloo on the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's model, shards it
+as recorded (``fully_shard``, or ``parallelize_module`` / ``distribute_tensor``), checks
 that the piece it holds of every tensor sits where its capture says (the same layout), loads its own
 capture's pieces of the weights and optimizer state (as DTensors) and runs the captured batches twice: FP32
 (no mixed-precision policy, no scaler) and the run's precision (its policy, a ``ShardedGradScaler`` from the
-captured state), with a ``Monitor`` whose exchange names the first rank, kind and module across the ranks.
+captured state; under tensor parallelism the run's ``GradScaler``), with a ``Monitor`` whose exchange names the
+first rank, kind and module across the ranks (under tensor parallelism by forward position: the rank whose own
+computation went bad first, not one a collective carried the NaN to).
 
 Nothing runs a collective that only one rank joins: every rank joins one agreement after setting up (a rank
 that failed says so there and every rank stops), and a rank that fails later exits non-zero, which ends the
@@ -105,12 +108,11 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise UsageError(f"--nproc {nproc}: {cap} is a DeepSpeed capture and DeepSpeed is not installed here; drop "
                          "--nproc to reassemble it on one process (no DeepSpeed needed)")
     rec = (m.get("shards") or {}).get("recipe")
-    if not isinstance(rec, dict) or rec.get("engine") != "fsdp2":
+    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel"):
         raise UsageError(f"--nproc {nproc}: {cap}'s manifest records no sharding recipe for its {engine} layout (only "
-                         "FSDP2's fully_shard is recorded); drop --nproc to reassemble it on one process")
-    if not (torch.distributed.is_available() and _installed("torch.distributed.fsdp")):
-        raise UsageError(f"--nproc {nproc}: this torch has no torch.distributed/FSDP2 to rebuild the layout with; drop "
-                         "--nproc to reassemble the capture on one process")
+                         "FSDP2's fully_shard and a tensor-parallel plan are recorded); drop --nproc to reassemble it on "
+                         "one process")
+    _rebuildable(cap, nproc, rec)
     if int(torch.Size(rec.get("mesh") or [0]).numel()) != world:
         raise UsageError(f"--nproc {nproc}: {cap} was sharded on a mesh of shape {rec.get('mesh')}, not one of {world} "
                          "ranks; drop --nproc")
@@ -119,6 +121,26 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
     return m, group
+
+
+def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
+    """UsageError (one line) when this torch, or this replay, cannot rebuild the recorded layout."""
+    from ampdoctor.engine import tp_layout
+
+    need = "torch.distributed.fsdp" if rec["engine"] == "fsdp2" else "torch.distributed.tensor.parallel"
+    if not (torch.distributed.is_available() and _installed(need)):
+        raise UsageError(f"--nproc {nproc}: this torch has no {need} to rebuild the {rec['engine']} layout with; drop "
+                         "--nproc to reassemble the capture on one process")
+    why = tp_layout.refusal(rec) if rec["engine"] == "tensor_parallel" else None
+    if why:
+        raise UsageError(f"--nproc {nproc}: {cap} cannot be replayed under its layout: {why}; drop --nproc to "
+                         "reassemble it on one process")
+
+
+def _layout(rec: dict[str, Any]) -> str:
+    from ampdoctor.engine import tp_layout
+
+    return tp_layout.words(rec) if rec.get("engine") == "tensor_parallel" else layout_words(rec)
 
 
 def _installed(module: str) -> bool:
@@ -170,7 +192,7 @@ def replay_ranks(spec_path: str | Path | None, capture: str | Path, nproc: int, 
     errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if res.get("error")]
     if errors or failed or len(results) != nproc:
         raise CaptureError(f"{capture}: the replay on {nproc} ranks failed ({'; '.join(errors) or failed or 'a rank wrote nothing'})")
-    return RankReplay(nproc, layout_words(m["shards"]["recipe"]), results[0]["stages"])
+    return RankReplay(nproc, _layout(m["shards"]["recipe"]), results[0]["stages"])
 
 
 def _free_port() -> int:
@@ -245,8 +267,7 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+        from ampdoctor.engine import tp_layout
         from ampdoctor.engine.shards import dtensor_piece
         from ampdoctor.watch.hooks import local, user_name
 
@@ -254,13 +275,10 @@ class _Rank:
         model = self.spec.build_model()
         if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
             raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
-        mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (self.recipe.get("mp_policy") or {}).items()}
-        policy = MixedPrecisionPolicy(**mp) if stage != "fp32" and mp else MixedPrecisionPolicy()
-        mods = dict(model.named_modules())
-        for name in self.recipe["fully_shard"]:
-            if name not in mods:
-                raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
-            fully_shard(mods[name], mesh=self.mesh, mp_policy=policy)
+        if self.recipe["engine"] == "tensor_parallel":
+            tp_layout.rebuild(model, self.recipe, self.mesh)
+        else:
+            self._fully_shard(model, stage)
         with torch.no_grad():
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 un = user_name(n)
@@ -270,6 +288,17 @@ class _Rank:
                                        "(not the layout the run had)")
                 local(t).copy_(self.cap.model[un])
         return model
+
+    def _fully_shard(self, model: nn.Module, stage: str) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (self.recipe.get("mp_policy") or {}).items()}
+        policy = MixedPrecisionPolicy(**mp) if stage != "fp32" and mp else MixedPrecisionPolicy()
+        mods = dict(model.named_modules())
+        for name in self.recipe["fully_shard"]:
+            if name not in mods:
+                raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
+            fully_shard(mods[name], mesh=self.mesh, mp_policy=policy)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.tensor import DTensor
@@ -308,8 +337,8 @@ class _Rank:
         opt = self.optimizer(model)
         low = stage != "fp32"
         scaler = None
-        if low and self.cap.start.scaler is not None:
-            scaler = ShardedGradScaler("cpu")
+        if low and self.cap.start.scaler is not None:  # tensor parallelism: the ranks' gradients agree, a GradScaler
+            scaler = torch.amp.GradScaler("cpu") if self.recipe["engine"] == "tensor_parallel" else ShardedGradScaler("cpu")
             scaler.load_state_dict(dict(self.cap.start.scaler))
         amp = self.autocast if low else None
         mon = Monitor(model, opt, scaler, log=None, quiet=True, first_step=self.cap.start.step0, alert_min_steps=10**6,
