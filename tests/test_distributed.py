@@ -272,10 +272,20 @@ def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
 
 def test_nproc_refuses_a_wrong_count_another_layout_and_a_whole_capture_in_one_line(
         fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path,
-        fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
-    code, _, err = _nproc(fsdp1_run[0] / "cap.rank1", "2")  # FSDP1's wrapping is not recorded
-    assert code == 2 and "records no sharding recipe for its fsdp1 layout" in err and "drop --nproc" in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        fsdp1_run: tuple[Path, str, list[dict[str, object]]], tmp_path: Path) -> None:
+    import shutil
+
+    for k in (0, 1):  # a capture whose layout was not recorded (recipe null), and one a replay cannot rebuild
+        shutil.copytree(fsdp1_run[0] / f"cap.rank{k}", tmp_path / f"cap.rank{k}")
+    for recipe, said in ((None, "records no sharding recipe for its fsdp1 layout"),
+                         ({"use_orig_params": False}, "wrapped with use_orig_params=False")):
+        for k in (0, 1):
+            m = json.loads((fsdp1_run[0] / f"cap.rank{k}" / "manifest.json").read_text())
+            m["shards"]["recipe"] = None if recipe is None else {**m["shards"]["recipe"], **recipe}
+            (tmp_path / f"cap.rank{k}" / "manifest.json").write_text(json.dumps(m))
+        code, _, err = _nproc(tmp_path / "cap.rank1", "2")
+        assert code == 2 and said in err and "drop --nproc" in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     out, _ = fsdp2_run
     code, _, err = _nproc(out / "cap.rank1", "3")
     assert code == 2 and "--nproc 3" in err and "give --nproc 2" in err and "Traceback" not in err
@@ -347,6 +357,27 @@ def test_fsdp1_capture_of_every_rank_replays_to_data(fsdp1_run: tuple[Path, str,
     rep = _replay(out / "cap.rank0")
     assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
     assert "replayed rank 1's batch" in " ".join(rep["notes"])  # type: ignore[arg-type]
+    assert m["shards"]["recipe"] == {"engine": "fsdp1", "wrapped": ["head", "mid", "embed", ""], "mesh": [2],
+                                     "mixed_precision": {"param_dtype": "float16", "reduce_dtype": "float32", "buffer_dtype": None},
+                                     "sharding_strategy": "FULL_SHARD", "use_orig_params": True}
+
+
+@pytest.mark.slow
+def test_fsdp1_capture_replays_on_two_ranks_under_its_wrapping_to_data(
+        fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
+    out, _, _ = fsdp1_run
+    code, stdout, err = _nproc(out / "cap.rank1", "2")
+    assert code == 1, stdout + err
+    rep = json.loads(stdout)
+    assert rep["notes"][0].startswith("replayed on 2 ranks under fsdp1 (FullyShardedDataParallel of head, mid, embed, the "
+                                      "model, FULL_SHARD, use_orig_params=True, MixedPrecision(param_dtype=float16, "
+                                      "reduce_dtype=float32))")
+    ran = rep["config"]["replayed_on"]
+    assert list(ran["stages"]) == ["fp32", "amp"]
+    for st in ran["stages"].values():  # every rank its own slice and batch: rank 1's input, read first by embed
+        assert st["first_fault"] == [5, 1, "input", "embed", True] and st["off"] is None and st["steps"][0]["skipped"]
+    assert _core(rep) == _core(_replay(out / "cap.rank1"))
+    assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5
 
 
 @pytest.fixture(scope="module")

@@ -108,10 +108,10 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise UsageError(f"--nproc {nproc}: {cap} is a DeepSpeed capture and DeepSpeed is not installed here; drop "
                          "--nproc to reassemble it on one process (no DeepSpeed needed)")
     rec = (m.get("shards") or {}).get("recipe")
-    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel"):
+    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel", "fsdp1"):
         raise UsageError(f"--nproc {nproc}: {cap}'s manifest records no sharding recipe for its {engine} layout (only "
-                         "FSDP2's fully_shard and a tensor-parallel plan are recorded); drop --nproc to reassemble it on "
-                         "one process")
+                         "FSDP2's fully_shard, FSDP1's wrapping and a tensor-parallel plan are recorded); drop --nproc to "
+                         "reassemble it on one process")
     _rebuildable(cap, nproc, rec)
     if int(torch.Size(rec.get("mesh") or [0]).numel()) != world:
         raise UsageError(f"--nproc {nproc}: {cap} was sharded on a mesh of shape {rec.get('mesh')}, not one of {world} "
@@ -125,22 +125,22 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
 
 def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
     """UsageError (one line) when this torch, or this replay, cannot rebuild the recorded layout."""
-    from ampdoctor.engine import tp_layout
+    from ampdoctor.engine import fsdp1_layout, tp_layout
 
-    need = "torch.distributed.fsdp" if rec["engine"] == "fsdp2" else "torch.distributed.tensor.parallel"
+    need = "torch.distributed.tensor.parallel" if rec["engine"] == "tensor_parallel" else "torch.distributed.fsdp"
     if not (torch.distributed.is_available() and _installed(need)):
         raise UsageError(f"--nproc {nproc}: this torch has no {need} to rebuild the {rec['engine']} layout with; drop "
                          "--nproc to reassemble the capture on one process")
-    why = tp_layout.refusal(rec) if rec["engine"] == "tensor_parallel" else None
+    why = {"tensor_parallel": tp_layout.refusal, "fsdp1": fsdp1_layout.refusal}.get(rec["engine"], lambda r: None)(rec)
     if why:
         raise UsageError(f"--nproc {nproc}: {cap} cannot be replayed under its layout: {why}; drop --nproc to "
                          "reassemble it on one process")
 
 
 def _layout(rec: dict[str, Any]) -> str:
-    from ampdoctor.engine import tp_layout
+    from ampdoctor.engine import fsdp1_layout, tp_layout
 
-    return tp_layout.words(rec) if rec.get("engine") == "tensor_parallel" else layout_words(rec)
+    return {"tensor_parallel": tp_layout.words, "fsdp1": fsdp1_layout.words}.get(rec.get("engine") or "", layout_words)(rec)
 
 
 def _installed(module: str) -> bool:
@@ -267,22 +267,26 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from ampdoctor.engine import tp_layout
-        from ampdoctor.engine.shards import dtensor_piece
+        from ampdoctor.engine import fsdp1_layout, tp_layout
+        from ampdoctor.engine.shards import Shards, dtensor_piece
         from ampdoctor.watch.hooks import local, user_name
 
         torch.manual_seed(0)
         model = self.spec.build_model()
         if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
             raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
+        piece = dtensor_piece
         if self.recipe["engine"] == "tensor_parallel":
             tp_layout.rebuild(model, self.recipe, self.mesh)
+        elif self.recipe["engine"] == "fsdp1":
+            model = fsdp1_layout.rebuild(model, self.recipe, stage != "fp32")
+            piece = Shards("fsdp1", model, [], self.rank, int(self.mesh.size()))._piece
         else:
             self._fully_shard(model, stage)
         with torch.no_grad():
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 un = user_name(n)
-                want, have = self.layout.get(un), dtensor_piece(t)
+                want, have = self.layout.get(un), piece(t)
                 if want != have:
                     raise CaptureError(f"{un}: rebuilt, rank {self.rank}'s piece is {have}; its capture's is {want} "
                                        "(not the layout the run had)")
@@ -319,7 +323,8 @@ class _Rank:
                 raise CaptureError(f"optimizer state entry {i} names no parameter of the spec's model")
             state[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
                                                    stride=p.stride())
-                             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local(p).shape else v
+                             if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
+                             and v.shape == local(p).shape else v
                              for k, v in entry.items()}
         opt.load_state_dict({"state": state, "param_groups": st["param_groups"]})
         return opt
