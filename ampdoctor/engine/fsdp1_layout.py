@@ -16,15 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.engine.shards import _dtype_name
 from ampdoctor.errors import CaptureError
 from ampdoctor.watch.hooks import unwrap, user_name
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The sharding strategies a replay rebuilds."""
-
-
-def _dtype_name(dt: Any) -> str | None:
-    return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else None
 
 
 def recipe(model: nn.Module) -> dict[str, Any] | None:

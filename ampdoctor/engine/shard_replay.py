@@ -4,9 +4,10 @@ under the layout the run used.
 The parent checks first (one line, exit 2, before any process starts): the capture is a sharded one, ``N``
 is its ``world_size``, its manifest records how the model was sharded (``shards.recipe``: FSDP2's
 ``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; a tensor-parallel plan, ``engine.tp_layout``;
-FSDP1's wrapping and DeepSpeed's engine are not recorded) and the engine is installed. It then starts N
-processes over gloo on the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's model, shards it
-as recorded (``fully_shard``, or ``parallelize_module`` / ``distribute_tensor``), checks
+FSDP1's wrapping, ``engine.fsdp1_layout``; DeepSpeed's engine is not recorded) and the engine is installed. It
+then starts N processes over gloo on the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's
+model, shards it as recorded (``fully_shard``, ``parallelize_module`` / ``distribute_tensor``, or
+``FullyShardedDataParallel``), checks
 that the piece it holds of every tensor sits where its capture says (the same layout), loads its own
 capture's pieces of the weights and optimizer state (as DTensors) and runs the captured batches twice: FP32
 (no mixed-precision policy, no scaler) and the run's precision (its policy, a ``ShardedGradScaler`` from the

@@ -24,15 +24,12 @@ from typing import Any
 
 from torch import nn
 
+from ampdoctor.engine.shards import _is_dtensor
 from ampdoctor.errors import CaptureError
 from ampdoctor.watch.hooks import unwrap, user_name
 
 STYLES = ("ColwiseParallel", "RowwiseParallel")
 """The parallelize styles a replay rebuilds."""
-
-
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def placement_code(p: Any) -> str:
