@@ -451,7 +451,6 @@ def test_tensor_parallel_capture_replays_on_two_ranks_under_its_plan(tp_run: tup
     assert _core(rep) == _core(_replay(out / "cap.rank1")) == ("not_reproduced", 5, None, "amp", 1)
 
 
-@pytest.mark.slow
 def test_tensor_parallel_replay_names_the_rank_whose_own_shard_overflowed_not_the_lowest(
         tp_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
     import shutil
