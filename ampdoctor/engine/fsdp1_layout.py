@@ -4,8 +4,8 @@ manifest's ``shards.recipe``) and rebuilt on the spec's model for a replay on N 
 Recorded, read off the wrapped model with no collective: ``wrapped``, the modules each wrapped in their own
 ``FullyShardedDataParallel`` (the user's names, ``""`` the model, children first); ``mixed_precision``, the
 ``MixedPrecision``'s ``param_dtype``, ``reduce_dtype`` and ``buffer_dtype`` as names (null: none);
-``sharding_strategy`` (its name) and ``use_orig_params``. A replay rebuilds ``FULL_SHARD`` and
-``SHARD_GRAD_OP`` with ``use_orig_params=True`` and the model wrapped at its root; anything else is refused.
+``sharding_strategy`` (its name) and ``use_orig_params``. A replay rebuilds ``FULL_SHARD`` (the strategy
+tested) with ``use_orig_params=True`` and the model wrapped at its root; anything else is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ampdoctor.engine.shards import _dtype_name
 from ampdoctor.errors import CaptureError
 from ampdoctor.watch.hooks import unwrap, user_name
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+STRATEGIES = ("FULL_SHARD",)
 """The sharding strategies a replay rebuilds."""
 
 
