@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -270,9 +271,21 @@ def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
 
 
 def test_nproc_refuses_a_wrong_count_another_layout_and_a_whole_capture_in_one_line(
-        fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path, tp_run: tuple[Path, list[dict[str, object]]]) -> None:
-    code, _, err = _nproc(tp_run[0] / "cap.rank1", "2")  # a tensor-parallel plan is not recorded
-    assert code == 2 and "records no sharding recipe for its tensor_parallel layout" in err and "drop --nproc" in err
+        fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path,
+        fsdp1_run: tuple[Path, str, list[dict[str, object]]], tmp_path: Path) -> None:
+    import shutil
+
+    for k in (0, 1):  # a capture whose layout was not recorded (recipe null), and one a replay cannot rebuild
+        shutil.copytree(fsdp1_run[0] / f"cap.rank{k}", tmp_path / f"cap.rank{k}")
+    for recipe, said in ((None, "records no sharding recipe for its fsdp1 layout"),
+                         ({"use_orig_params": False}, "wrapped with use_orig_params=False")):
+        for k in (0, 1):
+            m = json.loads((fsdp1_run[0] / f"cap.rank{k}" / "manifest.json").read_text())
+            m["shards"]["recipe"] = None if recipe is None else {**m["shards"]["recipe"], **recipe}
+            (tmp_path / f"cap.rank{k}" / "manifest.json").write_text(json.dumps(m))
+        code, _, err = _nproc(tmp_path / "cap.rank1", "2")
+        assert code == 2 and said in err and "drop --nproc" in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     out, _ = fsdp2_run
     code, _, err = _nproc(out / "cap.rank1", "3")
     assert code == 2 and "--nproc 3" in err and "give --nproc 2" in err and "Traceback" not in err
@@ -344,6 +357,27 @@ def test_fsdp1_capture_of_every_rank_replays_to_data(fsdp1_run: tuple[Path, str,
     rep = _replay(out / "cap.rank0")
     assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
     assert "replayed rank 1's batch" in " ".join(rep["notes"])  # type: ignore[arg-type]
+    assert m["shards"]["recipe"] == {"engine": "fsdp1", "wrapped": ["head", "mid", "embed", ""], "mesh": [2],
+                                     "mixed_precision": {"param_dtype": "float16", "reduce_dtype": "float32", "buffer_dtype": None},
+                                     "sharding_strategy": "FULL_SHARD", "use_orig_params": True}
+
+
+@pytest.mark.slow
+def test_fsdp1_capture_replays_on_two_ranks_under_its_wrapping_to_data(
+        fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
+    out, _, _ = fsdp1_run
+    code, stdout, err = _nproc(out / "cap.rank1", "2")
+    assert code == 1, stdout + err
+    rep = json.loads(stdout)
+    assert rep["notes"][0].startswith("replayed on 2 ranks under fsdp1 (FullyShardedDataParallel of head, mid, embed, the "
+                                      "model, FULL_SHARD, use_orig_params=True, MixedPrecision(param_dtype=float16, "
+                                      "reduce_dtype=float32))")
+    ran = rep["config"]["replayed_on"]
+    assert list(ran["stages"]) == ["fp32", "amp"]
+    for st in ran["stages"].values():  # every rank its own slice and batch: rank 1's input, read first by embed
+        assert st["first_fault"] == [5, 1, "input", "embed", True] and st["off"] is None and st["steps"][0]["skipped"]
+    assert _core(rep) == _core(_replay(out / "cap.rank1"))
+    assert rep["verdict"]["cause"] == "data" and rep["verdict"]["first_step"] == 5
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +401,77 @@ def test_tensor_parallel_names_the_rank_whose_own_computation_went_bad_first(
     rep = _replay(out / "cap.rank1")  # the whole model on one process: the NaN was rank 1's computation, not data
     assert rep["verdict"]["cause"] == "not_reproduced" and rep["verdict"]["first_step"] == 5  # type: ignore[index]
     assert any("(tensor_parallel)" in n for n in rep["notes"])  # type: ignore[attr-defined]
+
+
+def test_tensor_parallel_capture_records_its_plan_and_refuses_one_it_cannot_rebuild(
+        tp_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
+    import shutil
+
+    out, _ = tp_run
+    for rank in (0, 1):
+        m = json.loads((out / f"cap.rank{rank}" / "manifest.json").read_text())
+        assert m["shards"]["recipe"] == {
+            "engine": "tensor_parallel", "mesh": [2], "unsupported": [],
+            "plan": {"embed": {"style": "ColwiseParallel", "input_layouts": ["R"], "output_layouts": ["S(-1)"], "use_local_output": True},
+                     "mid": {"style": "RowwiseParallel", "input_layouts": ["S(-1)"], "output_layouts": ["R"], "use_local_output": True},
+                     "head": {"style": "RowwiseParallel", "input_layouts": ["R"], "output_layouts": ["R"], "use_local_output": True}},
+            "placements": {"embed.weight": ["S(0)"], "embed.bias": ["S(0)"], "mid.weight": ["S(1)"], "mid.bias": ["R"],
+                           "head.weight": ["S(1)"], "head.bias": ["R"]}}
+        st = torch.load(out / f"cap.rank{rank}" / "state.pt", weights_only=True)  # plain tensors, this rank's pieces
+        assert all(type(v) is torch.Tensor for v in st["model"].values()) and st["model"]["embed.weight"].shape == (16, 8)
+    for k in (0, 1):
+        shutil.copytree(out / f"cap.rank{k}", tmp_path / f"cap.rank{k}")
+    for edit, said in ((("unsupported", ["SequenceParallel on mid"]), "uses SequenceParallel on mid"),
+                       (("mesh", [1, 2]), "mesh has shape [1, 2]")):
+        for k in (0, 1):  # (the check reads rank 0's manifest)
+            m = json.loads((out / f"cap.rank{k}" / "manifest.json").read_text())
+            m["shards"]["recipe"][edit[0]] = edit[1]
+            (tmp_path / f"cap.rank{k}" / "manifest.json").write_text(json.dumps(m))
+        code, _, err = _nproc(tmp_path / "cap.rank1", "2")  # refused before any process starts
+        assert code == 2 and said in err and "drop --nproc" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _core(rep: dict[str, Any]) -> tuple[object, ...]:
+    v = rep["verdict"]
+    return v["cause"], v["first_step"], v["first_module"], v["stage"], rep["config"]["capture_rank"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_capture_replays_on_two_ranks_under_its_plan(tp_run: tuple[Path, list[dict[str, object]]]) -> None:
+    out, _ = tp_run
+    code, stdout, err = _nproc(out / "cap.rank1", "2")
+    assert code in (0, 1), stdout + err
+    rep = json.loads(stdout)
+    assert rep["notes"][0].startswith("replayed on 2 ranks under tensor_parallel (ColwiseParallel of embed; RowwiseParallel "
+                                      "of mid, head on a mesh of (2,))")
+    ran = rep["config"]["replayed_on"]
+    assert ran["nproc"] == 2 and list(ran["stages"]) == ["fp32", "amp"]
+    for st in ran["stages"].values():  # the NaN was rank 1's own computation at run time, not in the weights or batch
+        assert st["first_fault"] is None and st["off"] is None and [s["step"] for s in st["steps"]] == [5]
+    assert _core(rep) == _core(_replay(out / "cap.rank1")) == ("not_reproduced", 5, None, "amp", 1)
+
+
+def test_tensor_parallel_replay_names_the_rank_whose_own_shard_overflowed_not_the_lowest(
+        tp_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
+    import shutil
+
+    out, _ = tp_run
+    for k in (0, 1):
+        shutil.copytree(out / f"cap.rank{k}", tmp_path / f"cap.rank{k}")
+    f = tmp_path / "cap.rank1" / "state.pt"
+    st = torch.load(f, weights_only=True)
+    st["model"]["embed.weight"][0] = 3e4  # rank 1's rows of embed only: finite in FP32, past FP16's 65504 in its output
+    torch.save(st, f)
+    code, stdout, err = _nproc(tmp_path / "cap.rank1", "2")
+    assert code == 1, stdout + err
+    rep = json.loads(stdout)
+    stages = rep["config"]["replayed_on"]["stages"]
+    assert stages["fp32"]["first_fault"] is None
+    # mid's all-reduce carried rank 1's overflow into rank 0's mid: by forward position, rank 1 at embed is first
+    assert stages["amp"]["first_fault"] == [5, 1, "forward", "embed", True]
+    assert "amp: step 5, rank 1's forward, first at embed" in rep["notes"][0]
+    assert _core(rep) == _core(_replay(tmp_path / "cap.rank1")) == ("fp16_forward_overflow", 5, "embed", "amp", 1)
+    assert "point at" not in rep["notes"][0]  # the ranks' replay and the rules on one process agree
 
 
 def test_tensor_parallel_order_is_the_forward_position_not_the_rank_number() -> None:

@@ -96,7 +96,7 @@ def triage(
     skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
     attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2), instead of reassembling them on one process.")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism), instead of reassembling them on one process.")] = None,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr

@@ -720,12 +720,15 @@ def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> lis
 
 
 def _recipe(model: nn.Module) -> dict[str, Any] | None:
-    """How the engine sharded the model (``engine.shards.recipe``), for a replay under the same layout; None
+    """How the engine sharded the model (FSDP2: ``engine.shards.recipe``; tensor parallelism:
+    ``engine.tp_layout.recipe``; FSDP1: ``engine.fsdp1_layout.recipe``), for a replay under the same layout; None
     when it is not known (the capture is written all the same, and reassembles on one process)."""
+    from ampdoctor.engine import fsdp1_layout, tp_layout
     from ampdoctor.engine.shards import recipe
 
+    other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
     try:
-        return recipe(model)
+        return recipe(model) or (other(model) if other is not None else None)
     except Exception:
         return None
 

@@ -32,7 +32,7 @@ from ampdoctor.input.capture_schema import (
     validate_state,
 )
 from ampdoctor.input.resume import StartState
-from ampdoctor.watch.hooks import unwrap
+from ampdoctor.watch.hooks import unwrap, user_name
 
 
 @dataclass
@@ -187,7 +187,7 @@ def layout_optimizer(layout: dict[str, Any] | None) -> Callable[[nn.Module], tor
     groups = layout.get("groups") or []
 
     def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        named = dict(unwrap(model).named_parameters())
+        named = {user_name(n): p for n, p in unwrap(model).named_parameters()}  # (an engine's wrapper: the user's names)
         built = [{"params": [named[n] for n in g["params"] if n in named],
                   **{k: tuple(v) if isinstance(v, list) else v for k, v in g["hyper"].items()}} for g in groups]
         return cls(built)  # type: ignore[call-arg]

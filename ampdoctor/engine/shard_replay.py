@@ -3,13 +3,17 @@ under the layout the run used.
 
 The parent checks first (one line, exit 2, before any process starts): the capture is a sharded one, ``N``
 is its ``world_size``, its manifest records how the model was sharded (``shards.recipe``: FSDP2's
-``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; FSDP1's wrapping, a tensor-parallel plan and
-DeepSpeed's engine are not recorded) and the engine is installed. It then starts N processes over gloo on
-the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's model, shards it as recorded, checks
+``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; a tensor-parallel plan, ``engine.tp_layout``;
+FSDP1's wrapping, ``engine.fsdp1_layout``; DeepSpeed's engine is not recorded) and the engine is installed. It
+then starts N processes over gloo on the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's
+model, shards it as recorded (``fully_shard``, ``parallelize_module`` / ``distribute_tensor``, or
+``FullyShardedDataParallel``), checks
 that the piece it holds of every tensor sits where its capture says (the same layout), loads its own
 capture's pieces of the weights and optimizer state (as DTensors) and runs the captured batches twice: FP32
 (no mixed-precision policy, no scaler) and the run's precision (its policy, a ``ShardedGradScaler`` from the
-captured state), with a ``Monitor`` whose exchange names the first rank, kind and module across the ranks.
+captured state; under tensor parallelism the run's ``GradScaler``), with a ``Monitor`` whose exchange names the
+first rank, kind and module across the ranks (under tensor parallelism by forward position: the rank whose own
+computation went bad first, not one a collective carried the NaN to).
 
 Nothing runs a collective that only one rank joins: every rank joins one agreement after setting up (a rank
 that failed says so there and every rank stops), and a rank that fails later exits non-zero, which ends the
@@ -100,12 +104,11 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise UsageError(f"--nproc {nproc}: {cap} is a DeepSpeed capture and DeepSpeed is not installed here; drop "
                          "--nproc to reassemble it on one process (no DeepSpeed needed)")
     rec = (m.get("shards") or {}).get("recipe")
-    if not isinstance(rec, dict) or rec.get("engine") != "fsdp2":
+    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel", "fsdp1"):
         raise UsageError(f"--nproc {nproc}: {cap}'s manifest records no sharding recipe for its {engine} layout (only "
-                         "FSDP2's fully_shard is recorded); drop --nproc to reassemble it on one process")
-    if not (torch.distributed.is_available() and _installed("torch.distributed.fsdp")):
-        raise UsageError(f"--nproc {nproc}: this torch has no torch.distributed/FSDP2 to rebuild the layout with; drop "
-                         "--nproc to reassemble the capture on one process")
+                         "FSDP2's fully_shard, FSDP1's wrapping and a tensor-parallel plan are recorded); drop --nproc to "
+                         "reassemble it on one process")
+    _rebuildable(cap, nproc, rec)
     if int(torch.Size(rec.get("mesh") or [0]).numel()) != world:
         raise UsageError(f"--nproc {nproc}: {cap} was sharded on a mesh of shape {rec.get('mesh')}, not one of {world} "
                          "ranks; drop --nproc")
@@ -114,6 +117,26 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
     return m, group
+
+
+def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
+    """UsageError (one line) when this torch, or this replay, cannot rebuild the recorded layout."""
+    from ampdoctor.engine import fsdp1_layout, tp_layout
+
+    need = "torch.distributed.tensor.parallel" if rec["engine"] == "tensor_parallel" else "torch.distributed.fsdp"
+    if not (torch.distributed.is_available() and _installed(need)):
+        raise UsageError(f"--nproc {nproc}: this torch has no {need} to rebuild the {rec['engine']} layout with; drop "
+                         "--nproc to reassemble the capture on one process")
+    why = {"tensor_parallel": tp_layout.refusal, "fsdp1": fsdp1_layout.refusal}.get(rec["engine"], lambda r: None)(rec)
+    if why:
+        raise UsageError(f"--nproc {nproc}: {cap} cannot be replayed under its layout: {why}; drop --nproc to "
+                         "reassemble it on one process")
+
+
+def _layout(rec: dict[str, Any]) -> str:
+    from ampdoctor.engine import fsdp1_layout, tp_layout
+
+    return {"tensor_parallel": tp_layout.words, "fsdp1": fsdp1_layout.words}.get(rec.get("engine") or "", layout_words)(rec)
 
 
 def _installed(module: str) -> bool:
@@ -163,7 +186,7 @@ def replay_ranks(spec_path: str | Path | None, capture: str | Path, nproc: int, 
     errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if res.get("error")]
     if errors or failed or len(results) != nproc:
         raise CaptureError(f"{capture}: the replay on {nproc} ranks failed ({'; '.join(errors) or failed or 'a rank wrote nothing'})")
-    return RankReplay(nproc, layout_words(m["shards"]["recipe"]), results[0]["stages"])
+    return RankReplay(nproc, _layout(m["shards"]["recipe"]), results[0]["stages"])
 
 
 def _free_port() -> int:
@@ -238,15 +261,35 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from ampdoctor.engine.shards import dtensor_piece
+        from ampdoctor.engine import fsdp1_layout, tp_layout
+        from ampdoctor.engine.shards import Shards, dtensor_piece
         from ampdoctor.watch.hooks import local, user_name
 
         torch.manual_seed(0)
         model = self.spec.build_model()
         if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
             raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
+        piece = dtensor_piece
+        if self.recipe["engine"] == "tensor_parallel":
+            tp_layout.rebuild(model, self.recipe, self.mesh)
+        elif self.recipe["engine"] == "fsdp1":
+            model = fsdp1_layout.rebuild(model, self.recipe, stage != "fp32")
+            piece = Shards("fsdp1", model, [], self.rank, int(self.mesh.size()))._piece
+        else:
+            self._fully_shard(model, stage)
+        with torch.no_grad():
+            for n, t in [*model.named_parameters(), *model.named_buffers()]:
+                un = user_name(n)
+                want, have = self.layout.get(un), piece(t)
+                if want != have:
+                    raise CaptureError(f"{un}: rebuilt, rank {self.rank}'s piece is {have}; its capture's is {want} "
+                                       "(not the layout the run had)")
+                local(t).copy_(self.cap.model[un])
+        return model
+
+    def _fully_shard(self, model: nn.Module, stage: str) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (self.recipe.get("mp_policy") or {}).items()}
         policy = MixedPrecisionPolicy(**mp) if stage != "fp32" and mp else MixedPrecisionPolicy()
         mods = dict(model.named_modules())
@@ -254,15 +297,6 @@ class _Rank:
             if name not in mods:
                 raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
             fully_shard(mods[name], mesh=self.mesh, mp_policy=policy)
-        with torch.no_grad():
-            for n, t in [*model.named_parameters(), *model.named_buffers()]:
-                un = user_name(n)
-                want, have = self.layout.get(un), dtensor_piece(t)
-                if want != have:
-                    raise CaptureError(f"{un}: rebuilt, rank {self.rank}'s piece is {have}; its capture's is {want} "
-                                       "(not the layout the run had)")
-                local(t).copy_(self.cap.model[un])
-        return model
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.tensor import DTensor
@@ -283,7 +317,8 @@ class _Rank:
                 raise CaptureError(f"optimizer state entry {i} names no parameter of the spec's model")
             state[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
                                                    stride=p.stride())
-                             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local(p).shape else v
+                             if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
+                             and v.shape == local(p).shape else v
                              for k, v in entry.items()}
         opt.load_state_dict({"state": state, "param_groups": st["param_groups"]})
         return opt
@@ -301,8 +336,8 @@ class _Rank:
         opt = self.optimizer(model)
         low = stage != "fp32"
         scaler = None
-        if low and self.cap.start.scaler is not None:
-            scaler = ShardedGradScaler("cpu")
+        if low and self.cap.start.scaler is not None:  # tensor parallelism: the ranks' gradients agree, a GradScaler
+            scaler = torch.amp.GradScaler("cpu") if self.recipe["engine"] == "tensor_parallel" else ShardedGradScaler("cpu")
             scaler.load_state_dict(dict(self.cap.start.scaler))
         amp = self.autocast if low else None
         mon = Monitor(model, opt, scaler, log=None, quiet=True, first_step=self.cap.start.step0, alert_min_steps=10**6,

@@ -273,7 +273,7 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     """How FSDP2 sharded the model, as much as a replay under the same layout needs (plain JSON, the manifest's
     ``shards.recipe``): the modules ``fully_shard`` was applied to (the user's names, ``""`` the model, children
     first), their ``MixedPrecisionPolicy`` and the mesh's shape. None for any other layout (FSDP1's wrapping and
-    a tensor-parallel plan are not recorded: a replay under them is refused)."""
+    a tensor-parallel plan: ``engine.fsdp1_layout``, ``engine.tp_layout``)."""
     inner = unwrap(model)
     mods: list[str] = []
     mp: dict[str, Any] | None = None
