@@ -75,12 +75,4 @@ def rebuild(model: nn.Module, rec: dict[str, Any], low: bool) -> nn.Module:
                                     mixed_precision=MixedPrecision(**mp) if low and mp else None)
 
 
-def words(rec: dict[str, Any]) -> str:
-    """The recorded layout in a few words: the wrapped modules and the mixed precision."""
-    mods = ", ".join(m or "the model" for m in rec.get("wrapped") or [])
-    dts = ", ".join(f"{k}={v}" for k, v in (rec.get("mixed_precision") or {}).items() if v)
-    return (f"fsdp1 (FullyShardedDataParallel of {mods}, {rec.get('sharding_strategy')}, use_orig_params=True"
-            + (f", MixedPrecision({dts})" if dts else "") + ")")
-
-
-__all__ = ["STRATEGIES", "rebuild", "recipe", "refusal", "words"]
+__all__ = ["STRATEGIES", "rebuild", "recipe", "refusal"]

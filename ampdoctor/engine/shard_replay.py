@@ -133,12 +133,6 @@ def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
                          "reassemble it on one process")
 
 
-def _layout(rec: dict[str, Any]) -> str:
-    from ampdoctor.engine import fsdp1_layout, tp_layout
-
-    return {"tensor_parallel": tp_layout.words, "fsdp1": fsdp1_layout.words}.get(rec.get("engine") or "", layout_words)(rec)
-
-
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -186,7 +180,7 @@ def replay_ranks(spec_path: str | Path | None, capture: str | Path, nproc: int, 
     errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if res.get("error")]
     if errors or failed or len(results) != nproc:
         raise CaptureError(f"{capture}: the replay on {nproc} ranks failed ({'; '.join(errors) or failed or 'a rank wrote nothing'})")
-    return RankReplay(nproc, _layout(m["shards"]["recipe"]), results[0]["stages"])
+    return RankReplay(nproc, layout_words(m["shards"]["recipe"]), results[0]["stages"])
 
 
 def _free_port() -> int:

@@ -149,13 +149,4 @@ def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any) -> None:
             raise CaptureError(f"{name}: rebuilt, it is placed {have}; the run placed it {list(codes)}")
 
 
-def words(rec: dict[str, Any]) -> str:
-    """The recorded layout in a few words: each style with its modules, and the mesh."""
-    by: dict[str, list[str]] = {}
-    for name, st in (rec.get("plan") or {}).items():
-        by.setdefault(st["style"], []).append(name or "the model")
-    styled = "; ".join(f"{s} of {', '.join(ms)}" for s, ms in by.items()) or "distribute_tensor of its parameters"
-    return f"tensor_parallel ({styled} on a mesh of {tuple(rec.get('mesh') or [])})"
-
-
-__all__ = ["STYLES", "placement", "placement_code", "rebuild", "recipe", "refusal", "words"]
+__all__ = ["STYLES", "placement", "placement_code", "rebuild", "recipe", "refusal"]

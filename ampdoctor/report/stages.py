@@ -95,6 +95,14 @@ def checkpoint_start(layout: str, path: Any, saved_step: int | None, step0: int,
 
 def layout(recipe: Mapping[str, Any]) -> str:
     """How a sharded capture's model was sharded (its manifest's ``shards.recipe``), in words."""
+    if recipe.get("engine") == "tensor_parallel":
+        styles: dict[str, list[str]] = {}
+        for name, st in (recipe.get("plan") or {}).items():
+            styles.setdefault(st["style"], []).append(name)
+        return words.tp_layout(styles, tuple(recipe.get("mesh") or []))
+    if recipe.get("engine") == "fsdp1":
+        return words.fsdp1_layout(list(recipe.get("wrapped") or []), recipe.get("sharding_strategy"),
+                                  [(k, v) for k, v in (recipe.get("mixed_precision") or {}).items() if v])
     mp = recipe.get("mp_policy") or {}
     return words.fsdp2_layout(list(recipe.get("fully_shard") or []), tuple(recipe.get("mesh") or []),
                               [(k, v) for k, v in mp.items() if k.endswith("dtype") and v])

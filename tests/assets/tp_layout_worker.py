@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ampdoctor.engine import tp_layout
+from ampdoctor.report.stages import layout
 
 
 class Net(nn.Module):
@@ -62,7 +63,7 @@ def main() -> None:
     seq = tp_layout.recipe(build(mesh, sequence=True))
     assert seq is not None
     print(json.dumps({"recipe": rec, "again": again, "wrong": said, "sequence": seq["unsupported"],
-                      "refusal": tp_layout.refusal(seq), "words": tp_layout.words(rec), "fine": tp_layout.refusal(rec)}))
+                      "refusal": tp_layout.refusal(seq), "words": layout(rec), "fine": tp_layout.refusal(rec)}))
     dist.destroy_process_group()
 
 

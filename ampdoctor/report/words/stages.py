@@ -149,6 +149,21 @@ def fsdp2_layout(modules: list[str], mesh: tuple[int, ...], dtypes: list[tuple[s
     return f"fsdp2 (fully_shard of {mods} on a mesh of {mesh}" + (f", MixedPrecisionPolicy({dts})" if dts else "") + ")"
 
 
+def tp_layout(styles: dict[str, list[str]], mesh: tuple[int, ...]) -> str:
+    """'tensor_parallel (ColwiseParallel of embed; RowwiseParallel of mid, head on a mesh of (2,))': the plan a
+    tensor-parallel capture recorded (``styles``: each style's modules, '' is the model)."""
+    styled = "; ".join(f"{s} of {', '.join(m or 'the model' for m in ms)}" for s, ms in styles.items())
+    return f"tensor_parallel ({styled or 'distribute_tensor of its parameters'} on a mesh of {mesh})"
+
+
+def fsdp1_layout(modules: list[str], strategy: Any, dtypes: list[tuple[str, Any]]) -> str:
+    """'fsdp1 (FullyShardedDataParallel of blocks.0, the model, FULL_SHARD, use_orig_params=True, MixedPrecision(...))'."""
+    mods = ", ".join(m or "the model" for m in modules)
+    dts = ", ".join(f"{k}={v}" for k, v in dtypes)
+    return (f"fsdp1 (FullyShardedDataParallel of {mods}, {strategy}, use_orig_params=True"
+            + (f", MixedPrecision({dts})" if dts else "") + ")")
+
+
 def ranks_replayed(nproc: int, layout: str, firsts: list[tuple[str, list[Any] | None]],
                    rules_at: tuple[Any, Any] | None) -> str:
     """The replay on ``nproc`` ranks: per stage, the first non-finite value on any rank ((step, rank, kind, module),
