@@ -223,6 +223,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
         elif job is not None:
             res["error"] = "stopped: another rank could not set up its replay"
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+        dist.barrier()  # every rank here: none tears gloo down while another still talks (an abort at exit)
     finally:
         dist.destroy_process_group()
 
