@@ -27,6 +27,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,8 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # (DTensor's note on a one-element scale or loss is about the replay's own tensors, not the user's code)
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict[str, Any] = {}
     try:
