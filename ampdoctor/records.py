@@ -94,6 +94,42 @@ class StepStats:
     """Calls not yet made into ``Call`` objects (the C++ recorder's, see ``calls``): chunks of (module names,
     module indices, bounds, tensor ids) as ``fused.tap_take_calls`` returns them."""
 
+    def set_rows(self, keys: list[tuple[str, Any]], rows: np.ndarray) -> None:
+        """The step's rows as they came off the device: ``rows[i]`` is the row of ``keys[i] = (kind, ident)``,
+        ``kind`` one of act, grad, pgrad, param. The four dicts are made from them on first read (a step nobody
+        reads makes no Python object per row); ``any_nonfinite`` and ``has`` read the matrix itself."""
+        self.__dict__["_pending_rows"] = (keys, rows)
+
+    @property
+    def row_matrix(self) -> tuple[list[tuple[str, Any]], np.ndarray] | None:
+        """(keys, rows) as ``set_rows`` got them, while no dict has been made from them (else None)."""
+        return self.__dict__.get("_pending_rows")  # type: ignore[no-any-return]
+
+    def any_nonfinite(self, kind: str) -> bool:
+        """Whether any row of ``kind`` (act, grad, pgrad, param) counts a NaN or an infinity."""
+        pend = self.__dict__.get("_pending_rows")
+        if pend is not None:
+            rows = pend[1]
+            if not len(rows) or not (rows[:, Col.POSINF] + rows[:, Col.NEGINF] + rows[:, Col.NAN] > 0).any():
+                return any(nonfinite(r) > 0 for r in self.__dict__["_" + kind].values())  # (rows put in by hand)
+        return any(nonfinite(r) > 0 for r in getattr(self, kind).values())
+
+    def has(self, kind: str) -> bool:
+        """Whether the step holds any row of ``kind``."""
+        pend = self.__dict__.get("_pending_rows")
+        if pend is not None and any(k[0] == kind for k in pend[0]):
+            return True
+        return bool(self.__dict__["_" + kind])
+
+    def _materialise(self) -> None:
+        pend = self.__dict__.pop("_pending_rows", None)
+        if pend is None:
+            return
+        d = self.__dict__
+        into = {"act": d["_act"], "grad": d["_grad"], "pgrad": d["_pgrad"], "param": d["_param"]}
+        for (kind, ident), row in zip(pend[0], pend[1], strict=True):
+            into[kind][ident] = row
+
     def _calls_get(self) -> list[Call]:
         out = self.__dict__["_calls"]
         if self.flat_calls:  # made on first read: a step nobody reads creates no Python object per call
@@ -112,6 +148,27 @@ class StepStats:
 # Monitor records hundreds of calls a step, and making each a Python object at once (three per call, alive
 # across a young collection) drove full collections of the cyclic GC: 130 ms every ~20 steps with torch loaded
 StepStats.calls = property(StepStats._calls_get, StepStats._calls_set)  # type: ignore[assignment]
+
+
+def _rows_property(kind: str) -> property:
+    """``StepStats.act`` (and grad, pgrad, param): the dict, made from ``set_rows``' matrix on first read."""
+    slot = "_" + kind
+
+    def get(self: StepStats) -> dict[Any, np.ndarray]:
+        if "_pending_rows" in self.__dict__:
+            self._materialise()
+        return self.__dict__[slot]  # type: ignore[no-any-return]
+
+    def put(self: StepStats, value: dict[Any, np.ndarray]) -> None:
+        if "_pending_rows" in self.__dict__:
+            self._materialise()
+        self.__dict__[slot] = value
+
+    return property(get, put)
+
+
+for _kind in ("act", "grad", "pgrad", "param"):
+    setattr(StepStats, _kind, _rows_property(_kind))
 
 
 def nonfinite(row: np.ndarray) -> float:

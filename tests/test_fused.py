@@ -125,6 +125,44 @@ def test_norms_match_foreach_norm_on_gradients() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
+def test_adam_figures_match_the_torch_passes(data: st.DataObject) -> None:
+    """The ring's Adam figures in one C++ pass: the norm of m / (sqrt(v) + eps) and min(v) per state tensor, as
+    the torch path (``engine.ring.adam_figures``) gives them, NaN where v holds one; float32 element arithmetic
+    in both, so they agree to float32 summation order."""
+    from ampdoctor.engine.ring import adam_chunks, adam_figures
+
+    sizes = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=5))
+    groups = [data.draw(st.integers(0, 1)) for _ in sizes]
+    eps_g = [1e-8, data.draw(st.sampled_from([1e-6, 1e-3, 0.0]))]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    ms, vs = [], []
+    for n in sizes:
+        m = torch.randn(n, generator=g) * 10.0 ** data.draw(st.integers(-6, 3))
+        v = (torch.randn(n, generator=g) * 10.0 ** data.draw(st.integers(-12, 2))) ** 2
+        if data.draw(st.booleans()):
+            v[data.draw(st.integers(0, n - 1))] = 0.0
+        if data.draw(st.integers(0, 5)) == 0:
+            v[data.draw(st.integers(0, n - 1))] = math.nan
+        ms.append(m)
+        vs.append(v)
+    got = fused.fused_adam(ms, vs, [eps_g[k] for k in groups])
+    assert got is not None and got.dtype == torch.float64 and got.shape == (2 * len(sizes),)
+    un, lo = adam_figures(len(ms), adam_chunks(ms, vs, groups, torch.device("cpu")), eps_g, torch.device("cpu"))
+    k = len(ms)
+    for a, b in zip(got[:k].tolist(), un.tolist(), strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5), (a, b)
+    for a, b in zip(got[k:].tolist(), lo.tolist(), strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == b, (a, b)
+
+
+def test_adam_figures_leave_other_dtypes_to_torch() -> None:
+    m, v = torch.zeros(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16)
+    assert fused.fused_adam([m], [v], [1e-8]) is None
+    assert fused.fused_adam([torch.zeros(3)], [torch.ones(4)], [1e-8]) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
 def test_fused_with_a_power_of_two_scale_equals_eager(data: st.DataObject) -> None:
     """Gradients still carrying GradScaler's scale (a loop's ``after_backward`` before ``unscale_``): the
     kernel moves its thresholds instead of multiplying, and must give the rows ``x * 2^-k`` would."""

@@ -20,7 +20,7 @@ temporaries: three float32 copies of a piece, whatever the model's size), reduce
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from ampdoctor.judge.history import DEFAULT_HORIZON, Forecast, Spike, forecast, 
 from ampdoctor.notify import alert
 from ampdoctor.records import Finding, StepStats
 from ampdoctor.report.alerts import forecast_alert, history_words
+from ampdoctor.watch.fused import fused_adam
 from ampdoctor.watch.ring import Ring
 
 
@@ -99,6 +100,11 @@ def adam_figures(n: int, chunks: list[Chunk], eps: list[float], dev: torch.devic
     return sq.sqrt(), lo
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+"""No indices (one array, so that the ring's per-layout cache sees the same object every step)."""
+
+
 @dataclass
 class _Plan:
     """What the figures read, for one set of parameters with gradients (rebuilt when that set or the state changes)."""
@@ -112,6 +118,8 @@ class _Plan:
     """Per Adam tensor, its group's index (its bias correction and lr)."""
     adam_eps: list[float]
     """Per group, its eps."""
+    tensor_eps: list[float]
+    """Per Adam tensor, its group's eps."""
     chunks: list[Chunk]
     sgd: list[torch.Tensor]
     sgd_j: np.ndarray
@@ -126,6 +134,8 @@ class _Plan:
     """Per group, its first parameter with Adam state (its step count gives the group's bias correction)."""
     probe: tuple[torch.nn.Parameter, torch.Tensor] | None
     """A parameter and its ``exp_avg``: a state loaded since (new tensors) makes a new plan."""
+    joined: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+    """The update figures' indices, joined once per combination of parts (the same array every step)."""
 
 
 class RingFigures:
@@ -191,7 +201,8 @@ class RingFigures:
                         pg.append(gi)
         if opt is not None:
             ae = [float(g.get("eps", 1e-8)) for g in opt.param_groups]
-        return _Plan(key, js, am, av, np.array(aj, dtype=np.int64), np.array(ag, dtype=np.int64), ae, adam_chunks(am, av, ag, norms_dev), sg,
+        return _Plan(key, js, am, av, np.array(aj, dtype=np.int64), np.array(ag, dtype=np.int64), ae, [ae[g] for g in ag],
+                     adam_chunks(am, av, ag, norms_dev), sg,
                      np.array(sj, dtype=np.int64), np.array(sgi, dtype=np.int64),
                      np.array(pp, dtype=np.int64), np.array(pj, dtype=np.int64), np.array(pg, dtype=np.int64),
                      torch.tensor(pp, dtype=torch.int64, device=norms_dev) if pp else None, first, probe)
@@ -236,7 +247,12 @@ class RingFigures:
             adam_f, lrs = self._factors(plan)
             vmin = None
             if plan.adam_m:
-                un, vmin = adam_figures(len(plan.adam_m), plan.chunks, plan.adam_eps, dev)
+                both = fused_adam(plan.adam_m, plan.adam_v, plan.tensor_eps) if dev.type == "cpu" else None
+                if both is not None:  # one C++ pass over each state tensor (watch.fused)
+                    k = len(plan.adam_m)
+                    un, vmin = both[:k], both[k:]
+                else:
+                    un, vmin = adam_figures(len(plan.adam_m), plan.chunks, plan.adam_eps, dev)
                 parts.append(un)
                 upd_j.append(plan.adam_j)
                 factor.append(adam_f[plan.adam_group])
@@ -251,10 +267,12 @@ class RingFigures:
             if vmin is not None:
                 parts.append(vmin)
         else:
-            vmin_j = np.zeros(0, dtype=np.int64)
-        empty = np.zeros(0, dtype=np.int64)
-        layout = (plan.grad_j, np.concatenate(upd_j) if upd_j else empty, vmin_j,
-                  np.concatenate(factor) if factor else np.zeros(0))
+            vmin_j = _NONE
+        ids = tuple(id(j) for j in upd_j)
+        joined = plan.joined.get(ids)
+        if joined is None:
+            joined = plan.joined[ids] = np.concatenate(upd_j) if upd_j else np.zeros(0, dtype=np.int64)
+        layout = (plan.grad_j, joined, vmin_j, np.concatenate(factor) if factor else np.zeros(0))
         return layout, torch.cat(parts)
 
 
@@ -266,7 +284,7 @@ SPIKE_WINDOW = 100
 OPTIMIZER_EVERY = 16
 """Without the spike trigger, the optimizer's figures are read on every this-many-th recorded step (a pass over
 its state costs about as much as the statistics of the gradients); with it, on every recorded step."""
-FORECAST_EVERY = 4
+FORECAST_EVERY = 16
 """The forecast is judged on every this-many-th recorded step (a warning at most that many steps late, against
 a horizon of a thousand)."""
 

@@ -243,8 +243,20 @@ def fused_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return mod.norms(tensors, CHUNK)  # type: ignore[no-any-return]
 
 
-__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_norms", "fused_stats", "kernel", "pending",
-           "start_build"]
+def fused_adam(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], eps: list[float]) -> torch.Tensor | None:
+    """Per Adam state tensor, the norm of ``m / (sqrt(v) + eps)`` and the smallest ``v`` (float64 ``[2n]``: the norms,
+    then the minima) in one pass over each, or None when the kernel is not ready or a tensor is not float32 on the
+    CPU: the caller takes the torch path (``engine.ring.adam_figures``)."""
+    mod = kernel()
+    if mod is None or not hasattr(mod, "adam_figures"):
+        return None
+    with torch.no_grad():
+        out = mod.adam_figures(exp_avg, exp_avg_sq, eps)
+    return out if out is not None and out.numel() == 2 * len(exp_avg) else None
+
+
+__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_adam", "fused_norms", "fused_stats", "kernel",
+           "pending", "start_build"]
 
 
 def build_locked(wait: bool = False) -> int:

@@ -235,6 +235,7 @@ class Hooks:
         hooks in C++, with no Python call in backward. Until then (or without a compiler) the Python code here
         does the same, and the records are the same (tests/test_hooks_native.py)."""
         self._tap: Any = None
+        self._key_cache: dict[str, tuple[list[int], list[Hashable]]] = {}
         self.exchanged: Any = None
         """The host copy of the last ``end_step``'s ``exchange`` result (a numpy vector), else None."""
         self._reset(0)
@@ -366,9 +367,19 @@ class Hooks:
         """Take the activations the C++ tap queued (``watch.calls.NativeListener``)."""
         tids, ts, numel, mixed, rtids, rows = self._native.tap_take_acts(self._tap)
         if tids:
-            self._buf.add_many([("act", t) for t in tids], ts, numel, mixed)
+            self._buf.add_many(self._keyed("act", tids), ts, numel, mixed)
         if rtids:
-            self._buf.add_rows([("act", t) for t in rtids], rows)
+            self._buf.add_rows(self._keyed("act", rtids), rows)
+
+    def _keyed(self, kind: str, tids: list[int]) -> list[Hashable]:
+        """The buffer's keys ``(kind, tid)`` of these tensor ids: the last list again when the ids repeat (the same
+        calls every step), so that the rows' keys are the same objects from step to step (cheap to compare)."""
+        last = self._key_cache.get(kind)
+        if last is not None and last[0] == tids:
+            return last[1]
+        keys: list[Hashable] = [(kind, t) for t in tids]
+        self._key_cache[kind] = (tids, keys)
+        return keys
 
     @property
     def recording(self) -> bool:
@@ -410,9 +421,9 @@ class Hooks:
         order, tids, grads, numel, mixed, rtids, rows = self._native.tap_take_grads(self._tap)
         self._cur.grad_order.extend(order)
         if tids:
-            self._buf.add_many([("grad", t) for t in tids], grads, numel, mixed)
+            self._buf.add_many(self._keyed("grad", tids), grads, numel, mixed)
         if rtids:
-            self._buf.add_rows([("grad", t) for t in rtids], rows)
+            self._buf.add_rows(self._keyed("grad", rtids), rows)
 
     def _tids_of(self, obj: Any) -> list[int]:
         # fast paths for the common shapes: one tensor, or a tuple of tensors
@@ -557,9 +568,7 @@ class Hooks:
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()
-        into: dict[str, dict[Any, Any]] = {"act": st.act, "grad": st.grad, "pgrad": st.pgrad, "param": st.param}
-        for (kind, ident), row in zip(cast(list[tuple[str, Any]], keys), host, strict=True):
-            into[kind][ident] = row
+        st.set_rows(cast(list[tuple[str, Any]], keys), host)  # (the dicts are made when someone reads them)
         self._tids = {}
         return st
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from ampdoctor.formats import Format
 from ampdoctor.input.capture_schema import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
-from ampdoctor.records import MODEL, Col, StepStats
+from ampdoctor.records import MODEL, NCOLS, Col, StepStats
 
 DEFAULT_STEPS = 256
 """Steps the ring keeps (``Monitor(ring=...)``)."""
@@ -72,6 +72,10 @@ class Ring:
         self._log_max = math.log2(fmt.max)
         self._plan_key: Any = None
         self._plan_cache: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
+        self._gather: Any = None
+        """(plan ids, row keys, model inputs, row positions, their layers, the inputs' positions) of the last step."""
+        self._owner_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._unique_cache: tuple[Any, bool] = (None, False)
 
     # -- filling ---------------------------------------------------------------------------------
     def set_params(self, names: list[str]) -> None:
@@ -133,66 +137,111 @@ class Ring:
             self._plan_key, self._plan_cache = key, plan
         return plan
 
-    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
-        act = st.act
-        if act:
-            tids, mi = self._plan(st)
+    def _outputs(self, st: StepStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows [k, NCOLS] of the plan's outputs that have one, their layers' indices, the model inputs' rows).
+        Read straight from the step's row matrix while it is one (``StepStats.row_matrix``): which rows those are
+        is worked out once and kept while the plan and the rows' keys repeat (the same objects step to step)."""
+        tids, mi = self._plan(st)
+        rm = st.row_matrix
+        inputs = tuple(st.model_inputs)
+        if rm is None:  # the dicts (a step put together by hand, or already read)
+            act = st.act
             found = [act.get(t) for t in tids]
-            rows: list[np.ndarray] = [x for x in found if x is not None]
+            rows = [x for x in found if x is not None]
             if len(rows) < len(found):  # (an output without a row: left out)
                 mi = mi[[k for k, x in enumerate(found) if x is not None]]
-            if rows:
-                r = np.concatenate(rows).reshape(len(rows), -1)  # (np.stack costs ~2 us a row)
-                n = len(self.names)
-                absmax = np.zeros(n)
-                np.maximum.at(absmax, mi, r[:, Col.ABSMAX])
-                sums = np.zeros((n, 4))
-                np.add.at(sums, mi, np.stack([r[:, Col.NUMEL], r[:, Col.OVERFLOW], r[:, Col.UNDERFLOW],
-                                              r[:, Col.POSINF] + r[:, Col.NEGINF] + r[:, Col.NAN]], axis=1))
-                have = np.zeros(n, dtype=bool)
-                have[mi] = True
-                numel = np.maximum(sums[have, 0], 1.0)
-                a = absmax[have]
-                bad = sums[have, 3] / numel
-                with np.errstate(divide="ignore"):
-                    h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
-                h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
-                lay[have, _ABSMAX] = a
-                lay[have, _HEADROOM] = h
-                lay[have, _OVER] = sums[have, 1] / numel
-                lay[have, _FLUSH] = sums[have, 2] / numel
-                lay[have, _NONFIN] = bad
-            ins = [act[t] for t in st.model_inputs if t in act]
-            if ins:
-                row[_S["input_numel"]] = float(sum(r[Col.NUMEL] for r in ins))
-                row[_S["input_absmax"]] = float(max(r[Col.ABSMAX] for r in ins))
+            ins = [act[t] for t in inputs if t in act]
+            return (np.concatenate(rows).reshape(len(rows), -1) if rows else np.zeros((0, NCOLS)), mi,
+                    np.concatenate(ins).reshape(len(ins), -1) if ins else np.zeros((0, NCOLS)))
+        keys, matrix = rm
+        c = self._gather
+        if c is None or c[0] is not tids or c[2] != inputs or c[1] != keys:
+            index = {k[1]: i for i, k in enumerate(keys) if k[0] == "act"}
+            pos = [index.get(t, -1) for t in tids]
+            ok = [k for k, q in enumerate(pos) if q >= 0]
+            c = self._gather = (tids, keys, inputs, np.array([pos[k] for k in ok], dtype=np.int64), mi[ok],
+                                np.array([index[t] for t in inputs if t in index], dtype=np.int64))
+        return matrix[c[3]], c[4], matrix[c[5]]
+
+    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
+        if st.row_matrix is not None or st.act:
+            r, mi, ins = self._outputs(st)
+            if len(r):
+                self._fill_outputs(lay, r, mi)
+            if len(ins):
+                row[_S["input_numel"]] = float(ins[:, Col.NUMEL].sum())
+                row[_S["input_absmax"]] = float(ins[:, Col.ABSMAX].max())
         if st.tail is not None and self._param_modules is not None:
-            (grad_j, upd_j, vmin_j, factor), vals = st.tail
-            pm = self._param_modules
-            k = 0
-            for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
-                v = vals[k: k + len(js)]
-                if col == _UNORM and len(js):
-                    v = v * factor  # the learning rate and bias correction, host numbers (engine.ring.RingFigures)
-                k += len(js)
-                owner = np.where(js >= 0, pm[js], -1) if len(js) else js
-                ok = owner >= 0
-                if ok.any():
-                    sq = np.zeros(len(self.names))
-                    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite step's figures: kept as they are
-                        np.add.at(sq, owner[ok], v[ok] * v[ok])
-                    got = np.zeros(len(self.names), dtype=bool)
-                    got[owner[ok]] = True
-                    lay[got, col] = np.sqrt(sq[got])
-            v = vals[k: k + len(vmin_j)]
-            owner = np.where(vmin_j >= 0, pm[vmin_j], -1) if len(vmin_j) else vmin_j
-            ok = owner >= 0
-            if ok.any():
-                lo = np.full(len(self.names), np.inf)
-                with np.errstate(invalid="ignore"):  # a NaN figure stays NaN (not finite: not kept)
-                    np.minimum.at(lo, owner[ok], v[ok])
-                got = np.isfinite(lo)
-                lay[got, _VMIN] = lo[got]
+            self._fill_params(lay, st.tail)
+
+    def _fill_outputs(self, lay: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
+        """The layers' output figures from their outputs' rows (a layer with several outputs: summed, the max)."""
+        bad = r[:, Col.POSINF] + r[:, Col.NEGINF] + r[:, Col.NAN]
+        if self._unique_cache[0] is not mi:
+            self._unique_cache = (mi, len(np.unique(mi)) == len(mi))
+        if self._unique_cache[1]:  # one output a layer (the usual model): no reduction
+            have, a, numel, over, flush = mi, r[:, Col.ABSMAX], r[:, Col.NUMEL], r[:, Col.OVERFLOW], r[:, Col.UNDERFLOW]
+        else:
+            n = len(self.names)
+            absmax = np.zeros(n)
+            np.maximum.at(absmax, mi, r[:, Col.ABSMAX])
+            sums = np.zeros((n, 4))
+            np.add.at(sums, mi, np.stack([r[:, Col.NUMEL], r[:, Col.OVERFLOW], r[:, Col.UNDERFLOW], bad], axis=1))
+            got = np.zeros(n, dtype=bool)
+            got[mi] = True
+            have = np.flatnonzero(got)
+            a, numel, over, flush, bad = absmax[have], sums[have, 0], sums[have, 1], sums[have, 2], sums[have, 3]
+        numel = np.maximum(numel, 1.0)
+        bad = bad / numel
+        with np.errstate(divide="ignore"):
+            h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
+        h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
+        lay[have, _ABSMAX] = a
+        lay[have, _HEADROOM] = h
+        lay[have, _OVER] = over / numel
+        lay[have, _FLUSH] = flush / numel
+        lay[have, _NONFIN] = bad
+
+    def _owners(self, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in ``js`` of the figures a layer owns, those layers) for a layout vector (kept per vector: the
+        recipe hands the same arrays while its parameters and optimizer state stay the same)."""
+        hit = self._owner_cache.get(id(js))
+        if hit is not None and hit[0] is js:
+            return hit[1], hit[2]
+        assert self._param_modules is not None
+        owner = np.where(js >= 0, self._param_modules[js], -1) if len(js) else js
+        ok = np.flatnonzero(owner >= 0)
+        if len(self._owner_cache) > 16:
+            self._owner_cache.clear()
+        self._owner_cache[id(js)] = (js, ok, owner[ok])
+        return ok, owner[ok]
+
+    def _fill_params(self, lay: np.ndarray, tail: Any) -> None:
+        """The layers' parameter figures from the recipe's per-parameter vector (``engine.ring.RingFigures``)."""
+        (grad_j, upd_j, vmin_j, factor), vals = tail
+        n = len(self.names)
+        k = 0
+        for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
+            v = vals[k: k + len(js)]
+            if col == _UNORM and len(js):
+                v = v * factor  # the learning rate and bias correction, host numbers (engine.ring.RingFigures)
+            k += len(js)
+            ok, owner = self._owners(js)
+            if len(ok):
+                sq = np.zeros(n)
+                with np.errstate(over="ignore", invalid="ignore"):  # a non-finite step's figures: kept as they are
+                    np.add.at(sq, owner, v[ok] * v[ok])
+                got = np.zeros(n, dtype=bool)
+                got[owner] = True
+                lay[got, col] = np.sqrt(sq[got])
+        v = vals[k: k + len(vmin_j)]
+        ok, owner = self._owners(vmin_j)
+        if len(ok):
+            lo = np.full(n, np.inf)
+            with np.errstate(invalid="ignore"):  # a NaN figure stays NaN (not finite: not kept)
+                np.minimum.at(lo, owner, v[ok])
+            got = np.isfinite(lo)
+            lay[got, _VMIN] = lo[got]
 
     # -- reading ---------------------------------------------------------------------------------
     def order(self) -> np.ndarray:

@@ -95,7 +95,7 @@ from ampdoctor.input.batches import Micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.notify import alert, say
-from ampdoctor.records import StepStats, nonfinite
+from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
 from ampdoctor.report.scaler import ScaleDiagnosis
 from ampdoctor.watch import userhooks
@@ -851,7 +851,7 @@ class Monitor:
         """An applied step whose backward recorded a non-finite gradient (at a module's output) on a model that carries
         the user's gradient hooks: the hooks, in words (they made it finite before GradScaler looked); else ''."""
         st = m.stats
-        if st is None or not any(nonfinite(r) > 0 for r in st.grad.values()):
+        if st is None or not st.any_nonfinite("grad"):
             return ""
         hooks = userhooks.found(self.model)  # (only on such a step)
         return "; ".join(h.describe() for h in hooks[:3]) + (f" (+{len(hooks) - 3})" if len(hooks) > 3 else "")

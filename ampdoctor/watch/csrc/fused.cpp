@@ -270,6 +270,63 @@ torch::Tensor norms(std::vector<torch::Tensor> ts, int64_t chunk) {
   return out;
 }
 
+// Adam's figures per state tensor (engine.ring.adam_figures): the norm of m / (sqrt(v) + eps) and the smallest v,
+// in one pass over each (m, v) pair instead of torch's several (a cat, a sqrt, a divide, a square and two segment
+// reductions, each with its temporary). Element arithmetic in float32 as those ops do it, the squares summed in
+// double; a NaN in v makes its minimum NaN (as torch's min). Result: float64 [2n], the n norms then the n minima;
+// undefined (the caller takes the torch path) unless every tensor is a float32 CPU tensor, m and v alike in size.
+template <typename F>
+void for_tensors(const std::vector<torch::Tensor>& ts, F f) {
+  int64_t total = 0;
+  for (auto& t : ts) total += t.numel();
+  const int64_t grain = total < (int64_t{1} << 20) ? std::max<int64_t>(static_cast<int64_t>(ts.size()), 1) : 1;
+  at::parallel_for(0, static_cast<int64_t>(ts.size()), grain, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) f(j);
+  });
+}
+
+torch::Tensor adam_figures(std::vector<torch::Tensor> ms, std::vector<torch::Tensor> vs, std::vector<double> eps) {
+  const int64_t n = ms.size();
+  if (static_cast<int64_t>(vs.size()) != n || static_cast<int64_t>(eps.size()) != n) return torch::Tensor();
+  for (int64_t j = 0; j < n; ++j) {
+    const auto& m = ms[j];
+    const auto& v = vs[j];
+    if (!m.device().is_cpu() || !v.device().is_cpu() || m.scalar_type() != at::kFloat ||
+        v.scalar_type() != at::kFloat || m.numel() != v.numel())
+      return torch::Tensor();
+  }
+  std::vector<torch::Tensor> mc(n), vc(n);
+  for (int64_t j = 0; j < n; ++j) { mc[j] = ms[j].contiguous(); vc[j] = vs[j].contiguous(); }
+  auto out = torch::empty({2 * n}, torch::kFloat64);
+  double* o = out.data_ptr<double>();
+  for_tensors(mc, [&](int64_t j) {
+    const float* m = mc[j].data_ptr<float>();
+    const float* v = vc[j].data_ptr<float>();
+    const int64_t len = mc[j].numel();
+    const float e = static_cast<float>(eps[j]);
+    double a[4] = {0, 0, 0, 0};
+    float lo = std::numeric_limits<float>::infinity();
+    int nan = 0;
+    float q[256];  // a block's squares (the elementwise part vectorises), then summed in double
+    for (int64_t s0 = 0; s0 < len; s0 += 256) {
+      const int64_t k = std::min<int64_t>(256, len - s0);
+      for (int64_t i = 0; i < k; ++i) {
+        const float vv = v[s0 + i];
+        const float r = m[s0 + i] / (std::sqrt(vv) + e);
+        q[i] = r * r;
+        nan |= vv != vv;
+        lo = vv < lo ? vv : lo;
+      }
+      int64_t i = 0;
+      for (; i + 4 <= k; i += 4) { a[0] += q[i]; a[1] += q[i + 1]; a[2] += q[i + 2]; a[3] += q[i + 3]; }
+      for (; i < k; ++i) a[0] += q[i];
+    }
+    o[j] = std::sqrt((a[0] + a[1]) + (a[2] + a[3]));
+    o[n + j] = nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(lo);
+  });
+  return out;
+}
+
 // The tap: a step's recording in C++ (see watch.hooks). The forward hook hands it each module call
 // (module index, args, kwargs, output); it finds the floating tensors inside (as tensors.iter_tensors
 // does), gives each tensor a per-step id (the same tensor keeps its id: kept by TensorImpl, checked
@@ -582,6 +639,7 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, "ampdoctor one-pass statistics");
   m.def("norms", &norms, "the L2 norm of each tensor (float32), squares summed in double");
+  m.def("adam_figures", &adam_figures, "per Adam state tensor: |m / (sqrt(v) + eps)| and min(v), float64 [2n]");
   pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
       .def(pybind11::init<int64_t, bool, bool, bool, int64_t, int64_t, int64_t, pybind11::object>());
   m.def("tap_record", &tap_record, "note one module call");
