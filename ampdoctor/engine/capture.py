@@ -40,6 +40,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -392,7 +393,7 @@ class FailingStep:
         return trig
 
     def _typical(self) -> float:
-        return float(np.median(np.asarray(self._norms)))
+        return float(statistics.median(self._norms))  # (as np.median: the mean of the middle two of an even count)
 
     def _exploded(self, norm: float) -> bool:
         if len(self._norms) < EXPLODE_HISTORY:

@@ -467,8 +467,14 @@ class TrainStep:
         """Global L2 norm over the optimizer's parameters (per-parameter norms in float32: an FP16 gradient's
         norm would overflow before its elements do), the count of non-finite ones, and the clip."""
         sc, sh = self.scaler, self.shards
-        s.gparams = [p for p in self.params if p.grad is not None]
-        grads = [p.grad if sh is None else local(p.grad) for p in s.gparams if p.grad is not None]
+        gparams: list[torch.nn.Parameter] = []
+        grads: list[torch.Tensor] = []
+        for p in self.params:  # (one read of each .grad: a property, on hundreds of parameters a step)
+            g = p.grad
+            if g is not None:
+                gparams.append(p)
+                grads.append(g if sh is None else local(g))
+        s.gparams = gparams
         s.grads = grads
         s.shard_sums = sh is not None and self.ranks is not None  # the norms are reduced across the ranks at the host copy
         dev = s.dev = grads[0].device if grads else self.device

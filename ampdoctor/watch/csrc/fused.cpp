@@ -87,11 +87,35 @@ void count_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t s
   a.amin = std::min(a.amin, amin);
 }
 
+// A block whose largest |x| the screen found finite and below the overflow threshold (most blocks that fail the
+// screen: a few zeros, underflows or subnormals among normal numbers): no overflow, infinity or NaN can be in it,
+// so only the zero, underflow and normal thresholds are left to count, the largest |x| is the screen's, and the
+// smallest non-zero one is the unsigned minimum of |x| - 1 (a zero wraps to the largest), plus one. The same row
+// as count_bits, in about a third of its vector operations.
+void count_low(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t mx, Acc& a) {
+  int32_t ge1 = 0, geuf = 0, gesub = 0;
+  uint32_t nz = 0xFFFFFFFFu;
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t ai = static_cast<int32_t>(q[i] & 0x7FFFFFFFu);
+    ge1 += (ai >= 1);
+    geuf += (ai >= uf);
+    gesub += (ai >= sub);
+    nz = std::min(nz, static_cast<uint32_t>(ai) - 1u);
+  }
+  a.c[0] += n - ge1;
+  a.c[1] += ge1 - geuf;
+  a.c[2] += geuf - gesub;
+  a.c[3] += gesub;
+  a.amax = std::max(a.amax, mx);
+  const int32_t amin = nz == 0xFFFFFFFFu ? INF_BITS : static_cast<int32_t>(nz + 1u);
+  a.amin = std::min(a.amin, amin);
+}
+
 // Most blocks of a healthy step hold only normal numbers of the format. A first pass takes only the smallest
 // and largest |x| bits (three vector operations per lane instead of about a dozen); when both lie in
 // [normal's threshold, overflow's threshold), every element of the block is a finite non-zero normal number,
 // so the block's row is exactly (n normal, absmax = the largest, min non-zero = the smallest), which the full
-// count would give too. Any other block is counted in full, still in cache.
+// count would give too. Any other block is counted in full (count_low when its largest is in range), still in cache.
 void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc& a) {
   constexpr int32_t B = 1024;
   const int32_t lo = std::max(std::max(sub, uf), int32_t{1});
@@ -109,6 +133,8 @@ void run_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t sub
       a.c[3] += m;
       a.amax = std::max(a.amax, mx);
       a.amin = std::min(a.amin, mn);
+    } else if (mx < hi) {
+      count_low(p, m, uf, sub, mx, a);
     } else {
       count_bits(p, m, uf, sub, of, a);
     }
@@ -231,17 +257,23 @@ bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double
 // double: a tensor of finite elements always has a finite sum of squares here (float32 squares overflow
 // from 1.8e19), so the norm is non-finite exactly when an element is. One call for all the gradients:
 // _foreach_norm on the CPU pays a few microseconds per tensor, most of its time on small ones.
+// Sixteen running sums, element i into sum i % 16: each sum is still added in order (no reassociation for the
+// compiler to be allowed), and the sixteen lanes vectorise (four AVX2 registers of doubles).
 template <typename T>
 double sumsq(const T* p, int64_t n) {
-  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  constexpr int L = 16;
+  double a[L] = {};
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    double x0 = static_cast<float>(p[i]), x1 = static_cast<float>(p[i + 1]);
-    double x2 = static_cast<float>(p[i + 2]), x3 = static_cast<float>(p[i + 3]);
-    a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;
+  for (; i + L <= n; i += L) {
+    for (int k = 0; k < L; ++k) {
+      const double x = static_cast<float>(p[i + k]);
+      a[k] += x * x;
+    }
   }
-  for (; i < n; ++i) { double x = static_cast<float>(p[i]); a0 += x * x; }
-  return (a0 + a1) + (a2 + a3);
+  for (int k = 0; i < n; ++i, ++k) { const double x = static_cast<float>(p[i]); a[k] += x * x; }
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int k = 0; k < w; ++k) a[k] += a[k + w];
+  return a[0];
 }
 
 torch::Tensor norms(std::vector<torch::Tensor> ts, int64_t chunk) {
