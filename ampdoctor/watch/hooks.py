@@ -375,7 +375,7 @@ class Hooks:
         """The buffer's keys ``(kind, tid)`` of these tensor ids: the last list again when the ids repeat (the same
         calls every step), so that the rows' keys are the same objects from step to step (cheap to compare)."""
         last = self._key_cache.get(kind)
-        if last is not None and last[0] == tids:
+        if last is not None and (last[0] is tids or last[0] == tids):
             return last[1]
         keys: list[Hashable] = [(kind, t) for t in tids]
         self._key_cache[kind] = (tids, keys)

@@ -367,6 +367,23 @@ torch::Tensor adam_figures(std::vector<torch::Tensor> ms, std::vector<torch::Ten
 // drained from Python; a queue that holds `limit` elements or more asks for it (record's return value,
 // or the `drain` callback, called with the GIL from backward), so held tensors stay bounded like the
 // statistics buffer's.
+// A list of ints handed to Python, and the Python list made of it last time: the same values (a step's calls,
+// tensor ids and gradient order repeat from step to step) give back the same list object, so Python makes no int
+// objects for it and its comparisons with the last step's meet the same objects.
+struct ListCache {
+  std::vector<int64_t> v;
+  pybind11::object l;
+};
+
+pybind11::object cached_list(ListCache& c, std::vector<int64_t>& v) {
+  if (!c.l || c.v != v) {
+    c.v = v;
+    c.l = pybind11::cast(v);
+  }
+  v.clear();  // (its capacity stays: no reallocation next step)
+  return c.l;
+}
+
 struct Tap {
   std::mutex mu;  // the gradient queue: backward may run on another thread (the autograd engine's)
   std::vector<int64_t> grad_order;  // every watched gradient's tid, in arrival order
@@ -396,6 +413,7 @@ struct Tap {
   std::vector<torch::Tensor> scratch;
   std::unordered_map<PyObject*, int64_t> mod_index;  // the watched model's modules (by identity, like id())
   pybind11::object root_ref;                         // a weakref to the model (training_only)
+  ListCache l_act_ids, l_act_rids, l_grad_order, l_grad_ids, l_grad_rids, l_mods, l_bounds, l_flat;
   bool training_only = false;
   Tap(int64_t limit_, bool acts_, bool grads_, bool rows_, int64_t uf_, int64_t sub_, int64_t of_, pybind11::object drain_)
       : limit(limit_), acts(acts_), watch_grads(grads_), rows(rows_), uf(uf_), sub(sub_), of(of_),
@@ -405,6 +423,8 @@ struct Tap {
       pybind11::gil_scoped_acquire gil;
       drain = pybind11::object();
       root_ref = pybind11::object();
+      for (ListCache* c : {&l_act_ids, &l_act_rids, &l_grad_order, &l_grad_ids, &l_grad_rids, &l_mods, &l_bounds, &l_flat})
+        c->l = pybind11::object();
       grads.clear();
       act_ts.clear();
     }
@@ -585,39 +605,31 @@ torch::Tensor rows_tensor(std::vector<double>& v) {
 
 // (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11])
 pybind11::tuple tap_take_acts(const TapP& tap) {
-  std::vector<int64_t> ids, rids;
-  std::vector<torch::Tensor> ts;
-  ids.swap(tap->act_ids);
-  ts.swap(tap->act_ts);
-  rids.swap(tap->act_row_ids);
-  auto rows = rows_tensor(tap->act_rows);
-  const int64_t n = tap->act_pending;
-  const bool mixed = tap->act_mixed;
-  tap->act_pending = 0;
-  tap->act_mixed = false;
-  return pybind11::make_tuple(ids, ts, n, mixed, rids, rows);
+  Tap& tp = *tap;
+  auto rows = rows_tensor(tp.act_rows);
+  const int64_t n = tp.act_pending;
+  const bool mixed = tp.act_mixed;
+  tp.act_pending = 0;
+  tp.act_mixed = false;
+  auto ts = pybind11::cast(tp.act_ts);
+  tp.act_ts.clear();
+  return pybind11::make_tuple(cached_list(tp.l_act_ids, tp.act_ids), ts, n, mixed,
+                              cached_list(tp.l_act_rids, tp.act_row_ids), rows);
 }
 
 // (arrival order, then as tap_take_acts)
 pybind11::tuple tap_take_grads(const TapP& tap) {
-  std::vector<int64_t> order, ids, rids;
-  std::vector<torch::Tensor> grads;
-  torch::Tensor rows;
-  int64_t n;
-  bool mixed;
-  {
-    std::lock_guard<std::mutex> lock(tap->mu);
-    order.swap(tap->grad_order);
-    ids.swap(tap->grad_ids);
-    grads.swap(tap->grads);
-    rids.swap(tap->grad_row_ids);
-    rows = rows_tensor(tap->grad_rows);
-    n = tap->grad_pending;
-    mixed = tap->grad_mixed;
-    tap->grad_pending = 0;
-    tap->grad_mixed = false;
-  }
-  return pybind11::make_tuple(order, ids, grads, n, mixed, rids, rows);
+  Tap& tp = *tap;
+  std::lock_guard<std::mutex> lock(tp.mu);  // (the GIL is held: a gradient hook takes the lock, never the GIL with it)
+  auto rows = rows_tensor(tp.grad_rows);
+  const int64_t n = tp.grad_pending;
+  const bool mixed = tp.grad_mixed;
+  tp.grad_pending = 0;
+  tp.grad_mixed = false;
+  auto grads = pybind11::cast(tp.grads);
+  tp.grads.clear();
+  return pybind11::make_tuple(cached_list(tp.l_grad_order, tp.grad_order), cached_list(tp.l_grad_ids, tp.grad_ids), grads,
+                              n, mixed, cached_list(tp.l_grad_rids, tp.grad_row_ids), rows);
 }
 
 // the calls noted since the last take, flat (no Python object per call: see records.StepStats.calls):
@@ -633,12 +645,10 @@ pybind11::tuple tap_take_calls(const TapP& tap) {
     bounds.push_back(tp.call_out[k]);
   }
   bounds.push_back(static_cast<int64_t>(tp.flat.size()));
-  std::vector<int64_t> mods, flat;
-  mods.swap(tp.call_mod);
-  flat.swap(tp.flat);
   tp.call_in.clear();
   tp.call_out.clear();
-  return pybind11::make_tuple(mods, bounds, flat);
+  return pybind11::make_tuple(cached_list(tp.l_mods, tp.call_mod), cached_list(tp.l_bounds, bounds),
+                              cached_list(tp.l_flat, tp.flat));
 }
 
 void tap_start(const TapP& tap, int64_t serial, bool active) {
