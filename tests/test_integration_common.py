@@ -65,8 +65,9 @@ def test_clip_observer_reads_the_return_value_and_leaves_the_call_alone(tmp_path
 
     from ampdoctor.integrations._attach import Attached, ClipObserver
 
-    leaked = ClipObserver._wrapper is not None and torch.nn.utils.clip_grad_norm_ is ClipObserver._wrapper
-    original = ClipObserver._original if leaked else torch.nn.utils.clip_grad_norm_  # an earlier unclosed monitor's
+    wrapped = ClipObserver._wrappers.get("clip_grad_norm_")
+    leaked = wrapped is not None and torch.nn.utils.clip_grad_norm_ is wrapped
+    original = ClipObserver._originals["clip_grad_norm_"] if leaked else torch.nn.utils.clip_grad_norm_  # an earlier unclosed monitor's
     torch.manual_seed(0)
     model, other = nn.Linear(4, 3), nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -106,6 +107,56 @@ def test_clip_observer_reads_the_return_value_and_leaves_the_call_alone(tmp_path
     assert torch.nn.utils.clip_grad_norm_ is original  # restored with the last monitor
     ClipObserver.remove(lambda p, t: None)  # removing what was never added is nothing
     assert torch.nn.utils.clip_grad_norm_ is original
+
+
+def test_a_clip_given_its_total_norm_is_observed_as_accelerate_1_16_clips() -> None:
+    """accelerate 1.16's clip_grad_norm_ computes get_total_norm itself and calls clip_grads_with_norm_ once per
+    device mesh: the total it hands over is the step's pre-clip norm; the monitor's own clip is not noted."""
+    from ampdoctor import Monitor
+    from ampdoctor.integrations._attach import Attached, ClipObserver
+
+    original = torch.nn.utils.clip_grads_with_norm_
+    torch.manual_seed(0)
+    model, other = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)), nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = Attached(model, opt, None, amp_dtype=None, first_step=0, log=None, capture=None, loss_from_output=False,
+                 monitor_kwargs={"quiet": True})
+    try:
+        assert torch.nn.utils.clip_grads_with_norm_ is not original
+        for k in range(3):
+            loss = model(torch.ones(2, 4) * (1 + 10 * k)).pow(2).sum()
+            loss.backward()
+            other(torch.ones(2, 4)).sum().backward()
+            params = list(model.parameters())
+            total = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params[:2], 1.0, total)  # one call per mesh, the same total
+            torch.nn.utils.clip_grads_with_norm_(params[2:], 1.0, total_norm=total)
+            torch.nn.utils.clip_grads_with_norm_(other.parameters(), 1e-3, torch.tensor(5.0))  # another model's
+            a.monitor.note_loss(loss.detach())
+            a.before_optimizer_step()
+            opt.step()
+            r = a.after_optimizer_step(applied=True)
+            assert r is not None and r.grad_l2_pre_clip == float(total) > 1.0, (k, r)
+            assert abs(r.grad_l2_post_clip - 1.0) < 1e-5  # measured after the clip
+            opt.zero_grad()
+            other.zero_grad()
+        # a Monitor that owns the step clips with max_norm: its own clip is not a framework's, nobody is told
+        seen: list[object] = []
+
+        def listener(p: list[object], t: object) -> None:
+            seen.append(t)
+
+        ClipObserver.add(listener)
+        own = nn.Linear(4, 3)
+        own_opt = torch.optim.SGD(own.parameters(), lr=0.1)
+        m = Monitor(own, own_opt, max_norm=1.0, quiet=True)
+        rec = m.step(own(torch.ones(2, 4) * 30).pow(2).sum())
+        m.close()
+        ClipObserver.remove(listener)
+        assert rec.grad_l2_pre_clip > 1.0 and abs(rec.grad_l2_post_clip - 1.0) < 1e-5 and seen == []
+    finally:
+        a.close()
+    assert torch.nn.utils.clip_grads_with_norm_ is original  # restored with the last monitor
 
 
 def test_clip_grad_norm_signature_errors_are_the_callers() -> None:

@@ -162,6 +162,10 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+# the owned step's clip, taken before the integrations observe ``torch.nn.utils``' clip functions
+# (integrations._attach.ClipObserver): ampdoctor's own clip is not the framework's
+_clip_with_norm = torch.nn.utils.clip_grads_with_norm_
+
 MODEL_ARGS = ("model", "module", "net", "network")
 NAMED_ARGS = ("named_parameters", "named_params")
 
@@ -501,7 +505,7 @@ class TrainStep:
             present = [i for i, p in enumerate(self.params) if p.grad is not None]
             s.sq = sh.sums(s.per, present, dev)  # this rank's sums of squares, one per parameter (replicas: 0)
         if self.max_norm is not None and grads and not s.observe and not s.shard_sums:
-            torch.nn.utils.clip_grads_with_norm_(s.gparams, self.max_norm, pre)
+            _clip_with_norm(s.gparams, self.max_norm, pre)
             s.post = pre * torch.clamp(self.max_norm / (pre + 1e-6), max=1.0)
         else:
             s.post = pre

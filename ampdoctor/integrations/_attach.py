@@ -16,9 +16,10 @@ each training forward, kept only while a capture is armed; several micro-batches
 accumulation) are kept as one step.
 
 The pre-clip norm is the framework's own: while a monitor is attached, ``torch.nn.utils.clip_grad_norm_``
-(which accelerate's ``clip_grad_norm_``, the Trainer's clip and Lightning's ``clip_gradients`` call) is
-observed (``ClipObserver``): the wrapper calls the original with the same arguments and hands its return
-value, the total norm before clipping, to the monitor whose parameters it clipped. The monitor measures
+(which Lightning's ``clip_gradients`` and accelerate before 1.16 call) and ``torch.nn.utils.clip_grads_with_norm_``
+(which accelerate 1.16's ``clip_grad_norm_``, and so the Trainer's clip, calls with the total it computed)
+are observed (``ClipObserver``): each wrapper calls the original with the same arguments and hands the
+total norm before clipping to the monitor whose parameters it clipped. The monitor measures
 after the clip, so ``grad_l2_post_clip`` is the norm the optimizer steps with.
 """
 
@@ -83,57 +84,83 @@ def _weak(listener: _Listener) -> Callable[[], _Listener | None]:
 
 
 class ClipObserver:
-    """Observes ``torch.nn.utils.clip_grad_norm_`` while at least one listener is registered.
+    """Observes the clip functions of ``torch.nn.utils`` while at least one listener is registered.
 
-    The wrapper calls the original with the caller's own arguments (a generator of parameters is made a list
-    first, as the original does itself; an empty generator is passed on as one, so its warning stays) and
-    returns the original's result untouched; each listener is then given the parameters and that result.
-    Nothing is written. The attribute is restored when the last listener leaves (if nothing replaced it since).
-    Listeners are held weakly: a monitor that was never closed (a run that died) is not kept alive by it.
+    Two entry points carry a step's pre-clip norm: ``clip_grad_norm_`` returns it (the Trainer before
+    accelerate 1.16, Lightning's ``clip_gradients``, hand-written loops), and ``clip_grads_with_norm_`` is
+    handed it (accelerate 1.16's ``clip_grad_norm_`` computes ``get_total_norm`` itself, then calls
+    ``clip_grads_with_norm_`` once per device mesh with that total). Each wrapper calls the original with
+    the caller's own arguments (a generator of parameters is made a list first, as the original does
+    itself; an empty generator is passed on as one, so its warning stays) and returns the original's result
+    untouched; each listener is then given the parameters and the total norm. Nothing is written. A call
+    made from inside another observed call (a torch whose ``clip_grad_norm_`` calls the public
+    ``clip_grads_with_norm_``) is not told twice. The attributes are restored when the last listener leaves
+    (each one only if nothing replaced it since). Listeners are held weakly: a monitor that was never
+    closed (a run that died) is not kept alive by it.
     """
 
+    NAMES = ("clip_grad_norm_", "clip_grads_with_norm_")
     _lock = threading.Lock()
     _listeners: list[Callable[[], _Listener | None]] = []
-    _original: Callable[..., Any] | None = None
-    _wrapper: Callable[..., Any] | None = None
+    _originals: dict[str, Callable[..., Any]] = {}
+    _wrappers: dict[str, Callable[..., Any]] = {}
+    _inside = threading.local()
 
     @classmethod
     def add(cls, listener: _Listener) -> None:
         with cls._lock:
             cls._listeners.append(_weak(listener))
-            if cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
-                return
-            original = torch.nn.utils.clip_grad_norm_
-            cls._original = original
+            for name in cls.NAMES:
+                original = getattr(torch.nn.utils, name, None)  # (clip_grads_with_norm_: torch >= 2.6)
+                if original is None or (name in cls._wrappers and original is cls._wrappers[name]):
+                    continue
+                cls._originals[name] = original
+                cls._wrappers[name] = cls._wrap(name, original)
+                setattr(torch.nn.utils, name, cls._wrappers[name])
 
-            @functools.wraps(original)
-            def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-                listeners = [fn for fn in (ref() for ref in list(cls._listeners)) if fn is not None]
-                if not listeners or isinstance(parameters, torch.Tensor):
-                    params = [parameters] if isinstance(parameters, torch.Tensor) else None
-                    total = original(parameters, *args, **kwargs)
-                else:
-                    was_generator = isinstance(parameters, types.GeneratorType)
-                    params = list(parameters)
-                    total = original(params if params or not was_generator else (p for p in params), *args, **kwargs)
-                if params is not None:
+    @classmethod
+    def _wrap(cls, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        returns_norm = name == "clip_grad_norm_"
+
+        @functools.wraps(original)
+        def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            listeners = [fn for fn in (ref() for ref in list(cls._listeners)) if fn is not None]
+            nested = getattr(cls._inside, "depth", 0) > 0
+            if not listeners or nested or isinstance(parameters, torch.Tensor):
+                params = [parameters] if isinstance(parameters, torch.Tensor) and not nested else None
+                call_with = parameters
+            else:
+                was_generator = isinstance(parameters, types.GeneratorType)
+                params = list(parameters)
+                call_with = params if params or not was_generator else (p for p in params)
+            cls._inside.depth = getattr(cls._inside, "depth", 0) + 1
+            try:
+                result = original(call_with, *args, **kwargs)
+            finally:
+                cls._inside.depth -= 1
+            if params is not None and listeners:
+                total = result if returns_norm else kwargs.get("total_norm", args[1] if len(args) > 1 else None)
+                if total is not None:
                     for fn in listeners:
                         try:
                             fn(params, total)
                         except Exception:  # noqa: S112  # a listener turns its own monitor off; the clip is done
                             continue
-                return total
+            return result
 
-            cls._wrapper = clip_grad_norm_
-            torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+        return wrapper
 
     @classmethod
     def remove(cls, listener: _Listener) -> None:
         with cls._lock:
             cls._listeners[:] = [ref for ref in cls._listeners if (fn := ref()) is not None and fn != listener]
-            if not cls._listeners and cls._wrapper is not None and torch.nn.utils.clip_grad_norm_ is cls._wrapper:
-                torch.nn.utils.clip_grad_norm_ = cls._original  # type: ignore[assignment]
-                cls._wrapper = cls._original = None
+            if cls._listeners:
+                return
+            for name, wrapper in list(cls._wrappers.items()):
+                if getattr(torch.nn.utils, name, None) is wrapper:
+                    setattr(torch.nn.utils, name, cls._originals[name])
+                del cls._wrappers[name]
+                cls._originals.pop(name, None)
 
 
 class Attached:
