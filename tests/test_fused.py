@@ -114,6 +114,29 @@ def test_norms_are_the_float64_norms_and_nonfinite_exactly_when_an_element_is(da
             assert np.isfinite(g) and g == pytest.approx(r, rel=1e-6)  # (float32 rounding of the float64 norm)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rows_with_norms_are_the_rows_and_the_norms_of_separate_calls(data: st.DataObject) -> None:
+    """One read for both (the recipe's gradients on a recorded step): bit for bit what each call gives alone,
+    across chunk boundaries too."""
+    fmt = data.draw(st.sampled_from(FORMATS))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    sizes = data.draw(st.lists(st.sampled_from([0, 1, 7, 40, fused.CHUNK - 1, fused.CHUNK + 3]), min_size=1, max_size=5))
+    ts = []
+    for n in sizes:
+        k = min(n, 40)  # drawn bits, tiled over a larger tensor
+        bits = data.draw(st.lists(bit_patterns(fmt), min_size=k, max_size=k))
+        base = np.array(bits or [0], dtype=np.uint32)
+        ts.append(torch.from_numpy(np.resize(base, n).view(np.float32).copy()).to(dtype))
+    got = fused.fused_stats_norms(ts, *_thresholds(fmt))
+    assert got is not None
+    rows, norms = got
+    _same(rows, fused.fused_stats(ts, *_thresholds(fmt)))
+    alone = fused.fused_norms(ts)
+    assert norms.dtype == torch.float32 and torch.equal(norms.view(torch.int32), alone.view(torch.int32))  # (NaN too)
+    assert fused.fused_stats_norms([torch.zeros(2, dtype=torch.float64)], *_thresholds(fmt)) is None
+
+
 def test_norms_match_foreach_norm_on_gradients() -> None:
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(64, 64, generator=g), torch.randn(64, generator=g) * 1e-3, torch.randn(3 * fused.CHUNK + 5, generator=g)]

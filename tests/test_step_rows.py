@@ -4,8 +4,10 @@ Monitor's per-step checks read from the matrix, and the same answers as the dict
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,3 +75,61 @@ def test_a_monitor_step_leaves_its_rows_as_one_matrix_until_read() -> None:
     assert st_.row_matrix is None
     assert all(math.isclose(st_.pgrad[n][Col.NUMEL], p.numel()) for n, p in model.named_parameters())
     mon.close()
+
+
+def _run(one_read: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
+    """Six monitored steps of a small MLP under FP16 autocast, the last with an Inf gradient, taking the one-read
+    path or not."""
+    from ampdoctor.watch import fused
+    from ampdoctor.watch.hooks import Hooks
+
+    calls = []
+    real = Hooks.grads_with_norms
+
+    def spy(self: Hooks, params: Any, grads: Any) -> Any:
+        out = real(self, params, grads) if one_read else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Hooks, "grads_with_norms", spy)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    mon = Monitor(model, opt, scaler, quiet=True)
+    g = torch.Generator().manual_seed(2)
+    recs, stats = [], []
+    for i in range(6):
+        x = torch.randn(5, 6, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean() * (3e4 if i == 5 else 1.0)  # the last: finite, its FP16 gradients not
+        rec = mon.step(loss)
+        recs.append((rec.step, rec.loss, rec.grad_l2_pre_clip, rec.grad_l2_post_clip, rec.skipped, rec.nonfinite_count,
+                     rec.scale_after))
+        st_ = rec.stats
+        assert st_ is not None
+        stats.append({k: dict(v) for k, v in (("pgrad", st_.pgrad), ("act", st_.act), ("grad", st_.grad),
+                                               ("param", st_.param))})
+    mon.close()
+    assert calls and all(c == (one_read and fused.kernel() is not None) for c in calls)
+    return recs, stats
+
+
+def test_gradient_rows_and_norms_from_one_read_are_those_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a recorded CPU step the recipe takes its gradient norms and their rows from one pass (the kernel);
+    the step's records, norms and skip are exactly those of the two separate passes."""
+    from ampdoctor.watch import fused
+
+    if fused.build_now() is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    with monkeypatch.context() as m:
+        two = _run(False, m)
+    one = _run(True, monkeypatch)
+    assert str(one[0]) == str(two[0])  # (NaN equal to NaN)
+    assert one[0][-1][4] and one[0][-1][5] > 0 and math.isfinite(one[0][-1][1])  # (the last step overflowed: skipped, its gradients counted)
+    for a, b in zip(one[1], two[1], strict=True):
+        assert a.keys() == b.keys()
+        for kind in a:
+            assert list(a[kind]) == list(b[kind])  # same keys, same order
+            for k in a[kind]:
+                assert np.array_equal(np.asarray(a[kind][k]), np.asarray(b[kind][k]), equal_nan=True), (kind, k)

@@ -483,7 +483,13 @@ class TrainStep:
         s.shard_sums = sh is not None and self.ranks is not None  # the norms are reduced across the ranks at the host copy
         dev = s.dev = grads[0].device if grads else self.device
         if grads:
-            per = fused_norms(grads) if dev.type == "cpu" else None  # one C++ call on the CPU (watch.fused)
+            per = None
+            hooks = self.hooks
+            if hooks is not None and sh is None and not s.scaled and (self.max_norm is None or s.observe):
+                # a recorded step whose gradients stay as they are until its copy: their rows and norms in one read
+                per = hooks.grads_with_norms(self.params, grads)
+            if per is None and dev.type == "cpu":
+                per = fused_norms(grads)  # one C++ call on the CPU (watch.fused)
             if per is None:
                 norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
                 per = torch.stack(norms if all(n.device == dev for n in norms) else [n.to(dev) for n in norms])

@@ -233,6 +233,17 @@ def fused_stats(tensors: list[torch.Tensor], uf: int, sub: int, of: int) -> torc
     return rows  # type: ignore[no-any-return]
 
 
+def fused_stats_norms(tensors: list[torch.Tensor], uf: int, sub: int, of: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fused_stats`` and ``fused_norms`` of the same CPU tensors in one read of them (the rows, then the float32
+    norms: the very values each call gives alone), or None when the kernel is not ready or a tensor is elsewhere."""
+    mod = kernel()
+    if mod is None or not hasattr(mod, "stats_norms"):
+        return None
+    with torch.no_grad():
+        out = mod.stats_norms(tensors, uf, sub, of, CHUNK)
+    return (out[0], out[1]) if len(out) == 2 else None
+
+
 def fused_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The L2 norm of each CPU tensor (float32, 1-D) in one call, or None when the kernel is not ready (or a
     tensor is elsewhere): the caller takes ``torch._foreach_norm``."""
@@ -255,7 +266,7 @@ def fused_adam(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], eps:
     return out if out is not None and out.numel() == 2 * len(exp_avg) else None
 
 
-__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_adam", "fused_norms", "fused_stats", "kernel",
+__all__ = ["CHUNK", "build_dir", "build_locked", "build_now", "enabled", "fused_adam", "fused_norms", "fused_stats", "fused_stats_norms", "kernel",
            "pending", "start_build"]
 
 

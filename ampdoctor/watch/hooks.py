@@ -212,6 +212,10 @@ class Hooks:
         self._sharded = any(local(p) is not p for p in self._params)
         """DTensor parameters: statistics read each one's local shard."""
         self._param_numel = sum(local(p).numel() for p in self._params)
+        self._split: tuple[torch.device, bool] | None = None
+        """Whether the parameters are on more than one device, and the first one's device when that was seen."""
+        self._same: tuple[list[Any], bool] | None = None
+        """A caller's parameter list, and whether it is this model's parameters in order (``grads_with_norms``)."""
         self._active = False
         self.on_error: Callable[[BaseException], None] | None = None
         """Called once when recording raised inside the user's forward or backward (the hooks stop recording);
@@ -309,7 +313,6 @@ class Hooks:
 
     # per step --------------------------------------------------------------------------------
     def _reset(self, step: int) -> None:
-        self._split: bool | None = None
         self._step = step
         self._tids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._next_tid = 0
@@ -319,6 +322,7 @@ class Hooks:
         self._scalars: list[tuple[str, torch.Tensor]] = []
         self._vector: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._tail: tuple[Any, torch.Tensor] | None = None
+        self._pgrads_queued = False
 
     def begin_step(self, step: int, record: bool | None = None) -> None:
         """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
@@ -473,12 +477,39 @@ class Hooks:
         (the lookback ring's per-parameter figures: no name per value)."""
         self._tail = (layout, values.detach().reshape(-1).to(torch.float64))
 
+    def grads_with_norms(self, params: list[Any], grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Queue this step's parameter-gradient rows and return each gradient's float32 L2 norm, from one read of
+        the gradients (the C++ kernel sums the squares of a chunk right after counting it), or None, and nothing
+        queued, where that does not apply: a step not recorded, gradients not watched, no kernel, a sharded
+        model or a buffer of its own, ``params`` not exactly this model's parameters in order (``grads`` their
+        gradients, each present, on the CPU). The rows are the ones ``after_backward`` would queue, which then
+        queues nothing more: the gradients must not change before it (no clip, no unscale in between)."""
+        if (not (self._active and self.grads) or self._native is None or self._sharded or self._pgrads_queued
+                or type(self._buf) is not StatsBuffer or len(grads) != len(self._params)):
+            return None
+        same = self._same
+        if same is None or same[0] is not params:
+            same = self._same = (params, len(params) == len(self._params)
+                                 and all(a is b for a, b in zip(params, self._params, strict=True)))
+        if not same[1] or not grads or grads[0].device.type != "cpu":
+            return None
+        self._take_native()  # (the rows keep their order: activations and their gradients first)
+        out = fused.fused_stats_norms(grads, *_thresholds(self.fmt))
+        if out is None:
+            return None
+        self._buf.add_rows(self._pgrad_list, out[0])
+        self._pgrads_queued = True
+        return out[1]
+
     def after_backward(self, inv_scale: float | None = None) -> None:
         """Queue parameter gradients (after ``scaler.unscale_`` when a scaler is used).
 
         ``inv_scale``: the gradients still carry a loss scale (a loop that has not unscaled yet); their
         rows are those of the gradients times it, as ``unscale_`` would make them (nothing is written)."""
         if not (self._active and self.grads):
+            return
+        if self._pgrads_queued:  # (``grads_with_norms`` queued them this step)
+            self._take_native()
             return
         self._take_native()
         have = [p.grad for p in self._params]
@@ -507,10 +538,13 @@ class Hooks:
             self._buf.add_many(keys, grads, numel, self._params_split())  # (a gradient lives with its parameter)
 
     def _params_split(self) -> bool:
-        """Whether the parameters are on more than one device (a model split over GPUs): looked at once a step."""
-        if self._split is None:
-            self._split = len({p.device for p in self._params}) > 1
-        return self._split
+        """Whether the parameters are on more than one device (a model split over GPUs): looked at again when the
+        first parameter moves."""
+        split = self._split
+        first = self._params[0].device if self._params else None
+        if split is None or split[0] != first:  # (a model moved with ``.to()``: looked at again)
+            split = self._split = (first, len({p.device for p in self._params}) > 1) if first is not None else None
+        return split[1] if split is not None else False
 
     def after_step(self) -> None:
         """Queue parameter values after the optimizer update."""

@@ -193,15 +193,23 @@ void fill_row(const Acc& t, double* o) {
 
 }  // namespace
 
-torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
+template <typename T>
+double sumsq(const T* p, int64_t n);
+
+// the rows of `ts` ([n, 11] float64) and, with `norms`, the L2 norm of each (float32 [n], as `norms` below gives
+// it): a chunk's squares are summed right after its row is counted, while it is still in cache (one read of
+// memory for both, where a separate `norms` call reads it again)
+std::vector<torch::Tensor> stats_impl(const std::vector<torch::Tensor>& ts, int64_t uf, int64_t sub, int64_t of,
+                                      int64_t chunk, bool norms) {
   const int64_t n = ts.size();
   // another device or dtype: an undefined result, and the caller takes the eager path
-  if (!std::all_of(ts.begin(), ts.end(), readable)) return torch::Tensor();
+  if (!std::all_of(ts.begin(), ts.end(), readable)) return {};
   const Chunks ch(ts, chunk);
   const auto& cs = ch.cs;
   const auto& ct = ch.ct;
   const int64_t nc = ct.size();
   std::vector<Acc> part(nc);
+  std::vector<double> sq(norms ? nc : 0, 0.0);
   at::parallel_for(0, nc, ch.grain, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       Acc& a = part[k];
@@ -212,10 +220,17 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
         case at::kFloat: {
           const float* f = t.data_ptr<float>() + s;
           run_bits(reinterpret_cast<const uint32_t*>(f), len, uf, sub, of, a);  // read as bits, in place
+          if (norms) sq[k] = sumsq(f, len);
           break;
         }
-        case at::kHalf: run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a); break;
-        case at::kBFloat16: run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a); break;
+        case at::kHalf:
+          run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a);
+          if (norms) sq[k] = sumsq(t.data_ptr<at::Half>() + s, len);
+          break;
+        case at::kBFloat16:
+          run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a);
+          if (norms) sq[k] = sumsq(t.data_ptr<at::BFloat16>() + s, len);
+          break;
         default: TORCH_CHECK(false, "ampdoctor stats: unsupported dtype");
       }
     }
@@ -223,14 +238,30 @@ torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int6
   auto out = torch::zeros({n, 11}, torch::kFloat64);
   auto o = out.accessor<double, 2>();
   std::vector<Acc> tot(n);
+  std::vector<double> sqt(norms ? n : 0, 0.0);
   for (int64_t k = 0; k < nc; ++k) {
     Acc& t = tot[ct[k]];
     for (int q = 0; q < 8; ++q) t.c[q] += part[k].c[q];
     t.amax = part[k].amax > t.amax ? part[k].amax : t.amax;
     t.amin = part[k].amin < t.amin ? part[k].amin : t.amin;
+    if (norms) sqt[ct[k]] += sq[k];  // (the chunks in order: the same sums as `norms`)
   }
   for (int64_t j = 0; j < n; ++j) fill_row(tot[j], &o[j][0]);
-  return out;
+  if (!norms) return {out};
+  auto nr = torch::empty({n}, torch::kFloat32);
+  float* no = nr.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) no[j] = static_cast<float>(std::sqrt(sqt[j]));
+  return {out, nr};
+}
+
+torch::Tensor stats(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
+  auto r = stats_impl(ts, uf, sub, of, chunk, false);
+  return r.empty() ? torch::Tensor() : r[0];
+}
+
+// (rows, norms), or () where a tensor is not readable here
+std::vector<torch::Tensor> stats_norms(std::vector<torch::Tensor> ts, int64_t uf, int64_t sub, int64_t of, int64_t chunk) {
+  return stats_impl(ts, uf, sub, of, chunk, true);
 }
 
 // the row of one tensor, read right where it is made (the tap): no batching, the data still in cache
@@ -680,6 +711,7 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, "ampdoctor one-pass statistics");
+  m.def("stats_norms", &stats_norms, "(stats rows, L2 norms) in one read of the tensors; empty if one is not readable");
   m.def("norms", &norms, "the L2 norm of each tensor (float32), squares summed in double");
   m.def("adam_figures", &adam_figures, "per Adam state tensor: |m / (sqrt(v) + eps)| and min(v), float64 [2n]");
   pybind11::class_<Tap, std::shared_ptr<Tap>>(m, "Tap")
