@@ -85,9 +85,13 @@ def _tracked_call(self: nn.Module, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+_is_compiling = torch.compiler.is_compiling
+"""(the same function: dynamo knows it by identity and traces it as True)"""
+
+
 def _recording_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     out = _ORIG_CALL(self, *args, **kwargs) if not _TRACKERS else _tracked_call(self, args, kwargs)
-    if torch.compiler.is_compiling():  # traced by dynamo: nothing of ours goes into the graph
+    if _is_compiling():  # traced by dynamo: nothing of ours goes into the graph
         return out
     for ref, fast in _LISTENERS:
         try:

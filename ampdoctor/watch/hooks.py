@@ -291,7 +291,8 @@ class Hooks:
                         self._native.tap_configure(self._tap, [m for _, m in root.named_modules()], self._root,
                                                    self._training_only)
                         self._configured = True
-                    fast = partial(self._native.tap_call, self._tap)
+                    caller = getattr(self._native, "tap_caller", None)  # (one C call a module call; else pybind's)
+                    fast = caller(self._tap) if caller is not None else partial(self._native.tap_call, self._tap)
                     if self._sharded:
                         fast = partial(_plain_call, fast)
                 listen_calls(self, fast)
