@@ -307,3 +307,81 @@ def test_a_loss_spike_is_captured_and_names_the_layers_whose_updates_spiked_firs
     manifest = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert manifest["reason"] == reason and manifest["step"] == step
     assert manifest["spike"]["layers"][0]["layer"] == sp.layers[0]["layer"]
+
+
+# -- the deferred fill: a run of steps computed together gives each step's own figures ------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+from ampdoctor.formats import FP16  # noqa: E402
+from ampdoctor.records import NCOLS, Col  # noqa: E402
+from ampdoctor.watch.ring import Ring, _Pending  # noqa: E402
+
+_SPECIAL = [0.0, 1.0, 3.0, 65504.0, 7e4, 1e-8, np.inf, np.nan]
+
+
+def _rows(rng: np.random.Generator, k: int) -> np.ndarray:
+    r = np.abs(rng.standard_normal((k, NCOLS))) * rng.choice([1.0, 100.0, 1e5], size=(k, NCOLS))
+    r[:, Col.NUMEL] = rng.integers(0, 5000, size=k)
+    for c in (Col.POSINF, Col.NEGINF, Col.NAN, Col.OVERFLOW, Col.UNDERFLOW):
+        r[:, c] = np.where(rng.random(k) < 0.2, rng.integers(0, 50, size=k), 0)
+    r[:, Col.ABSMAX] = np.where(rng.random(k) < 0.3, rng.choice(_SPECIAL, size=k), r[:, Col.ABSMAX])
+    return r
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=hst.integers(0, 2**32 - 1), steps=hst.integers(2, 16), unique=hst.booleans())
+def test_the_layer_figures_of_steps_filled_together_are_those_of_each_step_alone(seed: int, steps: int,
+                                                                                unique: bool) -> None:
+    rng = np.random.default_rng(seed)
+    names = ["model", "a", "a.b", "c", "d", "e"]
+    params = ["a.weight", "a.b.weight", "a.b.bias", "c.weight", "e.weight", "orphan"]
+    k = int(rng.integers(1, 6))
+    mi = rng.permutation(len(names))[:k] if unique else rng.integers(0, len(names), size=k)
+    grad_j = rng.integers(-1, len(params), size=int(rng.integers(0, 8)))
+    upd_j = rng.integers(-1, len(params), size=int(rng.integers(0, 8)))
+    vmin_j = rng.integers(-1, len(params), size=int(rng.integers(0, 8)))
+    nv = len(grad_j) + len(upd_j) + len(vmin_j)
+    together, alone = Ring(32, names, FP16), Ring(32, names, FP16)
+    for ring in (together, alone):
+        ring.set_params(params)
+        ring.layers[:] = np.nan
+    run = []
+    per_figure = bool(rng.random() < 0.5)  # the update factor: one a figure, or one number
+    for s in range(steps):
+        vals = rng.standard_normal(nv) * rng.choice([1.0, 1e3, 1e20], size=nv)
+        vals = np.where(rng.random(nv) < 0.15, rng.choice(_SPECIAL, size=nv), vals)
+        factor = rng.random(len(upd_j)) if per_figure else np.float64(rng.random())
+        tail = ((grad_j, upd_j, vmin_j, factor), vals)
+        outs = (_rows(rng, k), mi, _rows(rng, int(rng.integers(0, 3))))
+        extra = int(rng.integers(0, 3))  # (rows of other tensors in the step's matrix, in a shuffled order)
+        matrix = np.concatenate([outs[0], outs[2], _rows(rng, extra)])
+        order = rng.permutation(len(matrix))
+        where = np.argsort(order)
+        run.append(_Pending(s, (matrix[order], where[:k], mi, where[k: k + len(outs[2])]), tail))
+        lay = alone.layers[s]
+        with np.errstate(all="ignore"):
+            alone._fill_outputs(lay, outs[0], mi)
+            alone._fill_params(lay, tail)
+        if len(outs[2]):
+            alone.scalars[s, STEP_COLUMNS.index("input_numel")] = float(outs[2][:, Col.NUMEL].sum())
+            alone.scalars[s, STEP_COLUMNS.index("input_absmax")] = float(outs[2][:, Col.ABSMAX].max())
+    with np.errstate(all="ignore"):
+        together._fill_run(run)
+    assert np.array_equal(together.layers, alone.layers, equal_nan=True)
+    assert np.array_equal(together.scalars, alone.scalars, equal_nan=True)
+
+
+def test_a_read_computes_the_steps_waiting_and_a_small_ring_never_overwrites_one() -> None:
+    for cap in (1, 3, 40):
+        model, batch, loss_fn, make_opt, _ = HEALTHY["cnn"]()
+        mon = Monitor(model, make_opt(model.parameters()), None, ring=cap, quiet=True, forecast_horizon=None)
+        for s in range(5):
+            x, y = batch(s)
+            mon.step(loss_fn(model(x), y))
+        ring = mon.lookback.ring
+        assert len(ring._pending) < min(16, cap) or cap == 1 and not ring._pending
+        steps, absmax = ring.layer_series("absmax")
+        assert not ring._pending and len(steps) == min(5, cap)
+        assert (np.isfinite(absmax).sum(axis=1) >= 3).all()  # (each step: its layers' figures)
+        mon.close()

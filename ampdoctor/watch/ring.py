@@ -4,6 +4,9 @@ The Monitor fills it after each step from what that step's one host copy already
 record's scalars, ``StepStats``' rows, and the per-parameter gradient norms and optimizer figures the
 recipe packs into the same copy): no tensor is read here, so the ring adds no host sync. The buffers
 are allocated once (``Ring(K, modules)``) and overwritten in place; ``memory_bytes`` says their size.
+A recorded step's layer figures are computed when the ring is next read (the forecast, the spike
+trigger, a capture's tables) or at the ``FILL_EVERY``-th step waiting, for all the steps waiting in one
+pass of array operations: the same figures, for a sixteenth of the calls.
 
 Per step (``STEP_COLUMNS``): loss, the global gradient norm, the loss scale used, skipped, the learning
 rate, and the model input's element count and largest |x| (a new sequence length, a spiking batch).
@@ -39,6 +42,36 @@ LAYERS_FILE = RING_LAYERS_FILE
 
 _ABSMAX, _HEADROOM, _OVER, _FLUSH, _NONFIN, _GNORM, _UNORM, _VMIN = range(len(LAYER_COLUMNS))
 _S = {n: i for i, n in enumerate(STEP_COLUMNS)}
+_FILLED = frozenset({"input_numel", "input_absmax"})
+"""The step columns the layer fill writes (``Ring._flush``)."""
+
+FILL_EVERY = 16
+"""Recorded steps whose layer figures wait, at most, to be computed together (a read computes them at once)."""
+
+
+class _Pending:
+    """A recorded step waiting for its layer figures: its slot, where its outputs' rows are (``Ring._sources``),
+    the recipe's figures."""
+
+    __slots__ = ("outs", "slot", "tail")
+
+    def __init__(self, slot: int, outs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None,
+                 tail: Any) -> None:
+        self.slot, self.outs, self.tail = slot, outs, tail
+
+    def same_layout(self, o: _Pending) -> bool:
+        """The same layers in the same order (the rows' and the figures' index vectors are the same objects)."""
+        if (self.outs is None) != (o.outs is None) or (self.tail is None) != (o.tail is None):
+            return False
+        if self.outs is not None and o.outs is not None and (
+                self.outs[2] is not o.outs[2] or len(self.outs[1]) != len(o.outs[1])
+                or self.outs[0].shape[1] != o.outs[0].shape[1]):
+            return False
+        if self.tail is not None and o.tail is not None:
+            a, b = self.tail[0], o.tail[0]
+            return (a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and np.shape(a[3]) == np.shape(b[3])
+                    and self.tail[1].shape == o.tail[1].shape)
+        return True
 
 
 
@@ -76,6 +109,9 @@ class Ring:
         """(plan ids, row keys, model inputs, row positions, their layers, the inputs' positions) of the last step."""
         self._owner_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._unique_cache: tuple[Any, bool] = (None, False)
+        self._pending: list[_Pending] = []
+        self._rows_buf = np.empty((0, 0, NCOLS))
+        """Recorded steps whose layer figures are not computed yet (``_flush``: at most ``FILL_EVERY`` of them)."""
 
     # -- filling ---------------------------------------------------------------------------------
     def set_params(self, names: list[str]) -> None:
@@ -105,7 +141,71 @@ class Ring:
         lay[:] = np.nan
         if stats is None:
             return
-        self._fill_layers(lay, row, stats)
+        # the rows this step's figures come from, taken now (the step's record may go); the arithmetic waits for
+        # the next read or the FILL_EVERY-th recorded step, and then runs once for all the steps waiting
+        outs = self._sources(stats) if stats.row_matrix is not None or stats.act else None
+        tail = stats.tail if stats.tail is not None and self._param_modules is not None else None
+        self._pending.append(_Pending(i, outs, tail))
+        if len(self._pending) >= min(FILL_EVERY, self.capacity):  # (no slot is overwritten while it waits)
+            self._flush()
+
+    def _flush(self) -> None:
+        """The layer figures of the steps waiting: runs of steps with the same layout (the usual run: every
+        step's) in one pass of array operations, the same figures each step's own pass gives."""
+        pend, self._pending = self._pending, []
+        k = 0
+        while k < len(pend):
+            j = k + 1
+            while j < len(pend) and pend[j].same_layout(pend[k]):
+                j += 1
+            self._fill_run(pend[k:j])
+            k = j
+
+    def _fill_run(self, run: list[_Pending]) -> None:
+        slots = np.array([p.slot for p in run], dtype=np.int64)
+        first = run[0]
+        for p in run:  # the model input's figures (step columns)
+            if p.outs is not None and len(p.outs[3]):
+                ins = p.outs[0][p.outs[3]]
+                row = self.scalars[p.slot]
+                row[_S["input_numel"]] = float(ins[:, Col.NUMEL].sum())
+                row[_S["input_absmax"]] = float(ins[:, Col.ABSMAX].max())
+        if first.outs is not None and len(first.outs[1]):
+            mi = first.outs[2]
+            if self._unique_cache[0] is not mi:
+                self._unique_cache = (mi, len(np.unique(mi)) == len(mi))
+            if self._unique_cache[1] and len(run) > 1:
+                # the rows gathered into a buffer kept from flush to flush (a fresh array's first touch costs
+                # more than the arithmetic on it)
+                shape = (len(run), len(mi), first.outs[0].shape[1])
+                if self._rows_buf.shape[1:] != shape[1:] or len(self._rows_buf) < len(run):
+                    self._rows_buf = np.empty((max(len(run), FILL_EVERY), *shape[1:]))
+                buf = self._rows_buf[: len(run)]
+                for j, p in enumerate(run):
+                    assert p.outs is not None
+                    np.take(p.outs[0], p.outs[1], axis=0, out=buf[j])
+                self._fill_outputs_many(slots, buf, mi)
+            else:
+                for p in run:
+                    assert p.outs is not None
+                    self._fill_outputs(self.layers[p.slot], p.outs[0][p.outs[1]], p.outs[2])
+        if first.tail is not None:
+            if len(run) > 1:
+                self._fill_params_many(slots, [p.tail for p in run])
+            else:
+                self._fill_params(self.layers[first.slot], first.tail)
+
+    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
+        """One step's layer figures at once (``push`` and ``_flush`` give the same)."""
+        if st.row_matrix is not None or st.act:
+            r, mi, ins = self._outputs(st)
+            if len(r):
+                self._fill_outputs(lay, r, mi)
+            if len(ins):
+                row[_S["input_numel"]] = float(ins[:, Col.NUMEL].sum())
+                row[_S["input_absmax"]] = float(ins[:, Col.ABSMAX].max())
+        if st.tail is not None and self._param_modules is not None:
+            self._fill_params(lay, st.tail)
 
     def _plan(self, st: StepStats) -> tuple[list[int], np.ndarray]:
         """(output tensor ids, their layers' indices) of the step's calls, each tensor once: (module, output tensor
@@ -117,7 +217,7 @@ class Ring:
         if len(fc) == 1 and not st.__dict__.get("_calls"):
             key = fc[0]
             last = self._plan_key
-            if last is not None and last[0] is key[0] and last[1] == key[1] and last[2] == key[2] and last[3] == key[3]:
+            if last is not None and last[0] is key[0] and all(a is b or a == b for a, b in zip(last[1:], key[1:], strict=True)):
                 return self._plan_cache
         index = self._index
         mods: list[int] = []
@@ -137,42 +237,39 @@ class Ring:
             self._plan_key, self._plan_cache = key, plan
         return plan
 
-    def _outputs(self, st: StepStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows [k, NCOLS] of the plan's outputs that have one, their layers' indices, the model inputs' rows).
-        Read straight from the step's row matrix while it is one (``StepStats.row_matrix``): which rows those are
-        is worked out once and kept while the plan and the rows' keys repeat (the same objects step to step)."""
+    def _sources(self, st: StepStats) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(a row matrix, the positions in it of the plan's outputs that have a row, their layers' indices, the
+        positions of the model inputs' rows): the step's own row matrix while it is one (``StepStats.row_matrix``:
+        no copy), with the positions worked out once and kept while the plan and the rows' keys repeat (the same
+        objects step to step), else a matrix made of the dicts (a step put together by hand, or already read)."""
         tids, mi = self._plan(st)
         rm = st.row_matrix
         inputs = tuple(st.model_inputs)
-        if rm is None:  # the dicts (a step put together by hand, or already read)
+        if rm is None:
             act = st.act
             found = [act.get(t) for t in tids]
             rows = [x for x in found if x is not None]
             if len(rows) < len(found):  # (an output without a row: left out)
                 mi = mi[[k for k, x in enumerate(found) if x is not None]]
             ins = [act[t] for t in inputs if t in act]
-            return (np.concatenate(rows).reshape(len(rows), -1) if rows else np.zeros((0, NCOLS)), mi,
-                    np.concatenate(ins).reshape(len(ins), -1) if ins else np.zeros((0, NCOLS)))
+            both = rows + ins
+            m = np.concatenate(both).reshape(len(both), -1) if both else np.zeros((0, NCOLS))
+            return (m, np.arange(len(rows), dtype=np.int64), mi,
+                    np.arange(len(rows), len(both), dtype=np.int64))
         keys, matrix = rm
         c = self._gather
-        if c is None or c[0] is not tids or c[2] != inputs or c[1] != keys:
+        if c is None or c[0] is not tids or c[2] != inputs or (c[1] is not keys and c[1] != keys):
             index = {k[1]: i for i, k in enumerate(keys) if k[0] == "act"}
             pos = [index.get(t, -1) for t in tids]
             ok = [k for k, q in enumerate(pos) if q >= 0]
             c = self._gather = (tids, keys, inputs, np.array([pos[k] for k in ok], dtype=np.int64), mi[ok],
                                 np.array([index[t] for t in inputs if t in index], dtype=np.int64))
-        return matrix[c[3]], c[4], matrix[c[5]]
+        return matrix, c[3], c[4], c[5]
 
-    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
-        if st.row_matrix is not None or st.act:
-            r, mi, ins = self._outputs(st)
-            if len(r):
-                self._fill_outputs(lay, r, mi)
-            if len(ins):
-                row[_S["input_numel"]] = float(ins[:, Col.NUMEL].sum())
-                row[_S["input_absmax"]] = float(ins[:, Col.ABSMAX].max())
-        if st.tail is not None and self._param_modules is not None:
-            self._fill_params(lay, st.tail)
+    def _outputs(self, st: StepStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows [k, NCOLS] of the plan's outputs that have one, their layers' indices, the model inputs' rows)."""
+        m, pos, mi, ins = self._sources(st)
+        return m[pos], mi, m[ins]
 
     def _fill_outputs(self, lay: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
         """The layers' output figures from their outputs' rows (a layer with several outputs: summed, the max)."""
@@ -201,6 +298,56 @@ class Ring:
         lay[have, _OVER] = over / numel
         lay[have, _FLUSH] = flush / numel
         lay[have, _NONFIN] = bad
+
+    def _fill_outputs_many(self, slots: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
+        """``_fill_outputs`` of several steps at once: ``r`` [steps, k, NCOLS], one output a layer (``mi`` unique)."""
+        bad = r[..., Col.POSINF] + r[..., Col.NEGINF] + r[..., Col.NAN]
+        a, numel, over, flush = r[..., Col.ABSMAX], r[..., Col.NUMEL], r[..., Col.OVERFLOW], r[..., Col.UNDERFLOW]
+        numel = np.maximum(numel, 1.0)
+        bad = bad / numel
+        with np.errstate(divide="ignore"):
+            h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
+        h = np.where(bad > 0, np.minimum(h, 0.0), h)
+        at = (slots[:, None], mi[None, :])
+        lay = self.layers
+        lay[(*at, _ABSMAX)] = a
+        lay[(*at, _HEADROOM)] = h
+        lay[(*at, _OVER)] = over / numel
+        lay[(*at, _FLUSH)] = flush / numel
+        lay[(*at, _NONFIN)] = bad
+
+    def _fill_params_many(self, slots: np.ndarray, tails: list[Any]) -> None:
+        """``_fill_params`` of several steps whose figures have the same layout (the same index vectors)."""
+        (grad_j, upd_j, vmin_j, _), _ = tails[0]
+        vals = np.stack([t[1] for t in tails])
+        factor = np.stack([np.asarray(t[0][3], dtype=np.float64) for t in tails])  # (a number or one a figure)
+        if factor.ndim == 1:
+            factor = factor[:, None]
+        n, g = len(self.names), len(tails)
+        lay = self.layers
+        k = 0
+        for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
+            v = vals[:, k: k + len(js)]
+            if col == _UNORM and len(js):
+                v = v * factor
+            k += len(js)
+            ok, owner = self._owners(js)
+            if len(ok):
+                sq = np.zeros((g, n))
+                with np.errstate(over="ignore", invalid="ignore"):
+                    w = v[:, ok]
+                    np.add.at(sq, (np.arange(g)[:, None], owner[None, :]), w * w)
+                got = np.flatnonzero(np.bincount(owner, minlength=n))
+                lay[slots[:, None], got[None, :], col] = np.sqrt(sq[:, got])
+        v = vals[:, k: k + len(vmin_j)]
+        ok, owner = self._owners(vmin_j)
+        if len(ok):
+            lo = np.full((g, n), np.inf)
+            with np.errstate(invalid="ignore"):
+                np.minimum.at(lo, (np.arange(g)[:, None], owner[None, :]), v[:, ok])
+            got = np.isfinite(lo)
+            cur = lay[slots, :, _VMIN]
+            lay[slots, :, _VMIN] = np.where(got, lo, cur)
 
     def _owners(self, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions in ``js`` of the figures a layer owns, those layers) for a layout vector (kept per vector: the
@@ -252,6 +399,7 @@ class Ring:
 
     def layer_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(steps [n], values [n, layers]) of one layer column over the ring's recorded steps, oldest first."""
+        self._flush()
         idx = self.order()
         if last is not None:
             idx = idx[-last:]
@@ -260,6 +408,8 @@ class Ring:
         return self.steps[idx], self.layers[idx, :, LAYER_COLUMNS.index(column)]
 
     def step_series(self, column: str, last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if column in _FILLED:
+            self._flush()
         idx = self.order()
         if last is not None:
             idx = idx[-last:]
@@ -268,6 +418,7 @@ class Ring:
     def tables(self) -> tuple[str, str]:
         """(steps CSV, layers CSV): every kept step, oldest first; a layers row per layer and recorded step
         that has any figure."""
+        self._flush()
         idx = self.order()
         out = io.StringIO()
         out.write("step," + ",".join(STEP_COLUMNS) + "\n")

@@ -407,6 +407,7 @@ struct ListCache {
 };
 
 pybind11::object cached_list(ListCache& c, std::vector<int64_t>& v) {
+  if (v.empty()) return pybind11::list();  // (a take with nothing new: the step's list stays cached)
   if (!c.l || c.v != v) {
     c.v = v;
     c.l = pybind11::cast(v);
@@ -669,6 +670,8 @@ pybind11::tuple tap_take_grads(const TapP& tap) {
 pybind11::tuple tap_take_calls(const TapP& tap) {
   Tap& tp = *tap;
   const size_t n = tp.call_mod.size();
+  if (n == 0 && tp.flat.empty())  // nothing since the last take: the cached lists stay the step's
+    return pybind11::make_tuple(pybind11::list(), pybind11::list(), pybind11::list());
   std::vector<int64_t> bounds;
   bounds.reserve(2 * n + 1);
   for (size_t k = 0; k < n; ++k) {
