@@ -213,3 +213,13 @@ def test_a_compiled_submodule_keeps_the_global_hook() -> None:
         st = h.end_step()
     assert {"0", "2", "<model>"} <= {c.module for c in st.calls}
     assert not tmod._global_forward_hooks
+
+
+def test_a_steps_calls_are_the_same_list_objects_as_the_step_befores() -> None:
+    """The recorder hands the calls' lists cached while their values repeat (the ring and the plan compare them
+    by identity first): a take with nothing new in between (the hooks take several times a step) keeps them."""
+    sts = _run(native=True, steps=3)
+    (names1, mods1, bounds1, tids1), = sts[1].flat_calls
+    (names2, mods2, bounds2, tids2), = sts[2].flat_calls
+    assert mods1 and mods2 is mods1 and bounds2 is bounds1 and tids2 is tids1
+    assert [c.module for c in sts[2].calls][-1] == "<model>"
