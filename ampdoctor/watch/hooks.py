@@ -291,8 +291,7 @@ class Hooks:
                         self._native.tap_configure(self._tap, [m for _, m in root.named_modules()], self._root,
                                                    self._training_only)
                         self._configured = True
-                    caller = getattr(self._native, "tap_caller", None)  # (one C call a module call; else pybind's)
-                    fast = caller(self._tap) if caller is not None else partial(self._native.tap_call, self._tap)
+                    fast = self._native.tap_caller(self._tap)  # (one plain C call a module call)
                     if self._sharded:
                         fast = partial(_plain_call, fast)
                 listen_calls(self, fast)

@@ -110,8 +110,9 @@ class Ring:
         self._owner_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._unique_cache: tuple[Any, bool] = (None, False)
         self._pending: list[_Pending] = []
-        self._rows_buf = np.empty((0, 0, NCOLS))
         """Recorded steps whose layer figures are not computed yet (``_flush``: at most ``FILL_EVERY`` of them)."""
+        self._rows_buf = np.empty((0, 0, NCOLS))
+        """The waiting steps' output rows, gathered (kept from flush to flush)."""
 
     # -- filling ---------------------------------------------------------------------------------
     def set_params(self, names: list[str]) -> None:
@@ -188,24 +189,9 @@ class Ring:
             else:
                 for p in run:
                     assert p.outs is not None
-                    self._fill_outputs(self.layers[p.slot], p.outs[0][p.outs[1]], p.outs[2])
+                    self._fill_outputs(p.slot, p.outs[0][p.outs[1]], p.outs[2])
         if first.tail is not None:
-            if len(run) > 1:
-                self._fill_params_many(slots, [p.tail for p in run])
-            else:
-                self._fill_params(self.layers[first.slot], first.tail)
-
-    def _fill_layers(self, lay: np.ndarray, row: np.ndarray, st: StepStats) -> None:
-        """One step's layer figures at once (``push`` and ``_flush`` give the same)."""
-        if st.row_matrix is not None or st.act:
-            r, mi, ins = self._outputs(st)
-            if len(r):
-                self._fill_outputs(lay, r, mi)
-            if len(ins):
-                row[_S["input_numel"]] = float(ins[:, Col.NUMEL].sum())
-                row[_S["input_absmax"]] = float(ins[:, Col.ABSMAX].max())
-        if st.tail is not None and self._param_modules is not None:
-            self._fill_params(lay, st.tail)
+            self._fill_params(slots, [p.tail for p in run])
 
     def _plan(self, st: StepStats) -> tuple[list[int], np.ndarray]:
         """(output tensor ids, their layers' indices) of the step's calls, each tensor once: (module, output tensor
@@ -271,8 +257,8 @@ class Ring:
         m, pos, mi, ins = self._sources(st)
         return m[pos], mi, m[ins]
 
-    def _fill_outputs(self, lay: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
-        """The layers' output figures from their outputs' rows (a layer with several outputs: summed, the max)."""
+    def _fill_outputs(self, slot: int, r: np.ndarray, mi: np.ndarray) -> None:
+        """One step's layer output figures from its outputs' rows (a layer with several outputs: summed, the max)."""
         bad = r[:, Col.POSINF] + r[:, Col.NEGINF] + r[:, Col.NAN]
         if self._unique_cache[0] is not mi:
             self._unique_cache = (mi, len(np.unique(mi)) == len(mi))
@@ -288,36 +274,29 @@ class Ring:
             got[mi] = True
             have = np.flatnonzero(got)
             a, numel, over, flush, bad = absmax[have], sums[have, 0], sums[have, 1], sums[have, 2], sums[have, 3]
+        self._put_outputs((slot, have), a, numel, over, flush, bad)
+
+    def _fill_outputs_many(self, slots: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
+        """``_fill_outputs`` of several steps at once: ``r`` [steps, k, NCOLS], one output a layer (``mi`` unique)."""
+        bad = r[..., Col.POSINF] + r[..., Col.NEGINF] + r[..., Col.NAN]
+        self._put_outputs((slots[:, None], mi[None, :]), r[..., Col.ABSMAX], r[..., Col.NUMEL], r[..., Col.OVERFLOW],
+                          r[..., Col.UNDERFLOW], bad)
+
+    def _put_outputs(self, at: tuple[Any, ...], a: np.ndarray, numel: np.ndarray, over: np.ndarray, flush: np.ndarray,
+                     bad: np.ndarray) -> None:
+        """The output columns from a layer's largest |x| and its counts, written at ``self.layers[(*at, column)]``
+        (``at``: (one slot, its layers), or (slots, layers) broadcast for several steps)."""
         numel = np.maximum(numel, 1.0)
         bad = bad / numel
         with np.errstate(divide="ignore"):
             h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
         h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
-        lay[have, _ABSMAX] = a
-        lay[have, _HEADROOM] = h
-        lay[have, _OVER] = over / numel
-        lay[have, _FLUSH] = flush / numel
-        lay[have, _NONFIN] = bad
+        for col, v in ((_ABSMAX, a), (_HEADROOM, h), (_OVER, over / numel), (_FLUSH, flush / numel), (_NONFIN, bad)):
+            self.layers[(*at, col)] = v
 
-    def _fill_outputs_many(self, slots: np.ndarray, r: np.ndarray, mi: np.ndarray) -> None:
-        """``_fill_outputs`` of several steps at once: ``r`` [steps, k, NCOLS], one output a layer (``mi`` unique)."""
-        bad = r[..., Col.POSINF] + r[..., Col.NEGINF] + r[..., Col.NAN]
-        a, numel, over, flush = r[..., Col.ABSMAX], r[..., Col.NUMEL], r[..., Col.OVERFLOW], r[..., Col.UNDERFLOW]
-        numel = np.maximum(numel, 1.0)
-        bad = bad / numel
-        with np.errstate(divide="ignore"):
-            h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
-        h = np.where(bad > 0, np.minimum(h, 0.0), h)
-        at = (slots[:, None], mi[None, :])
-        lay = self.layers
-        lay[(*at, _ABSMAX)] = a
-        lay[(*at, _HEADROOM)] = h
-        lay[(*at, _OVER)] = over / numel
-        lay[(*at, _FLUSH)] = flush / numel
-        lay[(*at, _NONFIN)] = bad
-
-    def _fill_params_many(self, slots: np.ndarray, tails: list[Any]) -> None:
-        """``_fill_params`` of several steps whose figures have the same layout (the same index vectors)."""
+    def _fill_params(self, slots: np.ndarray, tails: list[Any]) -> None:
+        """The layers' parameter figures of steps whose recipe vectors (``engine.ring.RingFigures``) have the same
+        layout (the same index vectors): a layer's norm over its parameters' figures, its smallest ``exp_avg_sq``."""
         (grad_j, upd_j, vmin_j, _), _ = tails[0]
         vals = np.stack([t[1] for t in tails])
         factor = np.stack([np.asarray(t[0][3], dtype=np.float64) for t in tails])  # (a number or one a figure)
@@ -362,33 +341,6 @@ class Ring:
             self._owner_cache.clear()
         self._owner_cache[id(js)] = (js, ok, owner[ok])
         return ok, owner[ok]
-
-    def _fill_params(self, lay: np.ndarray, tail: Any) -> None:
-        """The layers' parameter figures from the recipe's per-parameter vector (``engine.ring.RingFigures``)."""
-        (grad_j, upd_j, vmin_j, factor), vals = tail
-        n = len(self.names)
-        k = 0
-        for col, js in ((_GNORM, grad_j), (_UNORM, upd_j)):
-            v = vals[k: k + len(js)]
-            if col == _UNORM and len(js):
-                v = v * factor  # the learning rate and bias correction, host numbers (engine.ring.RingFigures)
-            k += len(js)
-            ok, owner = self._owners(js)
-            if len(ok):
-                sq = np.zeros(n)
-                with np.errstate(over="ignore", invalid="ignore"):  # a non-finite step's figures: kept as they are
-                    np.add.at(sq, owner, v[ok] * v[ok])
-                got = np.zeros(n, dtype=bool)
-                got[owner] = True
-                lay[got, col] = np.sqrt(sq[got])
-        v = vals[k: k + len(vmin_j)]
-        ok, owner = self._owners(vmin_j)
-        if len(ok):
-            lo = np.full(n, np.inf)
-            with np.errstate(invalid="ignore"):  # a NaN figure stays NaN (not finite: not kept)
-                np.minimum.at(lo, owner, v[ok])
-            got = np.isfinite(lo)
-            lay[got, _VMIN] = lo[got]
 
     # -- reading ---------------------------------------------------------------------------------
     def order(self) -> np.ndarray:
