@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 import warnings
@@ -229,6 +230,12 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
         dist.barrier()  # every rank here: none tears gloo down while another still talks (an abort at exit)
     finally:
         dist.destroy_process_group()
+    # This rank's file is written. Skip the interpreter's teardown: gloo's threads outlive destroy_process_group
+    # while the mesh and the replayed model hold the group, and tearing them down with the interpreter now and
+    # then aborts the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _line(e: BaseException) -> str:
