@@ -654,7 +654,9 @@ class TrainStep:
         # what the step will do: GradScaler skips on its found-inf alone where the caller steps (observe)
         will_skip = (found_f > 0) if (s.observe and sc is not None) else skip
         # which parameters, and which module, held the non-finite gradients
-        recorded = st is not None and st.has("pgrad")
+        # (whether the step's parameter gradients were recorded matters only where a norm is non-finite or the
+        # step is skipped: the question walks the step's row keys)
+        recorded = st is not None and (nbad_f > 0 or skip) and st.has("pgrad")
         if st is not None and recorded and nbad_f > 0:  # (no non-finite norm: no non-finite element either)
             bad_params = [n for n, row in st.pgrad.items() if nonfinite(row) > 0]
         elif not recorded and nbad_f > 0:

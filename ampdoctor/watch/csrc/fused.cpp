@@ -604,8 +604,13 @@ bool tap_call(const TapP& tap, pybind11::handle module, pybind11::handle args, p
     if (!grad || !tp.root_ref) return false;
     PyObject* root = PyWeakref_GetObject(tp.root_ref.ptr());
     if (root == nullptr || root == Py_None) return false;
-    pybind11::handle r(root);
-    if (!pybind11::getattr(r, "training").cast<bool>()) return false;
+    static PyObject* const training = PyUnicode_InternFromString("training");  // (one string, not one a call)
+    PyObject* v = PyObject_GetAttr(root, training);
+    if (v == nullptr) throw pybind11::error_already_set();
+    const int on = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (on < 0) throw pybind11::error_already_set();
+    if (!on) return false;
   }
   return tap_record(tap, it->second, args, kwargs, output, grad);
 }
