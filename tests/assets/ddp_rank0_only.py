@@ -3,7 +3,6 @@ hang in the exchange. Used by tests/test_distributed.py."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -45,10 +44,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _job import end_job
+
     main()
-    # Every file is written. Skip the interpreter's teardown: gloo's threads outlive destroy_process_group
-    # while anything still holds the group (DDP, a DeviceMesh, an optimizer), and tearing them down with the
-    # interpreter now and then aborts the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_job()

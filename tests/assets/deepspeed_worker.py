@@ -54,7 +54,6 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def count_reductions() -> list[int]:
     """The size of every all-reduce ampdoctor's DeepSpeed integration runs (its own calls only), in order."""
-    import sys
 
     import torch.distributed as dist
 
@@ -195,10 +194,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _job import end_job
+
     main()
-    # Every file is written. Skip the interpreter's teardown: gloo's threads outlive destroy_process_group
-    # while anything still holds the group (DDP, a DeviceMesh, an optimizer), and tearing them down with the
-    # interpreter now and then aborts the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_job()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -69,10 +68,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _job import end_job
+
     main()
-    # Every file is written. Skip the interpreter's teardown: gloo's threads outlive destroy_process_group
-    # while anything still holds the group (DDP, a DeviceMesh, an optimizer), and tearing them down with the
-    # interpreter now and then aborts the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_job()
