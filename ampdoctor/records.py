@@ -94,11 +94,14 @@ class StepStats:
     """Calls not yet made into ``Call`` objects (the C++ recorder's, see ``calls``): chunks of (module names,
     module indices, bounds, tensor ids) as ``fused.tap_take_calls`` returns them."""
 
-    def set_rows(self, keys: list[tuple[str, Any]], rows: np.ndarray) -> None:
+    def set_rows(self, keys: list[tuple[str, Any]], rows: np.ndarray, finite: tuple[str, ...] = ()) -> None:
         """The step's rows as they came off the device: ``rows[i]`` is the row of ``keys[i] = (kind, ident)``,
         ``kind`` one of act, grad, pgrad, param. The four dicts are made from them on first read (a step nobody
-        reads makes no Python object per row); ``any_nonfinite`` and ``has`` read the matrix itself."""
+        reads makes no Python object per row); ``any_nonfinite`` and ``has`` read the matrix itself. ``finite``:
+        kinds whose rows the recorder already knows count no NaN or infinity (``any_nonfinite`` then reads
+        nothing: a step's matrix is out of cache by the time the verdict asks)."""
         self.__dict__["_pending_rows"] = (keys, rows)
+        self.__dict__["_finite_kinds"] = finite
 
     @property
     def row_matrix(self) -> tuple[list[tuple[str, Any]], np.ndarray] | None:
@@ -109,6 +112,8 @@ class StepStats:
         """Whether any row of ``kind`` (act, grad, pgrad, param) counts a NaN or an infinity."""
         pend = self.__dict__.get("_pending_rows")
         if pend is not None:
+            if kind in self.__dict__.get("_finite_kinds", ()) and not self.__dict__["_" + kind]:
+                return False  # (the recorder's word for the matrix, and no row put in by hand)
             rows = pend[1]
             if not len(rows) or not (rows[:, Col.POSINF] + rows[:, Col.NEGINF] + rows[:, Col.NAN] > 0).any():
                 return any(nonfinite(r) > 0 for r in self.__dict__["_" + kind].values())  # (rows put in by hand)

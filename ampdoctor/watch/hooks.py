@@ -323,6 +323,9 @@ class Hooks:
         self._vector: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._tail: tuple[Any, torch.Tensor] | None = None
         self._pgrads_queued = False
+        self._unknown: set[str] = set()
+        """The kinds (act, grad) of this step whose rows may count a NaN or an infinity: rows the C++ tap made and
+        found finite are known finite; any other row of the kind (a tensor queued, the Python path) is not known."""
 
     def begin_step(self, step: int, record: bool | None = None) -> None:
         """Start step ``step``: recorded when ``record`` says so, else when ``record_if(step)`` does
@@ -352,28 +355,41 @@ class Hooks:
                                 partial(_drain, weakref.ref(self)))
 
     def _take_native(self) -> None:
-        """Move what the C++ tap holds into this step's record: calls, activations, gradients (in arrival order)."""
+        """Move what the C++ tap holds into this step's record: calls, activations, gradients (in arrival order),
+        in one call that gives None for each part where nothing came since the last take."""
         if self._tap is None:
             return
-        mods, bounds, tids = self._native.tap_take_calls(self._tap)
-        if mods:
-            st = self._cur
-            st.flat_calls.append((self._mods, mods, bounds, tids))  # Call objects made when read
-            root = self._root_index
-            # the model's own calls: their inputs and outputs (every call of the step: accumulated micro-batches)
-            for k in (k for k, m in enumerate(mods) if m == root):
-                st.model_inputs = tuple(st.model_inputs) + tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
-                st.model_outputs = tuple(st.model_outputs) + tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
-        self.take_acts()
-        self._take_grads()
+        calls, acts, grads = self._native.tap_take(self._tap)
+        if calls is not None:
+            mods, bounds, tids = calls
+            if mods:
+                st = self._cur
+                st.flat_calls.append((self._mods, mods, bounds, tids))  # Call objects made when read
+                root = self._root_index
+                # the model's own calls: their inputs and outputs (every call of the step: accumulated micro-batches)
+                k = mods.index(root) if root in mods else -1  # (list.index: no Python loop over the calls)
+                while k >= 0:
+                    st.model_inputs = tuple(st.model_inputs) + tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
+                    st.model_outputs = tuple(st.model_outputs) + tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
+                    k = mods.index(root, k + 1) if root in mods[k + 1:] else -1
+        if acts is not None:
+            self._put_acts(acts)
+        if grads is not None:
+            self._put_grads(grads)
 
     def take_acts(self) -> None:
         """Take the activations the C++ tap queued (``watch.calls.NativeListener``)."""
-        tids, ts, numel, mixed, rtids, rows = self._native.tap_take_acts(self._tap)
+        self._put_acts(self._native.tap_take_acts(self._tap))
+
+    def _put_acts(self, taken: tuple[Any, ...]) -> None:
+        tids, ts, numel, mixed, rtids, rows, bad = taken
         if tids:
             self._buf.add_many(self._keyed("act", tids), ts, numel, mixed)
+            self._unknown.add("act")  # (their rows are made later: whether they are finite is not known here)
         if rtids:
             self._buf.add_rows(self._keyed("act", rtids), rows)
+            if bad:
+                self._unknown.add("act")
 
     def _keyed(self, kind: str, tids: list[int]) -> list[Hashable]:
         """The buffer's keys ``(kind, tid)`` of these tensor ids: the last list again when the ids repeat (the same
@@ -405,6 +421,7 @@ class Hooks:
         self._tids[key] = (weakref.ref(t), tid)
         if self.activations:
             self._buf.add(("act", tid), t)
+            self._unknown.add("act")
         if self.grads and t.requires_grad and self._grad_enabled:
             t.register_hook(partial(self._on_grad, self._serial, tid))
         return tid
@@ -414,6 +431,7 @@ class Hooks:
             try:
                 self._cur.grad_order.append(tid)
                 self._buf.add(("grad", tid), g)
+                self._unknown.add("grad")
             except Exception as e:  # never in the user's backward
                 self._active = False
                 listener_failed(self, e)
@@ -422,12 +440,18 @@ class Hooks:
         """Move the gradients the C++ tap queued (in arrival order) into this step's record."""
         if self._tap is None:
             return
-        order, tids, grads, numel, mixed, rtids, rows = self._native.tap_take_grads(self._tap)
+        self._put_grads(self._native.tap_take_grads(self._tap))
+
+    def _put_grads(self, taken: tuple[Any, ...]) -> None:
+        order, tids, grads, numel, mixed, rtids, rows, bad = taken
         self._cur.grad_order.extend(order)
         if tids:
             self._buf.add_many(self._keyed("grad", tids), grads, numel, mixed)
+            self._unknown.add("grad")
         if rtids:
             self._buf.add_rows(self._keyed("grad", rtids), rows)
+            if bad:
+                self._unknown.add("grad")
 
     def _tids_of(self, obj: Any) -> list[int]:
         # fast paths for the common shapes: one tensor, or a tuple of tensors
@@ -602,7 +626,8 @@ class Hooks:
             host = host[: len(keys)]
         else:
             host = rows.cpu().numpy()
-        st.set_rows(cast(list[tuple[str, Any]], keys), host)  # (the dicts are made when someone reads them)
+        # (the dicts are made when someone reads them; the kinds whose rows are all known finite are said with them)
+        st.set_rows(cast(list[tuple[str, Any]], keys), host, finite=tuple(k for k in ("act", "grad") if k not in self._unknown))
         self._tids = {}
         return st
 

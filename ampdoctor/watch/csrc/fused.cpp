@@ -416,6 +416,62 @@ pybind11::object cached_list(ListCache& c, std::vector<int64_t>& v) {
   return c.l;
 }
 
+// The step's tensor ids by TensorImpl: entries in arrival order (each with a weak reference to its TensorImpl, which
+// keeps that memory from being reused by another tensor while the entry lives, so a pointer found here is the same
+// tensor: no liveness check on a hit) and an open-addressing index over them. No allocation per tensor once the
+// step's size has been reached, and clearing is one pass over contiguous entries (an unordered_map allocated a
+// node per tensor and walked a linked list to free them).
+struct TidMap {
+  struct Entry {
+    c10::TensorImpl* impl;
+    c10::weak_intrusive_ptr<c10::TensorImpl> keep;
+    int64_t tid;
+  };
+  std::vector<Entry> entries;
+  std::vector<int32_t> index = std::vector<int32_t>(1024, -1);  // slot -> entry, -1: empty (size a power of two)
+
+  static size_t hash(const c10::TensorImpl* p) {
+    uint64_t x = reinterpret_cast<uintptr_t>(p);
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 29;
+    return static_cast<size_t>(x);
+  }
+  // the entry's id, or -1
+  int64_t find(const c10::TensorImpl* p) const {
+    const size_t mask = index.size() - 1;
+    for (size_t i = hash(p) & mask;; i = (i + 1) & mask) {
+      const int32_t e = index[i];
+      if (e < 0) return -1;
+      if (entries[e].impl == p) return entries[e].tid;
+    }
+  }
+  void insert(const torch::Tensor& t, int64_t tid) {
+    if (2 * (entries.size() + 1) > index.size()) grow();
+    c10::TensorImpl* p = t.unsafeGetTensorImpl();
+    entries.push_back(Entry{p, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), tid});
+    place(p, static_cast<int32_t>(entries.size() - 1));
+  }
+  void place(const c10::TensorImpl* p, int32_t e) {
+    const size_t mask = index.size() - 1;
+    size_t i = hash(p) & mask;
+    while (index[i] >= 0) i = (i + 1) & mask;
+    index[i] = e;
+  }
+  void grow() {
+    index.assign(index.size() * 2, -1);
+    for (size_t e = 0; e < entries.size(); ++e) place(entries[e].impl, static_cast<int32_t>(e));
+  }
+  void clear() {
+    if (entries.empty()) return;
+    entries.clear();  // (the weak references go: a dead tensor's memory is freed here)
+    std::fill(index.begin(), index.end(), -1);
+  }
+};
+
+// whether a stats row (fill_row's layout) counts a NaN or an infinity
+inline bool row_bad(const double* r) { return r[6] + r[7] + r[8] > 0; }
+
 struct Tap {
   std::mutex mu;  // the gradient queue: backward may run on another thread (the autograd engine's)
   std::vector<int64_t> grad_order;  // every watched gradient's tid, in arrival order
@@ -425,6 +481,7 @@ struct Tap {
   std::vector<double> grad_rows;
   int64_t grad_pending = 0;
   bool grad_mixed = false;  // queued gradients on more than one device
+  bool grad_bad = false;    // a row made here since the last take counts a NaN or an infinity
   int64_t limit;
   int64_t serial = 0;   // the step being recorded; a gradient hook from another step does nothing
   bool active = false;
@@ -433,7 +490,7 @@ struct Tap {
   int32_t uf, sub, of;
   pybind11::object drain;
   // forward (only touched with the GIL held)
-  std::unordered_map<c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> tids;
+  TidMap tids;
   int64_t next_tid = 0;
   std::vector<int64_t> act_ids;
   std::vector<torch::Tensor> act_ts;
@@ -441,6 +498,7 @@ struct Tap {
   std::vector<double> act_rows;
   int64_t act_pending = 0;
   bool act_mixed = false;
+  bool act_bad = false;
   std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
   std::vector<torch::Tensor> scratch;
   std::unordered_map<PyObject*, int64_t> mod_index;  // the watched model's modules (by identity, like id())
@@ -478,6 +536,7 @@ void on_grad(const std::weak_ptr<Tap>& w, int64_t tid, int64_t serial, const at:
     if (reduced) {
       tp->grad_row_ids.push_back(tid);
       tp->grad_rows.insert(tp->grad_rows.end(), row, row + 11);
+      tp->grad_bad = tp->grad_bad || row_bad(row);
       return;
     }
     if (!tp->grads.empty() && tp->grads.front().device() != g.device()) tp->grad_mixed = true;
@@ -544,20 +603,16 @@ void walk(pybind11::handle o, int depth, std::vector<torch::Tensor>& out) {
 }
 
 int64_t tid_of(Tap& tap, const torch::Tensor& t, bool grad_enabled) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto it = tap.tids.find(impl);
-  if (it != tap.tids.end()) {
-    auto alive = it->second.first.lock();
-    if (alive.get() == impl) return it->second.second;
-    tap.tids.erase(it);  // a dead tensor's address, reused
-  }
+  const int64_t known = tap.tids.find(t.unsafeGetTensorImpl());
+  if (known >= 0) return known;
   const int64_t tid = tap.next_tid++;
-  tap.tids.emplace(impl, std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), tid));
+  tap.tids.insert(t, tid);
   if (tap.acts) {
     double row[11];
     if (tap.rows && row_of(t, tap.uf, tap.sub, tap.of, row)) {
       tap.act_row_ids.push_back(tid);
       tap.act_rows.insert(tap.act_rows.end(), row, row + 11);
+      tap.act_bad = tap.act_bad || row_bad(row);
       return tid;
     }
     if (!tap.act_ts.empty() && tap.act_ts.front().device() != t.device()) tap.act_mixed = true;
@@ -640,40 +695,50 @@ torch::Tensor rows_tensor(std::vector<double>& v) {
   return out;
 }
 
-// (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11])
-pybind11::tuple tap_take_acts(const TapP& tap) {
-  Tap& tp = *tap;
-  auto rows = rows_tensor(tp.act_rows);
+// the rows made here, or None when there are none (no empty tensor made for nothing)
+pybind11::object rows_or_none(std::vector<double>& v) {
+  if (v.empty()) return pybind11::none();
+  return pybind11::cast(rows_tensor(v));
+}
+
+// (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11] or None, any of those rows
+// non-finite)
+pybind11::tuple take_acts_locked(Tap& tp) {
+  auto rows = rows_or_none(tp.act_rows);
   const int64_t n = tp.act_pending;
-  const bool mixed = tp.act_mixed;
+  const bool mixed = tp.act_mixed, bad = tp.act_bad;
   tp.act_pending = 0;
-  tp.act_mixed = false;
+  tp.act_mixed = tp.act_bad = false;
   auto ts = pybind11::cast(tp.act_ts);
   tp.act_ts.clear();
   return pybind11::make_tuple(cached_list(tp.l_act_ids, tp.act_ids), ts, n, mixed,
-                              cached_list(tp.l_act_rids, tp.act_row_ids), rows);
+                              cached_list(tp.l_act_rids, tp.act_row_ids), rows, bad);
 }
 
-// (arrival order, then as tap_take_acts)
-pybind11::tuple tap_take_grads(const TapP& tap) {
-  Tap& tp = *tap;
-  std::lock_guard<std::mutex> lock(tp.mu);  // (the GIL is held: a gradient hook takes the lock, never the GIL with it)
-  auto rows = rows_tensor(tp.grad_rows);
+pybind11::tuple tap_take_acts(const TapP& tap) { return take_acts_locked(*tap); }
+
+// (arrival order, then as tap_take_acts); the caller holds the gradient lock
+pybind11::tuple take_grads_locked(Tap& tp) {
+  auto rows = rows_or_none(tp.grad_rows);
   const int64_t n = tp.grad_pending;
-  const bool mixed = tp.grad_mixed;
+  const bool mixed = tp.grad_mixed, bad = tp.grad_bad;
   tp.grad_pending = 0;
-  tp.grad_mixed = false;
+  tp.grad_mixed = tp.grad_bad = false;
   auto grads = pybind11::cast(tp.grads);
   tp.grads.clear();
   return pybind11::make_tuple(cached_list(tp.l_grad_order, tp.grad_order), cached_list(tp.l_grad_ids, tp.grad_ids), grads,
-                              n, mixed, cached_list(tp.l_grad_rids, tp.grad_row_ids), rows);
+                              n, mixed, cached_list(tp.l_grad_rids, tp.grad_row_ids), rows, bad);
+}
+
+pybind11::tuple tap_take_grads(const TapP& tap) {
+  std::lock_guard<std::mutex> lock(tap->mu);  // (the GIL is held: a gradient hook takes the lock, never the GIL with it)
+  return take_grads_locked(*tap);
 }
 
 // the calls noted since the last take, flat (no Python object per call: see records.StepStats.calls):
 // (module indices, bounds, tids); call k's inputs are tids[bounds[2k]:bounds[2k+1]], its outputs
 // tids[bounds[2k+1]:bounds[2k+2]], in the order the calls ended
-pybind11::tuple tap_take_calls(const TapP& tap) {
-  Tap& tp = *tap;
+pybind11::tuple take_calls(Tap& tp) {
   const size_t n = tp.call_mod.size();
   if (n == 0 && tp.flat.empty())  // nothing since the last take: the cached lists stay the step's
     return pybind11::make_tuple(pybind11::list(), pybind11::list(), pybind11::list());
@@ -690,6 +755,22 @@ pybind11::tuple tap_take_calls(const TapP& tap) {
                               cached_list(tp.l_flat, tp.flat));
 }
 
+pybind11::tuple tap_take_calls(const TapP& tap) { return take_calls(*tap); }
+
+// everything noted since the last take, in one call: (calls or None, activations or None, gradients or None), each
+// as its own take gives it, None where nothing came (a step takes four times, and after backward nothing is new)
+pybind11::tuple tap_take(const TapP& tap) {
+  Tap& tp = *tap;
+  pybind11::object calls = pybind11::none(), acts = pybind11::none(), grads = pybind11::none();
+  if (!tp.call_mod.empty() || !tp.flat.empty()) calls = take_calls(tp);
+  if (!tp.act_ids.empty() || !tp.act_row_ids.empty()) acts = take_acts_locked(tp);
+  {
+    std::lock_guard<std::mutex> lock(tp.mu);
+    if (!tp.grad_order.empty() || !tp.grad_ids.empty() || !tp.grad_row_ids.empty()) grads = take_grads_locked(tp);
+  }
+  return pybind11::make_tuple(calls, acts, grads);
+}
+
 void tap_start(const TapP& tap, int64_t serial, bool active) {
   {
     std::lock_guard<std::mutex> lock(tap->mu);
@@ -702,6 +783,7 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
     tap->grad_rows.clear();
     tap->grad_pending = 0;
     tap->grad_mixed = false;
+    tap->grad_bad = false;
   }
   tap->tids.clear();
   tap->next_tid = 0;
@@ -711,6 +793,7 @@ void tap_start(const TapP& tap, int64_t serial, bool active) {
   tap->act_rows.clear();
   tap->act_pending = 0;
   tap->act_mixed = false;
+  tap->act_bad = false;
   tap->call_mod.clear();
   tap->call_in.clear();
   tap->call_out.clear();
@@ -767,5 +850,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tap_take_acts", &tap_take_acts, "(tids, tensors, elements) queued for statistics since the last take");
   m.def("tap_take_grads", &tap_take_grads, "(tids, gradients, elements) queued since the last take, in arrival order");
   m.def("tap_take_calls", &tap_take_calls, "(module indices, [(input tids, output tids)]) noted since the last take");
+  m.def("tap_take", &tap_take, "(calls, activations, gradients) since the last take, each None where nothing came");
   m.def("tap_start", &tap_start, "a new step: clears everything, sets the serial and whether to record");
 }
