@@ -223,3 +223,73 @@ def test_a_steps_calls_are_the_same_list_objects_as_the_step_befores() -> None:
     (names2, mods2, bounds2, tids2), = sts[2].flat_calls
     assert mods1 and mods2 is mods1 and bounds2 is bounds1 and tids2 is tids1
     assert [c.module for c in sts[2].calls][-1] == "<model>"
+
+
+class _InfBack(torch.autograd.Function):
+    """Identity forward; backward makes the gradient at its input +inf where ``x > 0`` (an overflow in backward)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return torch.where(x > 0, torch.full_like(g, float("inf")), g)
+
+
+class _Blow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfBack.apply(x) if self.on else x * 1.0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_non_finite_gradient_row_is_found_whether_the_recorder_vouches_or_not(native: bool) -> None:
+    """The C++ recorder says which kinds of rows it made and found finite (``StepStats.any_nonfinite`` then reads
+    nothing); a gradient that overflows at a module's output is found all the same, by either recorder."""
+    blow = _Blow()
+    model, x, h = _small(nn.Sequential(nn.Linear(3, 6), blow, nn.Linear(6, 2)), native)
+    with h:
+        for step, on in enumerate((False, True, False)):
+            blow.on = on
+            h.begin_step(step)
+            model(x).sum().backward()
+            h.after_backward()
+            st = h.end_step()
+            model.zero_grad(set_to_none=True)
+            assert st.any_nonfinite("grad") == on
+            vouched = st.__dict__["_finite_kinds"]
+            assert ("grad" in vouched) == (native and not on)  # (the Python recorder vouches for nothing)
+            want = any(int(r[6] + r[7] + r[8]) > 0 for r in st.grad.values())  # the rows themselves, read
+            assert want == on
+
+
+def test_a_tensor_freed_in_the_forward_keeps_its_id_apart_from_the_next_one() -> None:
+    """The id table holds a weak reference to each tensor it has seen: a tensor that dies mid-forward keeps its
+    address until the step ends, so the next tensor made there cannot inherit its id (its row and gradient hook)."""
+
+    class Churn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(20):  # a's output dies at once each time (only its sum is kept)
+                x = x + self.a(x).sum() * 0.0
+            return self.b(x)
+
+    for native in (True, False):
+        model, x, h = _small(Churn(), native)
+        with h:
+            h.begin_step(0)
+            model(x).sum().backward()
+            st = h.end_step()
+        outs = [c.outputs[0] for c in st.calls if c.module == "a"]
+        assert len(outs) == 20 and len(set(outs)) == 20  # twenty tensors, twenty ids
+        assert all(t in st.act for t in outs)
