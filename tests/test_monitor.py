@@ -6,7 +6,6 @@ import collections
 import importlib.util
 import json
 import sys
-import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -230,20 +229,36 @@ def test_hooks_removed_on_close() -> None:
 
 # host synchronisations ----------------------------------------------------------------------
 
-SYNCS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
+SYNCS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+
+class _Syncs(collections.Counter[str]):
+    """Host reads by method. ``cpu`` and ``numpy`` (a CPU tensor read where it lies: the CPU's host copy) count
+    once per calling frame: ``x.cpu().numpy()``, or a step's rows and scalars read in one place, is one copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: set[int] = set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.frames.clear()
 
 
 @pytest.fixture
 def sync_counter(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
     """Count Tensor methods that copy to the host; CPU-only constants built in stats._boundaries are not syncs."""
-    counts: collections.Counter[str] = collections.Counter()
+    counts = _Syncs()
     for name in SYNCS:
         orig = getattr(torch.Tensor, name)
 
         def wrapper(self: torch.Tensor, *a: Any, _orig: Any = orig, _name: str = name, **k: Any) -> Any:
-            caller = traceback.extract_stack(limit=2)[0].name
-            if caller != "_boundaries":
+            frame = sys._getframe(1)
+            copy = _name in ("cpu", "numpy")
+            if frame.f_code.co_name != "_boundaries" and not (copy and id(frame) in counts.frames):
                 counts[_name] += 1
+                if copy:
+                    counts.frames.add(id(frame))
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, wrapper)

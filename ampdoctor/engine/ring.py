@@ -103,6 +103,8 @@ def adam_figures(n: int, chunks: list[Chunk], eps: list[float], dev: torch.devic
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
 """No indices (one array, so that the ring's per-layout cache sees the same object every step)."""
+_NO_FACTOR = np.zeros(0)
+_NO_FACTOR.flags.writeable = False
 
 
 @dataclass
@@ -272,8 +274,8 @@ class RingFigures:
         joined = plan.joined.get(ids)
         if joined is None:
             joined = plan.joined[ids] = np.concatenate(upd_j) if upd_j else np.zeros(0, dtype=np.int64)
-        layout = (plan.grad_j, joined, vmin_j, np.concatenate(factor) if factor else np.zeros(0))
-        return layout, torch.cat(parts)
+        layout = (plan.grad_j, joined, vmin_j, np.concatenate(factor) if factor else _NO_FACTOR)
+        return layout, torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class ForecastWarning(UserWarning):

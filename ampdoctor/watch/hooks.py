@@ -611,10 +611,14 @@ class Hooks:
                 parts.append(torch.stack([v.to(rows.device) for _, v in self._scalars]))
             if extra is not None:
                 parts.append(extra.to(rows.device))
-            flat_d = torch.cat(parts)
-            host = torch.cat([rows, _scalar_rows(flat_d, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
+            flat_d = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if rows.device.type == "cpu" and flat_d.device.type == "cpu":  # on the host already: no packing, no copy
+                host = rows.numpy()
+                flat = flat_d.numpy()
+            else:  # the rows and the scalars in one copy
+                host = torch.cat([rows, _scalar_rows(flat_d, rows.device, rows.shape[1] or NCOLS)]).cpu().numpy()
+                flat = host[len(keys):].reshape(-1)
             nsc = len(names)
-            flat = host[len(keys):].reshape(-1)
             for name, v in zip(names, flat[:nsc], strict=True):
                 st.extra[name] = float(v)
             if extra is not None:
