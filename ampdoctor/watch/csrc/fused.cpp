@@ -7,7 +7,6 @@
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -176,6 +175,128 @@ void run_narrow(const T* p, int32_t n, int32_t uf, int32_t sub, int32_t of, Acc&
   }
 }
 
+// FP16 read in its own 16 bits, with no widening: an FP16 |x| bit pattern orders as its value does, and so does its
+// float32 widening, so |x| >= t (t given as float32 bits) exactly when |x|'s FP16 bits >= the bits of the smallest FP16
+// value >= t. The thresholds are mapped once (Half16), and a block is screened and counted in 16-bit lanes (twice
+// the lanes of the float32 loop, and no pass writing the widened block): the same counts, largest and smallest |x|
+// as run_narrow gives (tests/test_fused.py checks every FP16 bit pattern against it). NaN patterns (above
+// 0x7C00) widen to float32 NaNs and are counted as those are.
+struct Half16 {
+  bool ok = false;  // every threshold finite or +inf (else the widening path)
+  uint16_t uf = 0, sub = 0, of = 0;
+};
+
+inline int32_t half_bits_f32(uint16_t b) {
+  const float f = static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+
+// the smallest FP16 |x| pattern in [0, 0x7C00] whose float32 bits are >= t (0x7C00, +inf, when none below it)
+inline uint16_t half_at_least(int32_t t) {
+  if (t <= 0) return 0;
+  uint32_t lo = 0, hi = 0x7C00;  // half_bits_f32(0x7C00) is +inf: >= any t <= INF_BITS
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (half_bits_f32(static_cast<uint16_t>(mid)) >= t) hi = mid; else lo = mid + 1;
+  }
+  return static_cast<uint16_t>(lo);
+}
+
+inline Half16 half16(int32_t uf, int32_t sub, int32_t of) {
+  Half16 h;
+  if (uf > INF_BITS || sub > INF_BITS || of > INF_BITS) return h;
+  h.uf = half_at_least(uf);
+  h.sub = half_at_least(sub);
+  h.of = half_at_least(of);
+  h.ok = true;
+  return h;
+}
+
+// count_bits in 16 bits: a block of at most 4096 elements (16-bit lane sums cannot wrap)
+void count_bits16(const uint16_t* __restrict__ q, int32_t n, const Half16& h, Acc& a) {
+  constexpr uint16_t INF16 = 0x7C00;
+  uint16_t ge1 = 0, geuf = 0, gesub = 0, geof = 0, geinf = 0, nan = 0, neginf = 0;
+  uint16_t amax = 0, amin = 0xFFFF;
+  for (int32_t i = 0; i < n; ++i) {
+    const uint16_t u = q[i];
+    const uint16_t ai = u & 0x7FFF;
+    ge1 += (ai >= 1);
+    geuf += (ai >= h.uf);
+    gesub += (ai >= h.sub);
+    geof += (ai >= h.of);
+    geinf += (ai >= INF16);
+    nan += (ai > INF16);
+    neginf += (u == 0xFC00);
+    const uint16_t fin = ai < INF16 ? ai : 0;
+    amax = std::max(amax, fin);
+    const uint16_t nz = (ai == 0 || ai >= INF16) ? 0xFFFF : ai;
+    amin = std::min(amin, nz);
+  }
+  a.c[0] += n - ge1;
+  a.c[1] += ge1 - geuf;
+  a.c[2] += geuf - gesub;
+  a.c[3] += gesub - geof;
+  a.c[4] += geof - geinf;
+  a.c[5] += geinf - nan - neginf;
+  a.c[6] += nan;
+  a.c[7] += neginf;
+  a.amax = std::max(a.amax, half_bits_f32(amax));
+  a.amin = std::min(a.amin, amin == 0xFFFF ? INF_BITS : half_bits_f32(amin));
+}
+
+// count_low in 16 bits: the block's largest |x| is finite and below the overflow threshold
+void count_low16(const uint16_t* __restrict__ q, int32_t n, const Half16& h, uint16_t mx, Acc& a) {
+  uint16_t ge1 = 0, geuf = 0, gesub = 0;
+  uint16_t nz = 0xFFFF;
+  for (int32_t i = 0; i < n; ++i) {
+    const uint16_t ai = q[i] & 0x7FFF;
+    ge1 += (ai >= 1);
+    geuf += (ai >= h.uf);
+    gesub += (ai >= h.sub);
+    nz = std::min(nz, static_cast<uint16_t>(ai - 1));  // (a zero wraps to the largest)
+  }
+  a.c[0] += n - ge1;
+  a.c[1] += ge1 - geuf;
+  a.c[2] += geuf - gesub;
+  a.c[3] += gesub;
+  a.amax = std::max(a.amax, half_bits_f32(mx));
+  a.amin = std::min(a.amin, nz == 0xFFFF ? INF_BITS : half_bits_f32(static_cast<uint16_t>(nz + 1)));
+}
+
+// run_bits in 16 bits
+void run_half(const at::Half* p, int32_t n, const Half16& h, Acc& a) {
+  constexpr int32_t B = 4096;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  const uint16_t lo = std::max(std::max(h.sub, h.uf), uint16_t{1});
+  const uint16_t hi = std::min(h.of, uint16_t{0x7C00});
+  for (int32_t s = 0; s < n; s += B) {
+    const int32_t m = std::min(B, n - s);
+    const uint16_t* __restrict__ b = q + s;
+    uint16_t mx = 0, mn = 0x7FFF;
+    for (int32_t i = 0; i < m; ++i) {
+      const uint16_t ai = b[i] & 0x7FFF;
+      mx = std::max(mx, ai);
+      mn = std::min(mn, ai);
+    }
+    if (mn >= lo && mx < hi) {
+      a.c[3] += m;
+      a.amax = std::max(a.amax, half_bits_f32(mx));
+      a.amin = std::min(a.amin, half_bits_f32(mn));
+    } else if (mx < hi) {
+      count_low16(b, m, h, mx, a);
+    } else {
+      count_bits16(b, m, h, a);
+    }
+  }
+}
+
+// an FP16 block: its own bits where the thresholds map, else widened
+inline void run_fp16(const at::Half* p, int32_t n, int32_t uf, int32_t sub, int32_t of, const Half16& h, Acc& a) {
+  if (h.ok) run_half(p, n, h, a); else run_narrow(p, n, uf, sub, of, a);
+}
+
 // NUMEL ZERO UNDERFLOW SUBNORMAL NORMAL OVERFLOW POSINF NEGINF NAN ABSMAX MIN_NONZERO (stats.Col)
 void fill_row(const Acc& t, double* o) {
   int64_t numel = 0;
@@ -210,6 +331,7 @@ std::vector<torch::Tensor> stats_impl(const std::vector<torch::Tensor>& ts, int6
   const int64_t nc = ct.size();
   std::vector<Acc> part(nc);
   std::vector<double> sq(norms ? nc : 0, 0.0);
+  const Half16 h16 = half16(static_cast<int32_t>(uf), static_cast<int32_t>(sub), static_cast<int32_t>(of));
   at::parallel_for(0, nc, ch.grain, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       Acc& a = part[k];
@@ -224,7 +346,7 @@ std::vector<torch::Tensor> stats_impl(const std::vector<torch::Tensor>& ts, int6
           break;
         }
         case at::kHalf:
-          run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a);
+          run_fp16(t.data_ptr<at::Half>() + s, len, uf, sub, of, h16, a);
           if (norms) sq[k] = sumsq(t.data_ptr<at::Half>() + s, len);
           break;
         case at::kBFloat16:
@@ -265,7 +387,7 @@ std::vector<torch::Tensor> stats_norms(std::vector<torch::Tensor> ts, int64_t uf
 }
 
 // the row of one tensor, read right where it is made (the tap): no batching, the data still in cache
-bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double* o) {
+bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, const Half16& h16, double* o) {
   if (!readable(t0)) return false;
   const auto st = t0.scalar_type();
   const torch::Tensor t = t0.contiguous();
@@ -276,7 +398,7 @@ bool row_of(const torch::Tensor& t0, int32_t uf, int32_t sub, int32_t of, double
     const int32_t len = static_cast<int32_t>(std::min(C, m - s));
     switch (st) {
       case at::kFloat: run_bits(reinterpret_cast<const uint32_t*>(t.data_ptr<float>() + s), len, uf, sub, of, a); break;
-      case at::kHalf: run_narrow(t.data_ptr<at::Half>() + s, len, uf, sub, of, a); break;
+      case at::kHalf: run_fp16(t.data_ptr<at::Half>() + s, len, uf, sub, of, h16, a); break;
       default: run_narrow(t.data_ptr<at::BFloat16>() + s, len, uf, sub, of, a); break;
     }
   }
@@ -469,6 +591,43 @@ struct TidMap {
   }
 };
 
+// The watched model's modules by identity (like id()): keys and values side by side in one open-addressing array,
+// so a module call's lookup reads one line that stays near (an unordered_map's chained nodes, scattered over the
+// heap and cold by the next call, cost two dependent cache misses a call: most of the recorder's own time).
+struct ModIndex {
+  struct Slot {
+    const PyObject* key = nullptr;
+    int64_t value = -1;
+  };
+  std::vector<Slot> slots = std::vector<Slot>(16);
+
+  static size_t hash(const PyObject* p) {
+    uint64_t x = reinterpret_cast<uintptr_t>(p) >> 4;  // (objects are 16-byte aligned)
+    x *= 0x9E3779B97F4A7C15ULL;
+    return static_cast<size_t>(x >> 32);
+  }
+  void assign(const std::vector<const PyObject*>& keys) {
+    size_t cap = 16;
+    while (cap < 2 * keys.size() + 1) cap *= 2;
+    slots.assign(cap, Slot{});
+    const size_t mask = cap - 1;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      size_t i = hash(keys[k]) & mask;
+      while (slots[i].key != nullptr && slots[i].key != keys[k]) i = (i + 1) & mask;
+      if (slots[i].key == nullptr) slots[i] = Slot{keys[k], static_cast<int64_t>(k)};  // (the first index of a module)
+    }
+  }
+  // the module's index, or -1 (another model's module)
+  int64_t find(const PyObject* p) const {
+    const size_t mask = slots.size() - 1;
+    for (size_t i = hash(p) & mask;; i = (i + 1) & mask) {
+      const Slot& s = slots[i];
+      if (s.key == p) return s.value;
+      if (s.key == nullptr) return -1;
+    }
+  }
+};
+
 // whether a stats row (fill_row's layout) counts a NaN or an infinity
 inline bool row_bad(const double* r) { return r[6] + r[7] + r[8] > 0; }
 
@@ -488,6 +647,7 @@ struct Tap {
   bool acts, watch_grads;
   bool rows;             // reduce CPU tensors here, on arrival, to stats rows with these thresholds
   int32_t uf, sub, of;
+  Half16 h16;  // the thresholds in FP16 bits (FP16 tensors read in their own bits)
   pybind11::object drain;
   // forward (only touched with the GIL held)
   TidMap tids;
@@ -501,13 +661,13 @@ struct Tap {
   bool act_bad = false;
   std::vector<int64_t> call_mod, call_in, call_out, flat;  // call k: inputs flat[call_in[k]:call_out[k]], outputs to the next
   std::vector<torch::Tensor> scratch;
-  std::unordered_map<PyObject*, int64_t> mod_index;  // the watched model's modules (by identity, like id())
+  ModIndex mod_index;                                // the watched model's modules (by identity, like id())
   pybind11::object root_ref;                         // a weakref to the model (training_only)
   ListCache l_act_ids, l_act_rids, l_grad_order, l_grad_ids, l_grad_rids, l_mods, l_bounds, l_flat;
   bool training_only = false;
   Tap(int64_t limit_, bool acts_, bool grads_, bool rows_, int64_t uf_, int64_t sub_, int64_t of_, pybind11::object drain_)
       : limit(limit_), acts(acts_), watch_grads(grads_), rows(rows_), uf(uf_), sub(sub_), of(of_),
-        drain(std::move(drain_)) {}
+        h16(half16(uf, sub, of)), drain(std::move(drain_)) {}
   ~Tap() {  // the last owner may be a hook on the autograd thread: release Python's objects under the GIL
     if (Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
@@ -528,7 +688,7 @@ void on_grad(const std::weak_ptr<Tap>& w, int64_t tid, int64_t serial, const at:
   if (!tp || !g.defined()) return;
   bool full = false;
   double row[11];
-  const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, row);
+  const bool reduced = tp->rows && row_of(torch::Tensor(g), tp->uf, tp->sub, tp->of, tp->h16, row);
   {
     std::lock_guard<std::mutex> lock(tp->mu);
     if (!tp->active || tp->serial != serial) return;
@@ -583,14 +743,16 @@ void tap_watch(const TapP& tap, const torch::Tensor& t, int64_t tid) {
 // tensors.iter_tensors in C++: tensors, then dicts, lists and tuples (4 levels deep), then to_tuple()
 void walk(pybind11::handle o, int depth, std::vector<torch::Tensor>& out) {
   PyObject* p = o.ptr();
-  if (THPVariable_Check(p)) { out.push_back(THPVariable_Unpack(p)); return; }
+  // (the exact containers first: a module's args are a tuple, and THPVariable_Check of a non-tensor is an isinstance)
+  const bool tup = PyTuple_CheckExact(p);
+  if (!tup && THPVariable_Check(p)) { out.push_back(THPVariable_Unpack(p)); return; }
   if (depth > 4) return;
-  if (PyDict_CheckExact(p)) {
+  if (tup) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p); ++i) walk(PyTuple_GET_ITEM(p, i), depth + 1, out);
+  } else if (PyDict_CheckExact(p)) {
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(p, &pos, &k, &v)) walk(v, depth + 1, out);
-  } else if (PyTuple_CheckExact(p)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p); ++i) walk(PyTuple_GET_ITEM(p, i), depth + 1, out);
   } else if (PyList_CheckExact(p)) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(p); ++i) walk(PyList_GET_ITEM(p, i), depth + 1, out);
   } else if (PyDict_Check(p)) {  // a subclass (ModelOutput, OrderedDict): its own values(), in its order
@@ -609,7 +771,7 @@ int64_t tid_of(Tap& tap, const torch::Tensor& t, bool grad_enabled) {
   tap.tids.insert(t, tid);
   if (tap.acts) {
     double row[11];
-    if (tap.rows && row_of(t, tap.uf, tap.sub, tap.of, row)) {
+    if (tap.rows && row_of(t, tap.uf, tap.sub, tap.of, tap.h16, row)) {
       tap.act_row_ids.push_back(tid);
       tap.act_rows.insert(tap.act_rows.end(), row, row + 11);
       tap.act_bad = tap.act_bad || row_bad(row);
@@ -640,8 +802,10 @@ bool tap_record(const TapP& tap, int64_t mod, pybind11::handle args, pybind11::h
                 bool grad_enabled);
 
 void tap_configure(const TapP& tap, pybind11::list modules, pybind11::object root_ref, bool training_only) {
-  tap->mod_index.clear();
-  for (size_t i = 0; i < modules.size(); ++i) tap->mod_index.emplace(modules[i].ptr(), static_cast<int64_t>(i));
+  std::vector<const PyObject*> keys;
+  keys.reserve(modules.size());
+  for (size_t i = 0; i < modules.size(); ++i) keys.push_back(modules[i].ptr());
+  tap->mod_index.assign(keys);
   tap->root_ref = std::move(root_ref);
   tap->training_only = training_only;
 }
@@ -652,8 +816,8 @@ bool tap_call(const TapP& tap, pybind11::handle module, pybind11::handle args, p
               pybind11::handle output) {
   Tap& tp = *tap;
   if (!tp.active) return false;
-  auto it = tp.mod_index.find(module.ptr());
-  if (it == tp.mod_index.end()) return false;  // another model's module
+  const int64_t mod = tp.mod_index.find(module.ptr());
+  if (mod < 0) return false;  // another model's module
   const bool grad = at::GradMode::is_enabled();
   if (tp.training_only) {  // only training forwards: grad enabled and the model in train mode
     if (!grad || !tp.root_ref) return false;
@@ -667,7 +831,7 @@ bool tap_call(const TapP& tap, pybind11::handle module, pybind11::handle args, p
     if (on < 0) throw pybind11::error_already_set();
     if (!on) return false;
   }
-  return tap_record(tap, it->second, args, kwargs, output, grad);
+  return tap_record(tap, mod, args, kwargs, output, grad);
 }
 
 // one module call; returns whether the activation queue should be drained now
