@@ -59,8 +59,9 @@ def _cpu_tag() -> str | None:
 
 
 _CPU = _cpu_tag()
-CFLAGS = ["-O3", "-march=native"] if _CPU is not None else ["-O3"]
-"""``-march=native`` (AVX2 and wider where the CPU has them) only where the build name can carry the
+CFLAGS = ["-O3", "-fno-math-errno"] + (["-march=native"] if _CPU is not None else [])
+"""``-fno-math-errno``: ``sqrt`` need not set errno, so its loops vectorise (its results are the same IEEE roots).
+``-march=native`` (AVX2 and wider where the CPU has them) only where the build name can carry the
 CPU's flags: a cache shared by machines with other CPUs (a cluster's home directory) then holds one
 build per kind of CPU, and none runs an instruction its CPU lacks."""
 NAME = "ampdoctor_stats_" + hashlib.sha1(

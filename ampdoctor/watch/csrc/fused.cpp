@@ -489,24 +489,50 @@ torch::Tensor adam_figures(std::vector<torch::Tensor> ms, std::vector<torch::Ten
     const float* v = vc[j].data_ptr<float>();
     const int64_t len = mc[j].numel();
     const float e = static_cast<float>(eps[j]);
-    double a[4] = {0, 0, 0, 0};
-    float lo = std::numeric_limits<float>::infinity();
-    int nan = 0;
-    float q[256];  // a block's squares (the elementwise part vectorises), then summed in double
+    // the squares summed in double, the smallest v and whether a NaN is among them, each in L running lanes (element
+    // i into lane i % L, each lane in order: the loops vectorise; a minimum does not depend on the order it is taken
+    // in, zeros' signs aside)
+    constexpr int L = 16;
+    double a[L] = {};
+    float lo_l[L];
+    int32_t nan_l[L] = {};
+    for (int k = 0; k < L; ++k) lo_l[k] = std::numeric_limits<float>::infinity();
+    float q[256];  // a block's squares (the elementwise part vectorises: sqrt needs -fno-math-errno), then summed in double
     for (int64_t s0 = 0; s0 < len; s0 += 256) {
       const int64_t k = std::min<int64_t>(256, len - s0);
+      const float* __restrict__ mb = m + s0;
+      const float* __restrict__ vb = v + s0;
       for (int64_t i = 0; i < k; ++i) {
-        const float vv = v[s0 + i];
-        const float r = m[s0 + i] / (std::sqrt(vv) + e);
+        const float r = mb[i] / (std::sqrt(vb[i]) + e);
         q[i] = r * r;
-        nan |= vv != vv;
-        lo = vv < lo ? vv : lo;
       }
       int64_t i = 0;
-      for (; i + 4 <= k; i += 4) { a[0] += q[i]; a[1] += q[i + 1]; a[2] += q[i + 2]; a[3] += q[i + 3]; }
-      for (; i < k; ++i) a[0] += q[i];
+      for (; i + L <= k; i += L) {
+        for (int w = 0; w < L; ++w) {
+          const float vv = vb[i + w];
+          nan_l[w] |= vv != vv;
+          lo_l[w] = vv < lo_l[w] ? vv : lo_l[w];
+        }
+      }
+      for (int w = 0; i < k; ++i, ++w) {
+        const float vv = vb[i];
+        nan_l[w] |= vv != vv;
+        lo_l[w] = vv < lo_l[w] ? vv : lo_l[w];
+      }
+      i = 0;
+      for (; i + L <= k; i += L)
+        for (int w = 0; w < L; ++w) a[w] += q[i + w];
+      for (int w = 0; i < k; ++i, ++w) a[w] += q[i];
     }
-    o[j] = std::sqrt((a[0] + a[1]) + (a[2] + a[3]));
+    float lo = std::numeric_limits<float>::infinity();
+    int32_t nan = 0;
+    for (int w = 0; w < L; ++w) {
+      nan |= nan_l[w];
+      lo = lo_l[w] < lo ? lo_l[w] : lo;
+    }
+    for (int w = L / 2; w >= 1; w /= 2)
+      for (int k = 0; k < w; ++k) a[k] += a[k + w];
+    o[j] = std::sqrt(a[0]);
     o[n + j] = nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(lo);
   });
   return out;
