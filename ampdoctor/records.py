@@ -92,7 +92,7 @@ class StepStats:
     flat_calls: list[tuple[list[str], list[int], list[int], list[int]]] = field(default_factory=list, repr=False,
                                                                                  compare=False)
     """Calls not yet made into ``Call`` objects (the C++ recorder's, see ``calls``): chunks of (module names,
-    module indices, bounds, tensor ids) as ``fused.tap_take_calls`` returns them."""
+    module indices, bounds, tensor ids) as ``fused.tap_take`` returns a step's calls."""
 
     def set_rows(self, keys: list[tuple[str, Any]], rows: np.ndarray, finite: tuple[str, ...] = ()) -> None:
         """The step's rows as they came off the device: ``rows[i]`` is the row of ``keys[i] = (kind, ident)``,

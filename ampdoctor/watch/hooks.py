@@ -367,11 +367,11 @@ class Hooks:
                 st.flat_calls.append((self._mods, mods, bounds, tids))  # Call objects made when read
                 root = self._root_index
                 # the model's own calls: their inputs and outputs (every call of the step: accumulated micro-batches)
-                k = mods.index(root) if root in mods else -1  # (list.index: no Python loop over the calls)
-                while k >= 0:
+                k = -1
+                for _ in range(mods.count(root)):  # (count and index: no Python loop over the calls)
+                    k = mods.index(root, k + 1)
                     st.model_inputs = tuple(st.model_inputs) + tuple(tids[bounds[2 * k]: bounds[2 * k + 1]])
                     st.model_outputs = tuple(st.model_outputs) + tuple(tids[bounds[2 * k + 1]: bounds[2 * k + 2]])
-                    k = mods.index(root, k + 1) if root in mods[k + 1:] else -1
         if acts is not None:
             self._put_acts(acts)
         if grads is not None:

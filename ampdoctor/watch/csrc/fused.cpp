@@ -50,6 +50,20 @@ struct Chunks {
   }
 };
 
+// A block's row from its threshold counts (the number of |x| at or above each threshold, of NaN and of -inf):
+// 0 zero, 1 underflow, 2 subnormal, 3 normal, 4 overflow, 5 +inf, 6 NaN, 7 -inf are their differences.
+inline void tally(Acc& a, int64_t n, int64_t ge1, int64_t geuf, int64_t gesub, int64_t geof, int64_t geinf, int64_t nan,
+                  int64_t neginf) {
+  a.c[0] += n - ge1;
+  a.c[1] += ge1 - geuf;
+  a.c[2] += geuf - gesub;
+  a.c[3] += gesub - geof;
+  a.c[4] += geof - geinf;
+  a.c[5] += geinf - nan - neginf;
+  a.c[6] += nan;
+  a.c[7] += neginf;
+}
+
 // one block: |x| bits against the thresholds' bits. Counts of |x| at or above each threshold (and of
 // -inf) are plain sums of comparisons, in int32 lanes (a chunk holds at most CHUNK elements), and
 // the extremes are plain min/max reductions: g++ -O3 vectorises the loop. Category counts are the
@@ -73,15 +87,7 @@ void count_bits(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t s
     int32_t nz = (ai == 0 || ai >= INF) ? INF : ai;      // finite non-zero |x|, INF otherwise
     amin = std::min(amin, nz);
   }
-  // 0 zero, 1 underflow, 2 subnormal, 3 normal, 4 overflow, 5 +inf, 6 NaN, 7 -inf
-  a.c[0] += n - ge1;
-  a.c[1] += ge1 - geuf;
-  a.c[2] += geuf - gesub;
-  a.c[3] += gesub - geof;
-  a.c[4] += geof - geinf;
-  a.c[5] += geinf - nan - neginf;
-  a.c[6] += nan;
-  a.c[7] += neginf;
+  tally(a, n, ge1, geuf, gesub, geof, geinf, nan, neginf);
   a.amax = std::max(a.amax, amax);
   a.amin = std::min(a.amin, amin);
 }
@@ -101,10 +107,7 @@ void count_low(const uint32_t* __restrict__ q, int32_t n, int32_t uf, int32_t su
     gesub += (ai >= sub);
     nz = std::min(nz, static_cast<uint32_t>(ai) - 1u);
   }
-  a.c[0] += n - ge1;
-  a.c[1] += ge1 - geuf;
-  a.c[2] += geuf - gesub;
-  a.c[3] += gesub;
+  tally(a, n, ge1, geuf, gesub, 0, 0, 0, 0);  // (nothing at or above the overflow threshold)
   a.amax = std::max(a.amax, mx);
   const int32_t amin = nz == 0xFFFFFFFFu ? INF_BITS : static_cast<int32_t>(nz + 1u);
   a.amin = std::min(a.amin, amin);
@@ -234,14 +237,7 @@ void count_bits16(const uint16_t* __restrict__ q, int32_t n, const Half16& h, Ac
     const uint16_t nz = (ai == 0 || ai >= INF16) ? 0xFFFF : ai;
     amin = std::min(amin, nz);
   }
-  a.c[0] += n - ge1;
-  a.c[1] += ge1 - geuf;
-  a.c[2] += geuf - gesub;
-  a.c[3] += gesub - geof;
-  a.c[4] += geof - geinf;
-  a.c[5] += geinf - nan - neginf;
-  a.c[6] += nan;
-  a.c[7] += neginf;
+  tally(a, n, ge1, geuf, gesub, geof, geinf, nan, neginf);
   a.amax = std::max(a.amax, half_bits_f32(amax));
   a.amin = std::min(a.amin, amin == 0xFFFF ? INF_BITS : half_bits_f32(amin));
 }
@@ -257,10 +253,7 @@ void count_low16(const uint16_t* __restrict__ q, int32_t n, const Half16& h, uin
     gesub += (ai >= h.sub);
     nz = std::min(nz, static_cast<uint16_t>(ai - 1));  // (a zero wraps to the largest)
   }
-  a.c[0] += n - ge1;
-  a.c[1] += ge1 - geuf;
-  a.c[2] += geuf - gesub;
-  a.c[3] += gesub;
+  tally(a, n, ge1, geuf, gesub, 0, 0, 0, 0);
   a.amax = std::max(a.amax, half_bits_f32(mx));
   a.amin = std::min(a.amin, nz == 0xFFFF ? INF_BITS : half_bits_f32(static_cast<uint16_t>(nz + 1)));
 }
@@ -893,7 +886,7 @@ pybind11::object rows_or_none(std::vector<double>& v) {
 
 // (tids, tensors, elements, on more than one device, tids reduced here, their rows [k, 11] or None, any of those rows
 // non-finite)
-pybind11::tuple take_acts_locked(Tap& tp) {
+pybind11::tuple acts_taken(Tap& tp) {
   auto rows = rows_or_none(tp.act_rows);
   const int64_t n = tp.act_pending;
   const bool mixed = tp.act_mixed, bad = tp.act_bad;
@@ -905,10 +898,10 @@ pybind11::tuple take_acts_locked(Tap& tp) {
                               cached_list(tp.l_act_rids, tp.act_row_ids), rows, bad);
 }
 
-pybind11::tuple tap_take_acts(const TapP& tap) { return take_acts_locked(*tap); }
+pybind11::tuple tap_take_acts(const TapP& tap) { return acts_taken(*tap); }
 
 // (arrival order, then as tap_take_acts); the caller holds the gradient lock
-pybind11::tuple take_grads_locked(Tap& tp) {
+pybind11::tuple grads_taken(Tap& tp) {
   auto rows = rows_or_none(tp.grad_rows);
   const int64_t n = tp.grad_pending;
   const bool mixed = tp.grad_mixed, bad = tp.grad_bad;
@@ -922,7 +915,7 @@ pybind11::tuple take_grads_locked(Tap& tp) {
 
 pybind11::tuple tap_take_grads(const TapP& tap) {
   std::lock_guard<std::mutex> lock(tap->mu);  // (the GIL is held: a gradient hook takes the lock, never the GIL with it)
-  return take_grads_locked(*tap);
+  return grads_taken(*tap);
 }
 
 // the calls noted since the last take, flat (no Python object per call: see records.StepStats.calls):
@@ -953,10 +946,10 @@ pybind11::tuple tap_take(const TapP& tap) {
   Tap& tp = *tap;
   pybind11::object calls = pybind11::none(), acts = pybind11::none(), grads = pybind11::none();
   if (!tp.call_mod.empty() || !tp.flat.empty()) calls = take_calls(tp);
-  if (!tp.act_ids.empty() || !tp.act_row_ids.empty()) acts = take_acts_locked(tp);
+  if (!tp.act_ids.empty() || !tp.act_row_ids.empty()) acts = acts_taken(tp);
   {
     std::lock_guard<std::mutex> lock(tp.mu);
-    if (!tp.grad_order.empty() || !tp.grad_ids.empty() || !tp.grad_row_ids.empty()) grads = take_grads_locked(tp);
+    if (!tp.grad_order.empty() || !tp.grad_ids.empty() || !tp.grad_row_ids.empty()) grads = grads_taken(tp);
   }
   return pybind11::make_tuple(calls, acts, grads);
 }
