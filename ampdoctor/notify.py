@@ -9,12 +9,15 @@ and nothing is printed twice. ``logging.getLogger("ampdoctor").setLevel(logging.
 ``Monitor(quiet=True)`` keeps one monitor's records off the default handler.
 
 Warnings (``warnings.warn``) point at the user's line (the first frame outside ampdoctor, torch and
-the training frameworks), not at ampdoctor's own file.
+the training frameworks), not at ampdoctor's own file, and name the file as ``shown_path`` does:
+relative to the working directory when it lies below it (``python train.py`` makes ``__main__``'s
+file absolute; the warning says ``train.py:42``, not the machine's folder).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
@@ -80,9 +83,30 @@ def user_stacklevel(skip: int = 1) -> int:
     return last
 
 
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as a message shows it: relative to the working directory when the file lies below it
+    (``sample_models/x.py``, whatever folder the project sits in), else as it is."""
+    s = os.fspath(path)
+    if not os.path.isabs(s):
+        return s
+    try:
+        rel = os.path.relpath(s)
+    except ValueError:  # another drive (Windows), or no working directory
+        return s
+    return s if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
 def warn_user(msg: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` pointing at the user's line."""
-    warnings.warn(msg, category, stacklevel=user_stacklevel())
+    """``warnings.warn`` pointing at the user's line, its file named by ``shown_path``."""
+    level = user_stacklevel()
+    f = sys._getframe(0)  # stacklevel 1: this frame, the one that calls warnings.warn
+    for _ in range(level - 1):
+        if f.f_back is None:
+            break
+        f = f.f_back
+    g = f.f_globals
+    warnings.warn_explicit(msg, category, shown_path(f.f_code.co_filename), f.f_lineno, str(g.get("__name__", "<string>")),
+                           g.setdefault("__warningregistry__", {}), g)
 
 
 def alert(msg: str, category: type[Warning], *, quiet: bool = False) -> None:
@@ -93,4 +117,4 @@ def alert(msg: str, category: type[Warning], *, quiet: bool = False) -> None:
         warn_user(msg, category)
 
 
-__all__ = ["DefaultStderr", "app_configured", "log", "say", "user_stacklevel", "warn_user"]
+__all__ = ["DefaultStderr", "app_configured", "log", "say", "shown_path", "user_stacklevel", "warn_user"]

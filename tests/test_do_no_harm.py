@@ -21,6 +21,7 @@ from ampdoctor import Monitor
 from ampdoctor.cli.app import app
 from ampdoctor.engine.monitor import MonitorOffWarning, SkipRateWarning
 from ampdoctor.errors import UsageError
+from ampdoctor.notify import shown_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,6 +42,19 @@ def test_the_late_failure_and_its_capture_reach_stderr_without_logging_setup(tmp
     assert err.count(f"captured to {tmp_path / 'cap'}") == 1
     assert f"replay it: ampdoctor triage sample_models/late_overflow.py --from {tmp_path / 'cap'}" in err
     assert "Traceback" not in err
+    # the warning names the script as below the working directory, not the machine's folder (``python x.py`` makes
+    # __main__'s file absolute)
+    assert err.startswith("sample_models/late_overflow.py:81: ForecastWarning: ampdoctor: step 63: logits"), err[:200]
+    assert str(ROOT) not in err
+
+
+def test_a_path_is_shown_below_the_working_directory_or_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    assert shown_path(tmp_path / "sub" / "train.py") == str(Path("sub") / "train.py")
+    assert shown_path("sub/train.py") == "sub/train.py"  # as given
+    assert shown_path(tmp_path.parent / "elsewhere.py") == str(tmp_path.parent / "elsewhere.py")
+    assert shown_path(tmp_path.parent) == str(tmp_path.parent)
 
 
 def test_an_application_that_configured_logging_gets_each_event_once(tmp_path: Path) -> None:
@@ -89,7 +103,8 @@ def test_the_skip_rate_warning_points_at_the_users_line() -> None:
                 x = torch.full((8, 4), float("nan")) if i in (1, 2) else torch.ones(8, 4)
                 mon.step(model(x).pow(2).mean())
     alerts = [m for m in w if issubclass(m.category, SkipRateWarning)]
-    assert len(alerts) == 1 and Path(alerts[0].filename) == Path(__file__)
+    assert len(alerts) == 1 and Path(alerts[0].filename).resolve() == Path(__file__).resolve()
+    assert alerts[0].filename == shown_path(__file__)  # below the working directory: relative
     # factual: the reasons of the skips, not a guess at the cause
     assert "skip reasons: nonfinite_loss x" in str(alerts[0].message) and "range" not in str(alerts[0].message)
 

@@ -33,10 +33,12 @@ def _validate(d: dict) -> None:
     jsonschema.Draft202012Validator(schema).validate(d)
 
 
-def test_amp_misuse_spec_shows_the_hook_that_explains_it() -> None:
-    report, _ = triage(SAMPLES / "amp_misuse.py", TriageConfig(steps=6))
+def test_amp_misuse_spec_shows_the_hook_that_explains_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(SAMPLES.parent)  # the path as a user types it: the rendering must not depend on the clone's folder
+    spec = Path("sample_models") / "amp_misuse.py"
+    report, _ = triage(spec, TriageConfig(steps=6))
     assert report.verdict.cause == "amp_misuse"
-    assert report.lint == [CodeFinding(str(SAMPLES / "amp_misuse.py"), 17, 35, "AMP004",
+    assert report.lint == [CodeFinding(str(spec), 17, 35, "AMP004",
                                        "gradient hook hides inf/NaN from GradScaler", FIX4, True)]
     d = json.loads(json_render.render(report))
     _validate(d)
@@ -48,7 +50,7 @@ def test_amp_misuse_spec_shows_the_hook_that_explains_it() -> None:
     lines = text.splitlines()
     at = lines.index("In the code (ampdoctor lint)")
     assert lines[at - 1].startswith("╰")  # right under the verdict panel
-    assert lines[at + 1].strip().startswith(f"{SAMPLES / 'amp_misuse.py'}:17:35 AMP004 gradient hook hides")
+    assert lines[at + 1].strip().startswith(f"{spec}:17:35 AMP004 gradient hook hides")
     assert "(can cause amp_misuse)" in " ".join(lines[at + 1: at + 4])
     assert all(len(ln) <= 80 for ln in lines)
 

@@ -66,7 +66,7 @@ from ampdoctor.input.capture_schema import (
     validate_state,
 )
 from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
-from ampdoctor.notify import say, warn_user
+from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
@@ -169,11 +169,7 @@ def spec_hint() -> str | None:
     main = sys.modules.get("__main__")
     f = getattr(main, "__file__", None)
     if f and callable(getattr(main, "build_model", None)) and callable(getattr(main, "build_dataloader", None)):
-        try:
-            rel = os.path.relpath(f)
-        except ValueError:  # another drive (Windows)
-            return str(f)
-        return str(f) if rel.startswith("..") else rel
+        return shown_path(f)
     return None
 
 
