@@ -15,7 +15,7 @@ def build_kernel() -> None:
 
     if not fused.enabled():
         raise UsageError("AMPDOCTOR_FUSED=0 turns the kernel off in this environment; unset it to build the kernel")
-    out.print("building the statistics kernel (about a minute of one core; once per machine)...", style="dim",
+    out.print("building the statistics kernel (about 45 s of one core, longer on a busy machine; once per machine)...", style="dim",
               markup=False, highlight=False)
     if fused.build_locked(wait=True) == 0:
         out.print(f"the statistics kernel is ready: {fused.build_dir()}", markup=False, highlight=False)
