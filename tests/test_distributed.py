@@ -43,6 +43,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_both_logs_name_rank1_its_module_and_step5(full_run: Path) -> None:
     assert sorted(p.name for p in full_run.iterdir()) == ["cap.rank1", "steps.rank0.csv", "steps.rank1.csv"]
     for rank in (0, 1):
@@ -64,6 +65,7 @@ def test_both_logs_name_rank1_its_module_and_step5(full_run: Path) -> None:
     assert r0["skipped"].tolist() == r1["skipped"].tolist()
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_only_rank1_captures_and_triage_reads_it(full_run: Path) -> None:
     cap = full_run / "cap.rank1"
     m = json.loads((cap / "manifest.json").read_text())
@@ -77,6 +79,7 @@ def test_only_rank1_captures_and_triage_reads_it(full_run: Path) -> None:
     assert rep["config"]["capture_rank"] == 1
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_scaler_reads_several_rank_logs(full_run: Path) -> None:
     r = CliRunner().invoke(app, ["scaler", str(full_run / "steps.rank0.csv"), str(full_run / "steps.rank1.csv")],
                            env={"COLUMNS": "80"})
@@ -88,6 +91,7 @@ def test_scaler_reads_several_rank_logs(full_run: Path) -> None:
     assert "nonfinite_from_rank:1" in text
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_scaler_says_when_ranks_disagree(full_run: Path, tmp_path: Path) -> None:
     lines = (full_run / "steps.rank1.csv").read_text().splitlines()
     head = lines[0].split(",")
@@ -102,6 +106,7 @@ def test_scaler_says_when_ranks_disagree(full_run: Path, tmp_path: Path) -> None
     assert "ranks 0 and 1 disagree from step 8: rank 0 applied" in " ".join(r.output.split())
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_sentinel_mode_names_the_rank_from_its_loss(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _torchrun(out, "--mode", "sentinel", "--capture-ranks", "all")  # full statistics every 4th step: not step 5
@@ -134,6 +139,7 @@ def test_rank_paths() -> None:
     assert rank_path("out/cap", 1) == str(Path("out/cap.rank1"))
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_trainer_under_torchrun_names_the_rank_with_the_bad_sample(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -160,6 +166,7 @@ def test_trainer_under_torchrun_names_the_rank_with_the_bad_sample(tmp_path: Pat
     assert (m["step"], m["first_rank"], m["others_clean"], m["precision"]) == (step, rank, True, "bf16")
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_a_monitor_on_rank0_alone_does_not_hang(tmp_path: Path) -> None:
     import os
 
@@ -207,6 +214,7 @@ def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, res
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_fsdp2_logs_the_global_norm_and_names_rank1_and_embed(fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
     out, res = fsdp2_run
     assert all(x["steps"] == 8 and x["finite"] and x["off"] is None and not x["warnings"] for x in res)
@@ -225,6 +233,7 @@ def test_fsdp2_logs_the_global_norm_and_names_rank1_and_embed(fsdp2_run: tuple[P
         assert off is None and all(math.isnan(n) for n in norms)
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_fsdp2_capture_reassembles_on_one_process_and_replays_to_data(
         fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
     out, _ = fsdp2_run
@@ -249,6 +258,7 @@ def _nproc(cap: Path, n: str, spec: Path = WORKER) -> tuple[int, str, str]:
     return r.exit_code, r.stdout, r.stderr
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
         fsdp2_run: tuple[Path, list[dict[str, object]]]) -> None:
     out, _ = fsdp2_run
@@ -270,6 +280,7 @@ def test_fsdp2_capture_replays_on_two_ranks_under_its_layout_to_data(
     assert not any("on one process" in n and "reassembled" in n for n in rep["notes"][:1])
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_nproc_refuses_a_wrong_count_another_layout_and_a_whole_capture_in_one_line(
         fsdp2_run: tuple[Path, list[dict[str, object]]], full_run: Path,
         fsdp1_run: tuple[Path, str, list[dict[str, object]]], tmp_path: Path) -> None:
@@ -330,6 +341,7 @@ def fsdp1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list
     return out, r.stderr, res
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_fsdp1_logs_the_global_norm_under_the_users_names_and_clips_on_it(
         fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
     out, stderr, res = fsdp1_run
@@ -346,6 +358,7 @@ def test_fsdp1_logs_the_global_norm_under_the_users_names_and_clips_on_it(
     assert len(drift) == 1 and "ShardedGradScaler" in drift[0] and not res[1]["drift"]  # plain GradScaler: once, rank 0
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_fsdp1_capture_of_every_rank_replays_to_data(fsdp1_run: tuple[Path, str, list[dict[str, object]]]) -> None:
     out, _, _ = fsdp1_run
     m = json.loads((out / "cap.rank1" / "manifest.json").read_text())
@@ -387,6 +400,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[st
     return out, res
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_tensor_parallel_names_the_rank_whose_own_computation_went_bad_first(
         tp_run: tuple[Path, list[dict[str, object]]]) -> None:
     out, res = tp_run
@@ -403,6 +417,7 @@ def test_tensor_parallel_names_the_rank_whose_own_computation_went_bad_first(
     assert any("(tensor_parallel)" in n for n in rep["notes"])  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_tensor_parallel_capture_records_its_plan_and_refuses_one_it_cannot_rebuild(
         tp_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
     import shutil
@@ -451,6 +466,7 @@ def test_tensor_parallel_capture_replays_on_two_ranks_under_its_plan(tp_run: tup
     assert _core(rep) == _core(_replay(out / "cap.rank1")) == ("not_reproduced", 5, None, "amp", 1)
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_tensor_parallel_replay_names_the_rank_whose_own_shard_overflowed_not_the_lowest(
         tp_run: tuple[Path, list[dict[str, object]]], tmp_path: Path) -> None:
     import shutil

@@ -33,6 +33,7 @@ def _py(code: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess
 
 # said without any logging setup, once -------------------------------------------------------------
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_the_late_failure_and_its_capture_reach_stderr_without_logging_setup(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "sample_models" / "late_overflow.py"), "--steps", "160", "--capture",
                         str(tmp_path / "cap")], capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -57,6 +58,7 @@ def test_a_path_is_shown_below_the_working_directory_or_as_it_is(tmp_path: Path,
     assert shown_path(tmp_path.parent) == str(tmp_path.parent)
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_an_application_that_configured_logging_gets_each_event_once(tmp_path: Path) -> None:
     code = f"""
         import logging, sys, torch
@@ -300,6 +302,7 @@ def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch:
     assert mon.off is not None and mon.step_num == 1
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_two_processes_capturing_into_one_folder_both_keep_theirs(tmp_path: Path) -> None:
     code = f"""
         import sys, time, torch

@@ -442,6 +442,7 @@ def _invalid(doc: Any) -> bool:
     return False
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_500_malformed_manifests_each_give_exit_2(tmp_path: Path, capture: tuple[Path, dict[str, Any]], spec: Path) -> None:
     """Hypothesis builds 500 manifests that jsonschema refuses; every one is one line and exit 2 through the CLI."""
     from hypothesis import HealthCheck, assume, given, settings

@@ -156,6 +156,7 @@ def test_an_old_log_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
     assert not torch.nn.modules.module._global_forward_hooks
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_gradient_accumulation_rows_are_optimizer_steps_and_the_capture_replays(tmp_path: Path) -> None:
     cb = AmpDoctorCallback(log=tmp_path / "steps.csv", capture=tmp_path / "cap", inject_inf_at=2, inject_param=f"{QUERY}.weight")
     tr = _trainer(tmp_path, cb, fp16=True, gradient_accumulation_steps=2, max_steps=4)
@@ -234,6 +235,7 @@ def test_fused_adamw_nan_loss_step_is_skipped_and_the_run_is_the_run_without_the
     assert len(ok) == 5 and all(ok.loc[s, "grad_l2_pre_clip"] == theirs[s] for s in ok.index)
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_a_trainer_run_prints_its_first_failure_without_logging_setup(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -149,6 +149,7 @@ def test_list_rules_fits_80_columns() -> None:
     assert all(len(ln) <= 80 for ln in lines), [ln for ln in lines if len(ln) > 80]
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_the_projects_own_code_raises_nothing() -> None:
     res = lint_paths([ROOT / "sample_models", ROOT / "bench", ROOT / "tests"], Selection())
     assert res.errors == []

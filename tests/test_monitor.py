@@ -309,6 +309,7 @@ def test_one_host_sync_per_step(sync_counter: collections.Counter[str], every: i
             assert sum(sync_counter.values()) == 1, dict(sync_counter)
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_demo_runs_as_a_script(tmp_path: Path) -> None:
     import subprocess
 

@@ -120,7 +120,7 @@ def test_gradient_rows_and_norms_from_one_read_are_those_of_two(monkeypatch: pyt
     the step's records, norms and skip are exactly those of the two separate passes."""
     from ampdoctor.watch import fused
 
-    if fused.build_now() is None:
+    if fused.build_locked(wait=True) != 0:  # a finished build loads; one builder per machine (xdist workers)
         pytest.skip("no C++ compiler here: the kernel cannot be built")
     with monkeypatch.context() as m:
         two = _run(False, m)

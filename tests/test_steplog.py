@@ -151,6 +151,7 @@ KILLED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_killed_process_loses_no_finished_step(tmp_path: Path) -> None:
     log = tmp_path / "steps.csv"
     script = tmp_path / "train.py"

@@ -37,6 +37,7 @@ def build_dataloader():
 """
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_gpt2_healthy(tmp_path: Path) -> None:
     report, _ = triage(write_spec(tmp_path, SPEC.format(scale=1.0)), TriageConfig(steps=12))
     assert report.verdict.cause == "healthy", report.verdict.summary
