@@ -634,7 +634,7 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         return None
     if not ((st is not None and locate.backward_fault(st)) or c.collapsed or c.skip_alert):
         return None
-    module = locate.locate_backward(st) if st is not None else None
+    module = locate.locate_backward(st, _stats_at(c.fp32, bad)) if st is not None else None
     if c.tgt_name == "amp" and c.probe is not None and not _probe_grad_problem(c.probe):
         # the gradients fit FP16 unscaled and overflow only times the scale: GradScaler's own business,
         # unless something handles the scaled gradients (the evidence amp_misuse names)
