@@ -22,7 +22,7 @@ from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
-from ampdoctor.judge.datascan import DataIssue, scan_batches
+from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
 from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
 from ampdoctor.judge.scaler import ScaleFacts, diagnose_scale
@@ -563,6 +563,58 @@ def outlier_at_event(c: Ctx) -> Outcome | None:
     return None
 
 
+def beyond_range_batch(c: Ctx) -> Outcome | None:
+    """A batch holds values the target format cannot represent (|x| >= 65520 for FP16) and they reach the model's
+    modules: ``data``, whichever stage failed (raw FP16 turns them into inf; AMP may survive them when the op that
+    reads them keeps FP32 input in FP32, a LayerNorm after ``inputs_embeds``, and then trains on them silently).
+
+    "Reach": on the batch's step a module (not the root) reads an input that holds values beyond FP16's range in the
+    FP32 stage (values are never cast there), while on no step whose batch is within range does one: the values come
+    from the batch, not from the model. A model that masks or rescales them in its own code before any module (a
+    sentinel replaced in FP32, raw units divided) is not named here; the data scan still reports them."""
+    if c.tgt is None or c.tgt_name not in ("amp", "fp16"):
+        return None
+    limit = FP16.overflow_threshold
+    big = {i for i in range(len(c.batches.items)) if _batch_absmax(c.batches, i) >= limit}
+    over = [s for s in range(len(c.fp32.records)) if c.batches.index(s) in big]
+    if not over:
+        return None
+    reached = {st.step: m for st in c.fp32.stats if (m := _reader_beyond_range(st)) is not None}
+    if not reached or any(s not in over for s in reached):
+        return None
+    s = next((x for x in over if x in reached), None)
+    if s is None:
+        return None
+    b = c.batches.index(s)
+    where = largest_beyond(c.batches[s], limit)
+    if where is None:
+        return None
+    field_, pos, value, count = where
+    typical = typical_magnitudes(c.batches).get(field_, 0.0)
+    probe_bad = _first_bad_step(c.probe, amp=False) if c.probe is not None and c.probe is not c.tgt else None
+    facts = {"variant": "beyond_range_batch", "stage": c.tgt_name, "step": s, "batch": b, "field": field_,
+             "position": list(pos), "value": value, "count": count, "typical": typical,
+             "ratio": abs(value) / typical if typical > 0 else None, "module": reached[s],
+             "failed_step": c.bad, "probe_step": probe_bad, "steps": sorted(x for x in over if c.batches.index(x) == b)}
+    ev = {"field": field_, "position": list(pos), "value": value, "count": count, "typical_magnitude": typical,
+          "fp16_max": FP16.max, "first_reader": reached[s]}
+    return Outcome("data", None, b, c.tgt_name, facts,
+                   [Finding("data", "error", stage=c.tgt_name, step=b, evidence=ev)],
+                   [Fix("beyond_range_batch", {"batch": b, "field": field_, "position": list(pos), "value": value})])
+
+
+def _batch_absmax(batches: Batches, step: int) -> float:
+    return max((fc.absmax for fc in check_batch(batches[step])), default=0.0)
+
+
+def _reader_beyond_range(st: StepStats) -> str | None:
+    """The first module (not the root) in execution order reading an input with values beyond FP16's range."""
+    for call in st.calls:
+        if call.module != locate.MODEL and any(t in st.act and st.act[t][Col.OVERFLOW] > 0 for t in call.inputs):
+            return call.module
+    return None
+
+
 def damaged_weights(c: Ctx) -> Outcome | None:
     """amp: the weights reached at the bad step fail in FP32 too: AMP let damaged updates through."""
     rc = c.rc
@@ -745,6 +797,69 @@ def frozen(c: Ctx) -> Outcome | None:
     return out
 
 
+def flushed_in_fp16(c: Ctx) -> Outcome | None:
+    """Pure FP16 (no loss scaling): at some step a module's own parameter gradients are more than half flushed to
+    zero while non-zero in FP32 on the same step. Without a scaler nothing brings them back: those updates are lost,
+    also when the rest of the model trains and the loss keeps pace (a branch behind a 1e-6 LayerScale)."""
+    tgt = c.tgt
+    if c.tgt_name != "fp16" or tgt is None:
+        return None
+    hit = first_flushed_module(tgt, c.fp32)
+    if hit is None:
+        return None
+    step, module, share, params = hit
+    out = _underflow(c, params)
+    out.facts.update(variant="flushed_step", step=step, module=module, share=share, modules=hit_modules(tgt, c.fp32, step))
+    out.findings[0].step = step
+    out.findings[0].module = module
+    out.findings[0].evidence.update(step=step, module_flushed_share=share)
+    return replace(out, module=module, step=step)
+
+
+def _module_flush(st: StepStats, ref: StepStats) -> dict[str, tuple[float, list[tuple[str, float]]]]:
+    """Per module with parameters: the share of its own parameters' FP32-non-zero gradient elements that are zero in
+    ``st`` (flushed), and each parameter's share; rows with a non-finite value in either stage are left out."""
+    acc: dict[str, list[Any]] = {}
+    for p, row in st.pgrad.items():
+        r = ref.pgrad.get(p)
+        if r is None or nonfinite(row) > 0 or nonfinite(r) > 0 or not row[Col.NUMEL]:
+            continue
+        live = float(row[Col.NUMEL] - r[Col.ZERO])  # FP32-non-zero elements
+        if live <= 0:
+            continue
+        frac = locate.flushed_frac(row, r)
+        a = acc.setdefault(p.rsplit(".", 1)[0] if "." in p else locate.MODEL, [0.0, 0.0, []])
+        a[0] += frac * live
+        a[1] += live
+        a[2].append((p, frac))
+    return {m: (a[0] / a[1], a[2]) for m, a in acc.items()}
+
+
+def first_flushed_module(target: StageResult, fp32: StageResult) -> tuple[int, str, float, list[tuple[str, float]]] | None:
+    """(step, module, flushed share, its parameters' shares): the first step at which a module's own parameter
+    gradients are more than half flushed (non-zero in FP32 on the same step, zero in the target), and of those modules
+    the first that backward reaches on that step."""
+    for st in target.stats:
+        ref = _stats_at(fp32, st.step)
+        if ref is None:
+            continue
+        flushed = {m: v for m, v in _module_flush(st, ref).items() if v[0] > FLUSH_THRESHOLD}
+        if flushed:
+            rank = {m: i for i, m in enumerate(locate.backward_order(st))}
+            m = min(flushed, key=lambda n: rank.get(n, 1 << 30))
+            share, params = flushed[m]
+            return st.step, m, share, sorted(params, key=lambda pv: -pv[1])
+    return None
+
+
+def hit_modules(target: StageResult, fp32: StageResult, step: int) -> int:
+    """How many modules have more than half of their parameter gradients flushed at ``step``."""
+    st, ref = _stats_at(target, step), _stats_at(fp32, step)
+    if st is None or ref is None:
+        return 0
+    return sum(1 for v in _module_flush(st, ref).values() if v[0] > FLUSH_THRESHOLD)
+
+
 def healthy(c: Ctx) -> Outcome:
     """No rule applies: the target trains like FP32; the probes and the layer table add warnings."""
     story = c.story
@@ -756,9 +871,9 @@ def healthy(c: Ctx) -> Outcome:
 
 RULES: tuple[Rule, ...] = (
     fp32_raised, fp32_nonfinite_data, fp32_outlier, hook_hid_overflow, fp32_model_bug,
-    no_target, custom_function, target_raised, outlier_at_event,
+    no_target, custom_function, target_raised, outlier_at_event, beyond_range_batch,
     damaged_weights, forward_in_root, loss_in_fp16, forward_overflow, grad_overflow, nonfinite_weights,
-    masked_overflow, stall, optimizer_underflow, frozen,
+    masked_overflow, stall, optimizer_underflow, frozen, flushed_in_fp16,
 )
 """In order: the first rule that returns an Outcome decides the verdict; ``healthy`` when none does."""
 

@@ -137,6 +137,10 @@ FIXES: dict[str, Callable[[Facts], str]] = {
         "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
         "on another GPU)."),
     "bf16_tried": _bf16_tried,
+    "beyond_range_batch": lambda f: (
+        f"Fix batch {f['batch']} in build_dataloader(): {f['field']}[{', '.join(map(str, f['position']))}] = "
+        f"{gen(f['value'])} is no measurement FP16 can hold; mask or impute missing-value markers (and pass the mask), "
+        "or rescale the field, before the model reads it."),
 }
 """Fix code → the sentence, from the fix's facts."""
 
@@ -257,6 +261,30 @@ def _frozen(f: Facts) -> str:
                f"{f['module']} ({pct0(f['first_flushed_frac'])} of {f['first_flushed']})." if f.get("first_flushed") else ""))
 
 
+def _flushed_step(f: Facts) -> str:
+    prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    more = f" ({f['modules']} module(s) in all at that step)" if f.get("modules", 0) > 1 else ""
+    return (f"At step {f['step']}, {pct0(f['share'])} of {f['module']}'s parameter gradients (non-zero in FP32 on the same "
+            f"step) flush to zero in the {f['stage']} stage: the first module backward reaches with more than half of "
+            f"them flushed{more}. Without loss scaling those updates are lost{prog}.")
+
+
+def _beyond_range(f: Facts) -> str:
+    pos = f"{f['field']}[{', '.join(map(str, f['position']))}]"
+    vs = (f", {_g3(f['ratio'])}x the field's typical magnitude {_g3(f['typical'])}" if f.get("ratio") else "")
+    more = f" ({f['count']} element(s) of that batch)" if f.get("count", 1) > 1 else ""
+    seen = f"; batch {f['batch']} is seen at steps {_steps_list(f['steps'])}" if len(f.get("steps") or []) > 1 else ""
+    failed = (f"the {f['stage']} stage fails on it at step {f['failed_step']}" if f.get("failed_step") == f["step"] else
+              f"the {f['stage']} stage survives it (the op reading it keeps it in FP32) and trains on it"
+              + (f", while raw FP16 fails on it at step {f['probe_step']}" if f.get("probe_step") == f["step"] else ""))
+    return (f"Batch {f['batch']} holds a value FP16 cannot represent: {pos} = {gen(f['value'])}{vs}{more}, beyond FP16's "
+            f"max {gen(FP16.max)} (cast to FP16 it is inf). The first module reading it is {f['module']}; {failed}{seen}.")
+
+
+def _steps_list(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:4])) + (" ..." if len(steps) > 4 else "")
+
+
 def _healthy(f: Facts) -> str:
     s = f"The {f['stage']} configuration trains like FP32"
     if f.get("ratio") is not None and f.get("window") is not None:
@@ -335,6 +363,8 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
     "swallowed": _swallowed,
     "underflow": _underflow,
     "frozen": _frozen,
+    "flushed_step": _flushed_step,
+    "beyond_range_batch": _beyond_range,
     "stall": lambda f: f"The {f['stage']} stage makes {pct0(f['ratio'])} of FP32's loss progress without any non-finite value.",
     "healthy": _healthy,
     "scaler_normal": _scaler_normal,
@@ -368,6 +398,8 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "swallowed": lambda f: "updates are lost with FP16 weights",
     "underflow": lambda f: f"gradients of {f['parameters']} parameter(s) flush to zero in FP16",
     "frozen": lambda f: f"{f['frozen']} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move",
+    "flushed_step": lambda f: f"{f['module']}'s gradients flush to zero in FP16 at step {f['step']}",
+    "beyond_range_batch": lambda f: f"batch {f['batch']} holds {gen(f['value'])}, beyond FP16's range",
     "stall": lambda f: "training stalls against FP32",
     "scaler_normal": lambda f: f"GradScaler skipped step {f['step']} and backed off, as designed",
     "not_reproduced": lambda f: (
