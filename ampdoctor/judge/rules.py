@@ -23,7 +23,7 @@ from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, 
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
-from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
+from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
 from ampdoctor.judge.scaler import ScaleFacts, diagnose_scale
 from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
@@ -57,6 +57,9 @@ class Recheck:
     nonfinite_op: Callable[[], NonfiniteOp | None] | None = None
     """Replays the step's forward and loss in the stage's own precision (autocast / .half()) from the
     same weights and returns the first op that turns finite inputs into a non-finite output."""
+    masked: Callable[[str], MaskedRows | None] | None = None
+    """Replays the same FP32 forward and returns the first softmax inside a named module with a row masked
+    throughout (softmax over all -inf is NaN in every precision)."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
@@ -500,7 +503,14 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
     else:
         loc = "module" if module else "loss" if st is not None and not locate.forward_fault(st) else "model"
         facts.update(variant="fp32_bug", where=where, location=loc)
-        fix = Fix("guard_op", {"module": module})
+        # the fix follows the mechanism: a softmax row masked throughout is 0/0 (the mask), not a domain error
+        mr = rc.masked(module) if rc is not None and rc.masked is not None and module and where == "forward" else None
+        if mr is not None:
+            facts.update(masked={"op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+            ev["fully_masked_rows"] = {"op": mr.op, "rows": mr.rows, "first": list(mr.first)}
+            fix = Fix("unmask_row", {"module": module, "op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+        else:
+            fix = Fix("guard_op", {"module": module})
     return Outcome("model_bug", module, s, "fp32", facts,
                    [Finding("model_bug", "error", stage="fp32", module=module, step=s, evidence=ev)], [fix])
 

@@ -73,6 +73,11 @@ FIXES: dict[str, Callable[[Facts], str]] = {
     "guard_op": lambda f: (
         f"Guard the operation in {f.get('module') or 'the loss'}: clamp before log/sqrt (x.clamp_min(eps)), "
         "add eps to denominators; check it with FP32 before touching precision."),
+    "unmask_row": lambda f: (
+        f"Fix the mask in {f['module']}: every query must keep at least one key it may attend to (a sequence that is all "
+        "padding, or a left-padded position under a causal mask, keeps none). Drop such samples or unmask one key per "
+        "row (e.g. the query's own position), or fill with torch.finfo(dtype).min instead of -inf and zero the "
+        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0."),
     "custom_fwd_bwd": lambda f: (
         f"Decorate {f['function']}.forward with `@torch.amp.custom_fwd(device_type='{f['device']}', cast_inputs=torch.float32)` "
         f"and {f['function']}.backward with `@torch.amp.custom_bwd(device_type='{f['device']}')`: forward then runs in FP32 "
@@ -189,8 +194,11 @@ def _hook_hid(f: Facts) -> str:
 
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
+    m = f.get("masked")
+    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}), and a softmax "
+           "over a row of -inf is 0/0 = NaN in every precision" if m else "")
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
-            f"{loc} {_from_start(f, even=True)}.")
+            f"{loc} {_from_start(f, even=True)}{why}.")
 
 
 def _from_start(f: Facts, even: bool = False) -> str:
