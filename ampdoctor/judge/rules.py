@@ -25,7 +25,7 @@ from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
-from ampdoctor.judge.scaler import ScaleFacts, diagnose_scale
+from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale
 from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import (
     Col,
@@ -231,7 +231,7 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, f
 
 
 def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0,
-                 resumed: bool = False) -> tuple[ScalerStory, ScaleFacts] | None:
+                 resumed: bool = False, batches: Batches | None = None) -> tuple[ScalerStory, ScaleFacts] | None:
     """GradScaler's history in the amp stage, every step the run's own (``step0 + k``: the words are written
     from these numbers, never patched afterwards); ``resumed``: the stage started from the run's GradScaler
     state (a capture, a checkpoint), so the story starts from that scale, not ``--init-scale``. The story's
@@ -243,9 +243,25 @@ def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0,
     skipped = [r.skipped for r in recs]
     init = scales[0] if resumed else cfg.init_scale
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
-                       backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
+                       backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs],
+                       nonfinite=[r.skip_reason == "nonfinite_loss" for r in recs])
+    if batches is not None and batches.cycled and step0 == 0:
+        d.advice = [_by_batch(a, d.later_skips, batches) for a in d.advice]
     events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
     return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events, d.pattern, ""), d
+
+
+def _by_batch(a: Advice, later: list[int], batches: Batches) -> Advice:
+    """The isolated skips of a cycled dataloader grouped by the batch each step replayed: a batch that fails each time
+    it comes round is one batch, said once ("batch 0, seen at steps 0, 8, 16 ...")."""
+    if a.code != "check_isolated_skips":
+        return a
+    groups: dict[int, list[int]] = {}
+    for s in later:
+        groups.setdefault(batches.index(s), []).append(s)
+    if all(len(v) == 1 for v in groups.values()):
+        return a
+    return replace(a, batches=tuple((b, tuple(v)) for b, v in groups.items()))
 
 
 class Ctx:
@@ -268,7 +284,7 @@ class Ctx:
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)
         self.probe = results.get("fp16")
-        told = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
+        told = scaler_story(results["amp"], cfg, step0, resumed, batches) if "amp" in results else None
         self.story: ScalerStory | None = told[0] if told is not None else None
         self.scale: ScaleFacts | None = told[1] if told is not None else None
 

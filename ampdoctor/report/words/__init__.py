@@ -519,7 +519,9 @@ def _forward_fault(sc: ScalerStory) -> str:
         return (f"{n} skip(s) follow the non-finite values the forward pass makes (see the verdict), not calibration: "
                 f"no loss scale changes a forward value, yet GradScaler halves its scale at each, so the scale fell {fell}.")
     grad = [e for e in sc.skips if e.reason != "nonfinite_loss"]
-    calibrating = all(e in sc.skips[: sc.calibration_skips] for e in grad)
+    # a skip on a non-finite loss is never calibration (judge.scaler.diagnose_scale), so the calibration skips are
+    # gradient overflows: all of them are calibration when there are as many
+    calibrating = len(grad) <= sc.calibration_skips
     rest = (f"The other {len(grad)} are gradient overflows while the scale came down from {pow2(sc.init_scale)}: "
             "GradScaler calibrating, as designed. The gradients are not the problem: fix the forward pass."
             if calibrating else
