@@ -288,6 +288,23 @@ def _frozen() -> Scenario:
             {"variant": "frozen", "frozen": 1, "moved": pytest.approx(0.1)})
 
 
+def _flushed_in_fp16() -> Scenario:
+    # pure FP16: enc's gradient flushes at step 1 only (no stall, no movement lost, the median over steps is clean)
+    sts = {1: stats(1, pgrad={"enc.weight": row(zero=4), "head.weight": row()})}
+    fp16 = stage("fp16", FALLING, stats_at=sts)
+    return (rules.flushed_in_fp16, ctx(three(fp16=fp16), target="fp16"), ("fp16_grad_underflow", "enc", 1, "fp16"),
+            {"variant": "flushed_step", "share": 1.0, "modules": 1})
+
+
+def _beyond_range_batch() -> Scenario:
+    # batch 3 holds 1e7 (beyond FP16's range); in FP32 it reaches enc's input at step 3, and on no other step
+    st = stats(3)
+    st.act[0] = row(overflow=1, absmax=1e7)
+    fp32 = stage("fp32", FALLING, stats_at={3: st})
+    return (rules.beyond_range_batch, ctx(three(fp32=fp32), data=batches(big_at=3)), ("data", None, 3, "amp"),
+            {"field": "inputs", "position": [2, 1], "value": 1e7, "module": "enc", "count": 1})
+
+
 def _healthy() -> Scenario:
     fp16 = with_record(stage("fp16", FALLING), 2, loss=INF)
     amp = stage("amp", FALLING)
@@ -304,7 +321,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
         _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _hook_hid_overflow,
         _hook_hid_overflow_replay, _stall, _stall_underflow,
-        _stall_amp, _optimizer_underflow, _frozen, _healthy)
+        _stall_amp, _optimizer_underflow, _frozen, _flushed_in_fp16, _beyond_range_batch, _healthy)
 }
 
 
@@ -458,3 +475,12 @@ def test_a_finding_without_prose_until_written() -> None:
 
 def test_every_rule_has_a_scenario() -> None:
     assert set(rules.RULES) <= {make()[0] for make in SCENARIOS.values()}
+
+
+def test_a_batch_beyond_range_is_not_the_data_when_it_never_reaches_a_module_or_the_model_makes_such_values() -> None:
+    _, c, _, _ = _beyond_range_batch()
+    c.fp32.stats[3].act[0] = row()  # masked before any module (the model's own code): the data scan's warning only
+    assert rules.beyond_range_batch(c) is None
+    _, c, _, _ = _beyond_range_batch()
+    c.fp32.stats[1].act[1] = row(overflow=1, absmax=7e4)  # a module reads such values on an in-range batch too
+    assert rules.beyond_range_batch(c) is None

@@ -29,7 +29,7 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
-from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_nonfinite_op, scan_module
+from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
 from ampdoctor.judge.rules import (
     Diagnosis,
     HookCheck,
@@ -171,7 +171,11 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
         def nonfinite_op() -> NonfiniteOp | None:
             return replay_nonfinite_op(model, spec, worst, state, stage, device)
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op)
+        def masked(module: str) -> MaskedRows | None:
+            model.load_state_dict(state)
+            return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked)
 
     return run
 

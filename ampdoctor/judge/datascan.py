@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,3 +131,16 @@ def scan_batches(batches: Batches) -> list[DataIssue]:
 
 def issues_in_batch(issues: list[DataIssue], batch: int) -> list[DataIssue]:
     return [d for d in issues if batch in d.batches]
+
+
+def largest_beyond(batch: Any, limit: float) -> tuple[str, tuple[int, ...], float, int] | None:
+    """(field, index, value, count) of a batch's largest finite |x| at or beyond ``limit`` (the format's overflow
+    threshold): where it sits, the value, and how many of the field's elements are beyond; None when none is."""
+    best = None
+    for name, t in fields(batch):
+        a = torch.where(torch.isfinite(t), t.detach().float().abs(), torch.zeros((), dtype=torch.float32))
+        n = int((a >= limit).sum())
+        if n and (best is None or float(a.max()) > abs(best[2])):
+            idx = tuple(int(i) for i in np.unravel_index(int(a.argmax()), tuple(t.shape)))
+            best = (name, idx, float(t[idx]), n)
+    return best

@@ -78,12 +78,13 @@ def backward_fault(st: StepStats) -> bool:
     return any(nonfinite(r) > 0 for r in st.grad.values()) or any(nonfinite(r) > 0 for r in st.pgrad.values())
 
 
-def locate_backward(st: StepStats) -> str | None:
-    """First module reached in backward with finite incoming and non-finite outgoing/param grads."""
+def locate_backward(st: StepStats, ref: StepStats | None = None) -> str | None:
+    """First module reached in backward with finite incoming and non-finite outgoing/param grads. ``ref``: the FP32
+    reference's statistics of the same step, which tell which part of a join carries the inf (``entry_child``)."""
     for tid in st.model_outputs:
         if tid in st.grad and nonfinite(st.grad[tid]) > 0:
             p = producer(st, tid)
-            return entry_child(st) or p if p == MODEL else p
+            return entry_child(st, ref, within=p or MODEL) or p
     order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
     entered = [c for c in st.calls if _bad(st.grad, [t for t in c.outputs if t in st.grad])]
     cands: list[tuple[int, str]] = []
@@ -104,17 +105,48 @@ def locate_backward(st: StepStats) -> str | None:
     if inner:
         return inner[0]
     # none made it: the root's own code did (a weighted sum, a cat of heads); name where it entered a child
-    return entry_child(st) if any(c.module != MODEL for c in entered) else None
+    return entry_child(st, ref) if any(c.module != MODEL for c in entered) else None
 
 
-def entry_child(st: StepStats) -> str | None:
-    """Innermost child (not the root) whose output receives a non-finite gradient, first reached in
-    backward: where a non-finite gradient made by the root's own code (a cat, a softplus) enters a child."""
+def entry_child(st: StepStats, ref: StepStats | None = None, within: str = MODEL) -> str | None:
+    """Where a non-finite gradient made by the own code of ``within`` (the root, or the module returning the model's
+    output: a cat or stack of heads, a softplus) enters one of its descendants.
+
+    The candidates are the innermost descendants whose output receives a non-finite gradient, less those whose output
+    another candidate (not nested with it) reads: a trunk's gradient is the sum over the heads reading it, non-finite
+    because one of theirs is. The rest are the parts of the join. When several carry an inf (at GradScaler's scale
+    every part may), the part that carries it is the one whose gradient is largest in ``ref`` (FP32, same step): the
+    scale multiplies every part alike, so the largest overflows first, at the lowest scale, and stays non-finite when
+    the others fit. Without ``ref``, the first reached in backward."""
     order = {tid: i for i, tid in reversed(list(enumerate(st.grad_order)))}
-    cands = sorted((min(order.get(t, 1 << 30) for t in c.outputs if t in st.grad), c.module) for c in st.calls
-                   if c.module != MODEL and _bad(st.grad, [t for t in c.outputs if t in st.grad]))
+    bad = [c for c in st.calls if c.module != MODEL and c.module != within and (within == MODEL or is_ancestor(within, c.module))
+           and _bad(st.grad, [t for t in c.outputs if t in st.grad])]
+    src = [c for c in bad if not any(t in o.inputs for o in bad if o.module != c.module and not is_ancestor(o.module, c.module)
+                                     and not is_ancestor(c.module, o.module) for t in c.outputs)]
+    cands = sorted((min(order.get(t, 1 << 30) for t in c.outputs if t in st.grad), c.module) for c in src)
     inner = innermost(n for _, n in cands)
+    if len(inner) > 1 and ref is not None:
+        part = {m: _ref_grad_absmax(st, ref, m) for m in inner}
+        if all(v is not None for v in part.values()):
+            return max(inner, key=lambda m: (part[m], -inner.index(m)))
     return inner[0] if inner else None
+
+
+def _ref_grad_absmax(st: StepStats, ref: StepStats, module: str) -> float | None:
+    """The largest |gradient| at ``module``'s outputs in ``ref`` (the same step of another stage), matched by the
+    module's call and output position (both stages run the same forward); inf when non-finite there too."""
+    mine = [c for c in st.calls if c.module == module]
+    theirs = [c for c in ref.calls if c.module == module]
+    if not mine or len(mine) != len(theirs):
+        return None
+    best = None
+    for a, b in zip(mine, theirs, strict=True):
+        for ta, tb in zip(a.outputs, b.outputs, strict=False):
+            if ta in st.grad and tb in ref.grad:
+                row = ref.grad[tb]
+                v = float("inf") if nonfinite(row) > 0 else float(row[Col.ABSMAX])
+                best = v if best is None else max(best, v)
+    return best
 
 
 def module_of_param(param: str, modules: Iterable[str]) -> str:

@@ -79,6 +79,79 @@ def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> l
     return scan.ops
 
 
+@dataclass
+class MaskedRows:
+    """Softmax rows whose every entry is masked, seen inside a module in one forward: softmax over a row of -inf is
+    0/0 = NaN in every precision (a query that may attend to no key)."""
+
+    op: str
+    """'softmax', 'log_softmax' or 'scaled_dot_product_attention'."""
+    rows: int
+    """Fully masked rows in the first call that had any."""
+    first: tuple[int, ...]
+    """Index of the first such row (its leading dimensions: sample, head, query ...)."""
+
+
+def _dead_rows(func_name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A bool tensor over the rows of a softmax (or of SDPA's mask): True where every entry is masked."""
+    if func_name in ("softmax", "log_softmax"):
+        x = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and isinstance(dim, int) and x.dim():
+            return (x == float("-inf")).all(dim=dim)
+        return None
+    if func_name == "scaled_dot_product_attention":
+        m = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if isinstance(m, torch.Tensor) and m.dim():
+            return (~m).all(dim=-1) if m.dtype == torch.bool else (m == float("-inf")).all(dim=-1)
+    return None
+
+
+class _Masked(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.found: MaskedRows | None = None
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self.depth > 0 and self.found is None and name in ("softmax", "log_softmax", "scaled_dot_product_attention"):
+            with torch._C.DisableTorchFunction():
+                dead = _dead_rows(name, args, kwargs)
+                if dead is not None and bool(dead.any()):
+                    first = tuple(int(i) for i in torch.nonzero(dead)[0].tolist())
+                    self.found = MaskedRows(name, int(dead.sum()), first)
+        return func(*args, **kwargs)
+
+
+def masked_rows(model: nn.Module, module_name: str, run: Callable[[], Any]) -> MaskedRows | None:
+    """Run ``run()`` (a forward of ``model``) and return the first softmax inside ``module_name`` with a row that is
+    masked throughout (all -inf; for SDPA, a mask row that allows no key), or None."""
+    target = dict(model.named_modules()).get(module_name)
+    if target is None:
+        return None
+    scan = _Masked()
+
+    def enter(*_: Any) -> None:
+        scan.depth += 1
+
+    def leave(*_: Any) -> None:
+        scan.depth -= 1
+
+    h1 = target.register_forward_pre_hook(enter)
+    h2 = target.register_forward_hook(leave)
+    try:
+        with torch.no_grad(), scan:
+            run()
+    except Exception:
+        pass
+    finally:
+        h1.remove()
+        h2.remove()
+    return scan.found
+
+
 def first_overflowing_op(ops: list[OpRecord], fmt: Format = FP16) -> OpRecord | None:
     """The first op whose FP32 output has a finite value at or beyond the format's overflow threshold."""
     return next((o for o in ops if o.absmax >= fmt.overflow_threshold), None)

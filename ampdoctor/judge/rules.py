@@ -22,10 +22,10 @@ from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, outlier_ratio
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
-from ampdoctor.judge.datascan import DataIssue, scan_batches
-from ampdoctor.judge.opscan import NonfiniteOp, OpRecord, first_overflowing_op
+from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
+from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
-from ampdoctor.judge.scaler import ScaleFacts, diagnose_scale
+from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale
 from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import (
     Col,
@@ -57,6 +57,9 @@ class Recheck:
     nonfinite_op: Callable[[], NonfiniteOp | None] | None = None
     """Replays the step's forward and loss in the stage's own precision (autocast / .half()) from the
     same weights and returns the first op that turns finite inputs into a non-finite output."""
+    masked: Callable[[str], MaskedRows | None] | None = None
+    """Replays the same FP32 forward and returns the first softmax inside a named module with a row masked
+    throughout (softmax over all -inf is NaN in every precision)."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
@@ -228,7 +231,7 @@ def layer_table(results: dict[str, StageResult], target: str, limit: int = 12, f
 
 
 def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0,
-                 resumed: bool = False) -> tuple[ScalerStory, ScaleFacts] | None:
+                 resumed: bool = False, batches: Batches | None = None) -> tuple[ScalerStory, ScaleFacts] | None:
     """GradScaler's history in the amp stage, every step the run's own (``step0 + k``: the words are written
     from these numbers, never patched afterwards); ``resumed``: the stage started from the run's GradScaler
     state (a capture, a checkpoint), so the story starts from that scale, not ``--init-scale``. The story's
@@ -240,9 +243,25 @@ def scaler_story(res: StageResult, cfg: TriageConfig, step0: int = 0,
     skipped = [r.skipped for r in recs]
     init = scales[0] if resumed else cfg.init_scale
     d = diagnose_scale(scales, skipped, growth_interval=cfg.growth_interval,
-                       backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs])
+                       backoff_factor=cfg.backoff_factor, init_scale=init, steps=[step0 + r.step for r in recs],
+                       nonfinite=[r.skip_reason == "nonfinite_loss" for r in recs])
+    if batches is not None and batches.cycled and step0 == 0:
+        d.advice = [_by_batch(a, d.later_skips, batches) for a in d.advice]
     events = [ScaleEvent(step0 + r.step, float(r.scaler_scale or 0.0), r.skip_reason) for r in recs if r.skipped]
     return ScalerStory(init, d.final_scale, d.min_scale, max(scales), d.calibration_skips, events, d.pattern, ""), d
+
+
+def _by_batch(a: Advice, later: list[int], batches: Batches) -> Advice:
+    """The isolated skips of a cycled dataloader grouped by the batch each step replayed: a batch that fails each time
+    it comes round is one batch, said once ("batch 0, seen at steps 0, 8, 16 ...")."""
+    if a.code != "check_isolated_skips":
+        return a
+    groups: dict[int, list[int]] = {}
+    for s in later:
+        groups.setdefault(batches.index(s), []).append(s)
+    if all(len(v) == 1 for v in groups.values()):
+        return a
+    return replace(a, batches=tuple((b, tuple(v)) for b, v in groups.items()))
 
 
 class Ctx:
@@ -265,7 +284,7 @@ class Ctx:
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)
         self.probe = results.get("fp16")
-        told = scaler_story(results["amp"], cfg, step0, resumed) if "amp" in results else None
+        told = scaler_story(results["amp"], cfg, step0, resumed, batches) if "amp" in results else None
         self.story: ScalerStory | None = told[0] if told is not None else None
         self.scale: ScaleFacts | None = told[1] if told is not None else None
 
@@ -500,7 +519,14 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
     else:
         loc = "module" if module else "loss" if st is not None and not locate.forward_fault(st) else "model"
         facts.update(variant="fp32_bug", where=where, location=loc)
-        fix = Fix("guard_op", {"module": module})
+        # the fix follows the mechanism: a softmax row masked throughout is 0/0 (the mask), not a domain error
+        mr = rc.masked(module) if rc is not None and rc.masked is not None and module and where == "forward" else None
+        if mr is not None:
+            facts.update(masked={"op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+            ev["fully_masked_rows"] = {"op": mr.op, "rows": mr.rows, "first": list(mr.first)}
+            fix = Fix("unmask_row", {"module": module, "op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+        else:
+            fix = Fix("guard_op", {"module": module})
     return Outcome("model_bug", module, s, "fp32", facts,
                    [Finding("model_bug", "error", stage="fp32", module=module, step=s, evidence=ev)], [fix])
 
@@ -560,6 +586,58 @@ def outlier_at_event(c: Ctx) -> Outcome | None:
                            [Finding("data", "error", stage=c.tgt_name, step=b,
                                     evidence={"field": field_, "ratio_to_median": ratio, "samples": samples})],
                            [Fix("outlier_batch", {"batch": b, "field": field_, "samples": samples, "ratio": ratio})])
+    return None
+
+
+def beyond_range_batch(c: Ctx) -> Outcome | None:
+    """A batch holds values the target format cannot represent (|x| >= 65520 for FP16) and they reach the model's
+    modules: ``data``, whichever stage failed (raw FP16 turns them into inf; AMP may survive them when the op that
+    reads them keeps FP32 input in FP32, a LayerNorm after ``inputs_embeds``, and then trains on them silently).
+
+    "Reach": on the batch's step a module (not the root) reads an input that holds values beyond FP16's range in the
+    FP32 stage (values are never cast there), while on no step whose batch is within range does one: the values come
+    from the batch, not from the model. A model that masks or rescales them in its own code before any module (a
+    sentinel replaced in FP32, raw units divided) is not named here; the data scan still reports them."""
+    if c.tgt is None or c.tgt_name not in ("amp", "fp16"):
+        return None
+    limit = FP16.overflow_threshold
+    big = {i for i in range(len(c.batches.items)) if _batch_absmax(c.batches, i) >= limit}
+    over = [s for s in range(len(c.fp32.records)) if c.batches.index(s) in big]
+    if not over:
+        return None
+    reached = {st.step: m for st in c.fp32.stats if (m := _reader_beyond_range(st)) is not None}
+    if not reached or any(s not in over for s in reached):
+        return None
+    s = next((x for x in over if x in reached), None)
+    if s is None:
+        return None
+    b = c.batches.index(s)
+    where = largest_beyond(c.batches[s], limit)
+    if where is None:
+        return None
+    field_, pos, value, count = where
+    typical = typical_magnitudes(c.batches).get(field_, 0.0)
+    probe_bad = _first_bad_step(c.probe, amp=False) if c.probe is not None and c.probe is not c.tgt else None
+    facts = {"variant": "beyond_range_batch", "stage": c.tgt_name, "step": s, "batch": b, "field": field_,
+             "position": list(pos), "value": value, "count": count, "typical": typical,
+             "ratio": abs(value) / typical if typical > 0 else None, "module": reached[s],
+             "failed_step": c.bad, "probe_step": probe_bad, "steps": sorted(x for x in over if c.batches.index(x) == b)}
+    ev = {"field": field_, "position": list(pos), "value": value, "count": count, "typical_magnitude": typical,
+          "fp16_max": FP16.max, "first_reader": reached[s]}
+    return Outcome("data", None, b, c.tgt_name, facts,
+                   [Finding("data", "error", stage=c.tgt_name, step=b, evidence=ev)],
+                   [Fix("beyond_range_batch", {"batch": b, "field": field_, "position": list(pos), "value": value})])
+
+
+def _batch_absmax(batches: Batches, step: int) -> float:
+    return max((fc.absmax for fc in check_batch(batches[step])), default=0.0)
+
+
+def _reader_beyond_range(st: StepStats) -> str | None:
+    """The first module (not the root) in execution order reading an input with values beyond FP16's range."""
+    for call in st.calls:
+        if call.module != locate.MODEL and any(t in st.act and st.act[t][Col.OVERFLOW] > 0 for t in call.inputs):
+            return call.module
     return None
 
 
@@ -634,7 +712,7 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         return None
     if not ((st is not None and locate.backward_fault(st)) or c.collapsed or c.skip_alert):
         return None
-    module = locate.locate_backward(st) if st is not None else None
+    module = locate.locate_backward(st, _stats_at(c.fp32, bad)) if st is not None else None
     if c.tgt_name == "amp" and c.probe is not None and not _probe_grad_problem(c.probe):
         # the gradients fit FP16 unscaled and overflow only times the scale: GradScaler's own business,
         # unless something handles the scaled gradients (the evidence amp_misuse names)
@@ -745,6 +823,69 @@ def frozen(c: Ctx) -> Outcome | None:
     return out
 
 
+def flushed_in_fp16(c: Ctx) -> Outcome | None:
+    """Pure FP16 (no loss scaling): at some step a module's own parameter gradients are more than half flushed to
+    zero while non-zero in FP32 on the same step. Without a scaler nothing brings them back: those updates are lost,
+    also when the rest of the model trains and the loss keeps pace (a branch behind a 1e-6 LayerScale)."""
+    tgt = c.tgt
+    if c.tgt_name != "fp16" or tgt is None:
+        return None
+    hit = first_flushed_module(tgt, c.fp32)
+    if hit is None:
+        return None
+    step, module, share, params = hit
+    out = _underflow(c, params)
+    out.facts.update(variant="flushed_step", step=step, module=module, share=share, modules=hit_modules(tgt, c.fp32, step))
+    out.findings[0].step = step
+    out.findings[0].module = module
+    out.findings[0].evidence.update(step=step, module_flushed_share=share)
+    return replace(out, module=module, step=step)
+
+
+def _module_flush(st: StepStats, ref: StepStats) -> dict[str, tuple[float, list[tuple[str, float]]]]:
+    """Per module with parameters: the share of its own parameters' FP32-non-zero gradient elements that are zero in
+    ``st`` (flushed), and each parameter's share; rows with a non-finite value in either stage are left out."""
+    acc: dict[str, list[Any]] = {}
+    for p, row in st.pgrad.items():
+        r = ref.pgrad.get(p)
+        if r is None or nonfinite(row) > 0 or nonfinite(r) > 0 or not row[Col.NUMEL]:
+            continue
+        live = float(row[Col.NUMEL] - r[Col.ZERO])  # FP32-non-zero elements
+        if live <= 0:
+            continue
+        frac = locate.flushed_frac(row, r)
+        a = acc.setdefault(p.rsplit(".", 1)[0] if "." in p else locate.MODEL, [0.0, 0.0, []])
+        a[0] += frac * live
+        a[1] += live
+        a[2].append((p, frac))
+    return {m: (a[0] / a[1], a[2]) for m, a in acc.items()}
+
+
+def first_flushed_module(target: StageResult, fp32: StageResult) -> tuple[int, str, float, list[tuple[str, float]]] | None:
+    """(step, module, flushed share, its parameters' shares): the first step at which a module's own parameter
+    gradients are more than half flushed (non-zero in FP32 on the same step, zero in the target), and of those modules
+    the first that backward reaches on that step."""
+    for st in target.stats:
+        ref = _stats_at(fp32, st.step)
+        if ref is None:
+            continue
+        flushed = {m: v for m, v in _module_flush(st, ref).items() if v[0] > FLUSH_THRESHOLD}
+        if flushed:
+            rank = {m: i for i, m in enumerate(locate.backward_order(st))}
+            m = min(flushed, key=lambda n: rank.get(n, 1 << 30))
+            share, params = flushed[m]
+            return st.step, m, share, sorted(params, key=lambda pv: -pv[1])
+    return None
+
+
+def hit_modules(target: StageResult, fp32: StageResult, step: int) -> int:
+    """How many modules have more than half of their parameter gradients flushed at ``step``."""
+    st, ref = _stats_at(target, step), _stats_at(fp32, step)
+    if st is None or ref is None:
+        return 0
+    return sum(1 for v in _module_flush(st, ref).values() if v[0] > FLUSH_THRESHOLD)
+
+
 def healthy(c: Ctx) -> Outcome:
     """No rule applies: the target trains like FP32; the probes and the layer table add warnings."""
     story = c.story
@@ -756,9 +897,9 @@ def healthy(c: Ctx) -> Outcome:
 
 RULES: tuple[Rule, ...] = (
     fp32_raised, fp32_nonfinite_data, fp32_outlier, hook_hid_overflow, fp32_model_bug,
-    no_target, custom_function, target_raised, outlier_at_event,
+    no_target, custom_function, target_raised, outlier_at_event, beyond_range_batch,
     damaged_weights, forward_in_root, loss_in_fp16, forward_overflow, grad_overflow, nonfinite_weights,
-    masked_overflow, stall, optimizer_underflow, frozen,
+    masked_overflow, stall, optimizer_underflow, frozen, flushed_in_fp16,
 )
 """In order: the first rule that returns an Outcome decides the verdict; ``healthy`` when none does."""
 

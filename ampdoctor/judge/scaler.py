@@ -246,6 +246,9 @@ class Advice:
     """``init_scale_plateau``: the step where the run reached the plateau."""
     steps: tuple[int, ...] = ()
     """``check_isolated_skips``: the first ten isolated skips."""
+    batches: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """``check_isolated_skips`` of a cycled dataloader: (batch, the steps that replayed it) for each batch with isolated
+    skips, in the order of its first skip: one batch seen several times is said once."""
 
 
 @dataclass
@@ -338,8 +341,13 @@ def diagnose_scale(
     backoff_factor: float | None = None,
     init_scale: float | None = None,
     steps: Sequence[int] | None = None,
+    nonfinite: Sequence[bool] | None = None,
 ) -> ScaleFacts:
     """Classify the history of a GradScaler (one scale used and one skip flag per step).
+
+    ``nonfinite``: steps whose loss was non-finite (NaN/Inf from the data or the forward). Their skips are never
+    calibration: no loss scale makes a forward value finite, so such a skip says nothing about the scale the gradients
+    allow (they count with the skips after calibration, the batches to check).
 
     ``growth_interval`` and ``backoff_factor`` are the scaler's settings when known; otherwise
     they are inferred from the history (2000 and 0.5, PyTorch's defaults, when it shows none).
@@ -347,7 +355,7 @@ def diagnose_scale(
     A history too long to hold goes through ``ScaleTracker`` in chunks, with the same result.
     """
     t = ScaleTracker()
-    t.feed(scales, skipped, steps)
+    t.feed(scales, skipped, steps, nonfinite)
     return t.diagnose(growth_interval=growth_interval, backoff_factor=backoff_factor, init_scale=init_scale)
 
 
@@ -497,7 +505,7 @@ class ScaleTracker:
         self.high = -math.inf
 
     def feed(self, scales: Sequence[float] | np.ndarray, skipped: Sequence[bool] | np.ndarray,
-             steps: Sequence[int] | np.ndarray | None = None) -> None:
+             steps: Sequence[int] | np.ndarray | None = None, nonfinite: Sequence[bool] | np.ndarray | None = None) -> None:
         sc = np.asarray(scales, dtype=np.float64)
         sk = np.asarray(skipped, dtype=bool)
         m = len(sc)
@@ -526,6 +534,11 @@ class ScaleTracker:
             lo = 0 if not first else 1
             self._feed_pairs(prev_sk[lo:], prev[lo:], sc[lo:], rows[lo:] - 1)
         calib = self._feed_calibration(sc, sk, changed, g_idx)
+        if nonfinite is not None:  # a skip on a non-finite loss is never calibration (see diagnose_scale)
+            nf = np.asarray(nonfinite, dtype=bool)
+            if (calib & nf).any():
+                self._uncount(sc, calib, nf)
+                calib = calib & ~nf
         if g_idx.size:
             self.last_growth_row = o + int(g_idx[-1])
             self.scale_at_last_growth = float(sc[g_idx[-1]])
@@ -588,6 +601,15 @@ class ScaleTracker:
             self.calib_count += int(ci.size)
             self.last_calib_scale = float(sc[ci[-1]])
         return calib
+
+    def _uncount(self, sc: np.ndarray, calib: np.ndarray, nf: np.ndarray) -> None:
+        """Take the calibration skips of this chunk that were made by a non-finite loss out of the calibration count."""
+        self.calib_count -= int((calib & nf).sum())
+        kept = np.flatnonzero(calib & ~nf)
+        if kept.size:
+            self.last_calib_scale = float(sc[kept[-1]])
+        elif not self.calib_count:
+            self.last_calib_scale = math.nan
 
     def _feed_later(self, sc: np.ndarray, sk: np.ndarray, st: np.ndarray, later: np.ndarray, growths_cum: np.ndarray) -> None:
         """The skips that are not calibration: their steps, scales, the growths around them and the clean steps between."""

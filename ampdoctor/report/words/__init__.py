@@ -73,6 +73,11 @@ FIXES: dict[str, Callable[[Facts], str]] = {
     "guard_op": lambda f: (
         f"Guard the operation in {f.get('module') or 'the loss'}: clamp before log/sqrt (x.clamp_min(eps)), "
         "add eps to denominators; check it with FP32 before touching precision."),
+    "unmask_row": lambda f: (
+        f"Fix the mask in {f['module']}: every query must keep at least one key it may attend to (a sequence that is all "
+        "padding, or a left-padded position under a causal mask, keeps none). Drop such samples or unmask one key per "
+        "row (e.g. the query's own position), or fill with torch.finfo(dtype).min instead of -inf and zero the "
+        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0."),
     "custom_fwd_bwd": lambda f: (
         f"Decorate {f['function']}.forward with `@torch.amp.custom_fwd(device_type='{f['device']}', cast_inputs=torch.float32)` "
         f"and {f['function']}.backward with `@torch.amp.custom_bwd(device_type='{f['device']}')`: forward then runs in FP32 "
@@ -137,6 +142,10 @@ FIXES: dict[str, Callable[[Facts], str]] = {
         "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
         "on another GPU)."),
     "bf16_tried": _bf16_tried,
+    "beyond_range_batch": lambda f: (
+        f"Fix batch {f['batch']} in build_dataloader(): {f['field']}[{', '.join(map(str, f['position']))}] = "
+        f"{gen(f['value'])} is no measurement FP16 can hold; mask or impute missing-value markers (and pass the mask), "
+        "or rescale the field, before the model reads it."),
 }
 """Fix code → the sentence, from the fix's facts."""
 
@@ -185,8 +194,11 @@ def _hook_hid(f: Facts) -> str:
 
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
+    m = f.get("masked")
+    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}), and a softmax "
+           "over a row of -inf is 0/0 = NaN in every precision" if m else "")
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
-            f"{loc} {_from_start(f, even=True)}.")
+            f"{loc} {_from_start(f, even=True)}{why}.")
 
 
 def _from_start(f: Facts, even: bool = False) -> str:
@@ -255,6 +267,30 @@ def _frozen(f: Facts) -> str:
             f"{f['frozen']} parameter(s) are frozen{prog}."
             + (f" The first module backward reaches with more than half of its parameter gradients flushed is "
                f"{f['module']} ({pct0(f['first_flushed_frac'])} of {f['first_flushed']})." if f.get("first_flushed") else ""))
+
+
+def _flushed_step(f: Facts) -> str:
+    prog = f"; the loss still makes {pct0(f['ratio'])} of FP32's progress" if f.get("ratio") is not None else ""
+    more = f" ({f['modules']} module(s) in all at that step)" if f.get("modules", 0) > 1 else ""
+    return (f"At step {f['step']}, {pct0(f['share'])} of {f['module']}'s parameter gradients (non-zero in FP32 on the same "
+            f"step) flush to zero in the {f['stage']} stage: the first module backward reaches with more than half of "
+            f"them flushed{more}. Without loss scaling those updates are lost{prog}.")
+
+
+def _beyond_range(f: Facts) -> str:
+    pos = f"{f['field']}[{', '.join(map(str, f['position']))}]"
+    vs = (f", {_g3(f['ratio'])}x the field's typical magnitude {_g3(f['typical'])}" if f.get("ratio") else "")
+    more = f" ({f['count']} element(s) of that batch)" if f.get("count", 1) > 1 else ""
+    seen = f"; batch {f['batch']} is seen at steps {_steps_list(f['steps'])}" if len(f.get("steps") or []) > 1 else ""
+    failed = (f"the {f['stage']} stage fails on it at step {f['failed_step']}" if f.get("failed_step") == f["step"] else
+              f"the {f['stage']} stage survives it (the op reading it keeps it in FP32) and trains on it"
+              + (f", while raw FP16 fails on it at step {f['probe_step']}" if f.get("probe_step") == f["step"] else ""))
+    return (f"Batch {f['batch']} holds a value FP16 cannot represent: {pos} = {gen(f['value'])}{vs}{more}, beyond FP16's "
+            f"max {gen(FP16.max)} (cast to FP16 it is inf). The first module reading it is {f['module']}; {failed}{seen}.")
+
+
+def _steps_list(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:4])) + (" ..." if len(steps) > 4 else "")
 
 
 def _healthy(f: Facts) -> str:
@@ -335,6 +371,8 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
     "swallowed": _swallowed,
     "underflow": _underflow,
     "frozen": _frozen,
+    "flushed_step": _flushed_step,
+    "beyond_range_batch": _beyond_range,
     "stall": lambda f: f"The {f['stage']} stage makes {pct0(f['ratio'])} of FP32's loss progress without any non-finite value.",
     "healthy": _healthy,
     "scaler_normal": _scaler_normal,
@@ -368,6 +406,8 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "swallowed": lambda f: "updates are lost with FP16 weights",
     "underflow": lambda f: f"gradients of {f['parameters']} parameter(s) flush to zero in FP16",
     "frozen": lambda f: f"{f['frozen']} parameter(s) frozen: gradients flush to zero in FP16 and the weights barely move",
+    "flushed_step": lambda f: f"{f['module']}'s gradients flush to zero in FP16 at step {f['step']}",
+    "beyond_range_batch": lambda f: f"batch {f['batch']} holds {gen(f['value'])}, beyond FP16's range",
     "stall": lambda f: "training stalls against FP32",
     "scaler_normal": lambda f: f"GradScaler skipped step {f['step']} and backed off, as designed",
     "not_reproduced": lambda f: (
@@ -479,7 +519,9 @@ def _forward_fault(sc: ScalerStory) -> str:
         return (f"{n} skip(s) follow the non-finite values the forward pass makes (see the verdict), not calibration: "
                 f"no loss scale changes a forward value, yet GradScaler halves its scale at each, so the scale fell {fell}.")
     grad = [e for e in sc.skips if e.reason != "nonfinite_loss"]
-    calibrating = all(e in sc.skips[: sc.calibration_skips] for e in grad)
+    # a skip on a non-finite loss is never calibration (judge.scaler.diagnose_scale), so the calibration skips are
+    # gradient overflows: all of them are calibration when there are as many
+    calibrating = len(grad) <= sc.calibration_skips
     rest = (f"The other {len(grad)} are gradient overflows while the scale came down from {pow2(sc.init_scale)}: "
             "GradScaler calibrating, as designed. The gradients are not the problem: fix the forward pass."
             if calibrating else

@@ -131,9 +131,22 @@ def advise(a: Advice) -> str:
             return f"growth_interval={int(v)}: {a.count} growths without an overflow; growing twice as often finds the top sooner"
         case "init_scale_calibration":
             return f"init_scale={setting(v)} skips the {a.count} calibration step(s)"
+        case "check_isolated_skips" if len(a.batches) == 1:
+            return f"isolated skips on one batch, {_by_batch(a.batches)}: check that batch"
+        case "check_isolated_skips" if a.batches:
+            return f"isolated skips on {len(a.batches)} batches: {_by_batch(a.batches)}: check those batches"
         case "check_isolated_skips":
             return f"isolated skips at steps {', '.join(str(s) for s in a.steps)}: check those batches"
     raise AssertionError(a.code)  # pragma: no cover  (every AdviceCode has its words)
+
+
+def _by_batch(groups: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
+    """'batch 7, seen at steps 7, 19, 31 ...; batch 2 at step 2' (a cycled dataloader's batch said once)."""
+    def one(b: int, steps: tuple[int, ...]) -> str:
+        if len(steps) == 1:
+            return f"batch {b} at step {steps[0]}"
+        return f"batch {b}, seen at steps {', '.join(map(str, steps[:3]))}" + (" ..." if len(steps) > 3 else "")
+    return "; ".join(one(b, s) for b, s in groups[:10])
 
 
 def recommendations(d: ScaleFacts) -> list[str]:
