@@ -454,6 +454,9 @@ class Capture:
     def __post_init__(self) -> None:
         if self.hold_bytes <= 0:
             self.hold_bytes = default_hold_bytes(self.max_bytes)
+        from ampdoctor.engine.run_identity import run_id
+
+        self.run_id = run_id()  # at arming, every rank alive: the id the ranks' captures share
         self._rng: tuple[Any, ...] | None = None
         self._rng_step: int | None = None
         self._rng_forward: int | None = None
@@ -661,6 +664,8 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
+            "run_id": self.run_id,
+            "model_fingerprint": _fingerprint(self.model, self.layout),
             **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
         }
 
@@ -730,6 +735,15 @@ def _recipe(model: nn.Module) -> dict[str, Any] | None:
     other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
     try:
         return recipe(model) or (other(model) if other is not None else None)
+    except Exception:
+        return None
+
+
+def _fingerprint(model: nn.Module, layout: dict[str, Any] | None) -> str | None:
+    from ampdoctor.engine.run_identity import fingerprint
+
+    try:
+        return fingerprint(model, layout)
     except Exception:
         return None
 
