@@ -619,15 +619,18 @@ class Capture:
         budget = self.max_bytes - sum(nbytes(v) for v in files.values())
         # the failing batch first in priority, then the ones before it, newest first
         kept: list[int] = []
+        short = ""
         for i in range(len(batches) - 1, -1, -1):
             b = nbytes(batches[i])
-            if b > budget:
+            if b > budget:  # by how much: the newest batch left out, against what the budget had left
+                short = (f"; the {'failing' if not kept else 'next'} step's batch takes {b} bytes, {b - max(budget, 0)} "
+                         f"more than the {max(budget, 0)} left beside the state files")
                 break
             budget -= b
             kept.append(i)
         kept.sort()
         if len(kept) < len(batches):
-            left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes})")
+            left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes}{short})")
             if snap is not None and (not kept or kept[0] != 0):
                 files.pop(SNAPSHOT_FILE)
                 left_out.append(f"{SNAPSHOT_FILE} (its batches did not fit, so it cannot re-reach the step)")

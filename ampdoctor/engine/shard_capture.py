@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from ampdoctor.engine.replay import Captured, StartState, read_rank
-from ampdoctor.engine.shards import assemble
+from ampdoctor.engine.shards import assemble, claimed_shape
 from ampdoctor.errors import CaptureError
-from ampdoctor.input.capture_schema import read_manifest
+from ampdoctor.input.capture_schema import SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
 
 MANIFEST = "manifest.json"
 _RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")
@@ -117,20 +117,57 @@ def rank_folders(p: Path) -> dict[int, Path]:
 
 
 def _layout(cap: Captured) -> tuple[dict[str, Any], list[str | None]]:
-    sh = cap.manifest.get("shards")
+    return _layout_of(cap.manifest, cap.path)
+
+
+def _layout_of(manifest: dict[str, Any], path: Path) -> tuple[dict[str, Any], list[str | None]]:
+    sh = manifest.get("shards")
     if not isinstance(sh, dict) or not isinstance(sh.get("model"), dict):
-        raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
-                           f"{cap.manifest.get('sharded')} model but its manifest has no field shards (where each piece "
+        raise CaptureError(f"{path}: this capture holds rank {manifest.get('rank')}'s shard of a "
+                           f"{manifest.get('sharded')} model but its manifest has no field shards (where each piece "
                            "sits); it cannot be reassembled: capture again with this ampdoctor")
     for n, lay in sh["model"].items():
         if not (isinstance(lay, dict) and isinstance(lay.get("shape"), list)
                 and (isinstance(lay.get("flat"), int) or isinstance(lay.get("offset"), list))):
-            raise CaptureError(f"{cap.path}: field shards.model[{n!r}] is not {{'shape': [...], 'flat': k}} or "
+            raise CaptureError(f"{path}: field shards.model[{n!r}] is not {{'shape': [...], 'flat': k}} or "
                                "{'shape': [...], 'offset': [...]}; the capture is damaged (capture again)")
     params = sh.get("optimizer_params") or []
     if not isinstance(params, list) or not all(isinstance(x, str) or x is None for x in params):
-        raise CaptureError(f"{cap.path}: field shards.optimizer_params is not a list of parameter names; the capture is damaged")
+        raise CaptureError(f"{path}: field shards.optimizer_params is not a list of parameter names; the capture is damaged")
     return sh["model"], params
+
+
+def check_pieces(p: Path, group: dict[int, Path]) -> None:
+    """Before a replay on N processes starts: every rank's folder is of the same run, and each piece of its state
+    file sits inside the whole shape its manifest names, the pieces holding at least that many elements (the state
+    files memory-mapped: their shapes are read, not their data). One ``CaptureError`` line naming the tensor, the
+    folder, the file and the field."""
+    ms = {r: read_manifest(q / MANIFEST) for r, q in sorted(group.items())}
+    r0 = min(ms)
+    for r, q in group.items():
+        _same_run(q, ms[r], group[r0], ms[r0])
+    models: dict[int, tuple[dict[str, Any], dict[str, Any], str]] = {}
+    for r, q in sorted(group.items()):
+        name = STATE_FILE if STATE_FILE in ms[r]["files"] else SNAPSHOT_FILE
+        try:
+            st = torch.load(q / name, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CaptureError(f"{q}: {name} cannot be read ({type(e).__name__}: {str(e).strip()[:120]}); the capture is "
+                               "truncated or damaged") from None
+        validate_state(st, q / name)
+        models[r] = (st["model"], _layout_of(ms[r], q)[0], name)
+    for n in models[r0][1]:
+        pieces, where = [], []
+        for r, (state, lay, fname) in sorted(models.items()):
+            if n not in state or n not in lay:
+                raise CaptureError(f"{group[r]}: {fname} holds no piece of {n} (field shards.model[{n!r}] of "
+                                   f"{group[r0].name} names it); the ranks' captures do not belong together")
+            pieces.append((state[n], lay[n]))
+            where.append(f"{group[r].name}/{MANIFEST}")
+        try:
+            claimed_shape(pieces, n, where, n)
+        except ValueError as e:
+            raise CaptureError(f"{p}: {e}; the capture is damaged or was edited (capture again)") from None
 
 
 def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captured]:
@@ -249,4 +286,4 @@ def _entry(state: dict[str, Any] | None, idx: int) -> dict[str, Any] | None:
     return got if isinstance(got, dict) else None
 
 
-__all__ = ["assemble", "reassemble", "reassemble_group", "rank_folders"]
+__all__ = ["assemble", "check_pieces", "group_of", "identity", "rank_folders", "reassemble", "reassemble_group"]

@@ -298,7 +298,7 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     return {"engine": "fsdp2", "fully_shard": mods[::-1], "mp_policy": mp, "mesh": mesh}
 
 
-def _claims(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str], key: str) -> list[int]:
+def claimed_shape(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str], key: str) -> list[int]:
     """The whole shape every piece names, checked against the pieces before anything is allocated: every piece names
     the same shape, sits inside it, and together they hold at least its elements (ValueError naming the tensor, the
     rank's file and the field; ``where[i]``: piece ``i``'s manifest)."""
@@ -351,7 +351,7 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where
     in no piece. Nothing is allocated before those checks: at most what the pieces hold. ``key``: the layout's
     entry (default ``name``)."""
     key = name if key is None else key  # the layout's entry (an optimizer state tensor is laid out as its parameter)
-    shape = _claims(pieces, name, where or [], key)
+    shape = claimed_shape(pieces, name, where or [], key)
     dtype = next((t.dtype for t, _ in pieces if t.numel()), pieces[0][0].dtype)
     _fits(shape, dtype, name)
     full = torch.zeros(shape, dtype=dtype)
@@ -374,4 +374,4 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "dtensor_piece", "recipe", "trip_stats"]
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "claimed_shape", "dtensor_piece", "recipe", "trip_stats"]
