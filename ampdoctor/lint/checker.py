@@ -174,8 +174,8 @@ def read_source(path: Path) -> str:
             raise LintInputError(f"{path}: not a regular file (a named pipe, a device or a socket); give .py files or "
                                  "folders")
         if st.st_size > MAX_FILE_BYTES:
-            raise LintSkip(f"{path}: skipped, {st.st_size / 1e6:.1f} MB is over the size budget of a file "
-                           f"({MAX_FILE_BYTES / 1e6:.0f} MB); nothing in it was checked")
+            raise LintSkip(f"{path}: skipped, {_size(st.st_size)} is over the size budget of a file "
+                           f"({_size(MAX_FILE_BYTES)}); nothing in it was checked")
         data = path.read_bytes()
     except OSError as e:
         raise LintInputError(f"{path}: cannot read ({e.strerror or e}); check the path and its permissions") from None
@@ -183,6 +183,10 @@ def read_source(path: Path) -> str:
         return tokenize_source(data)
     except (SyntaxError, UnicodeDecodeError) as e:
         raise LintInputError(f"{path}: not a text Python file ({type(e).__name__}); give .py files or folders") from None
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 10**6 else f"{n} bytes"
 
 
 def tokenize_source(data: bytes) -> str:

@@ -426,13 +426,13 @@ def _read_text(p: Path, notes: list[str]) -> str:
         raise StepLogError(f"{p} does not exist")
     if p.is_dir():
         raise StepLogError(f"{p} is a directory, not a step log CSV")
+    enc = _wide_encoding(p)
+    if enc is not None:  # a log saved by an editor or PowerShell's `>` (UTF-16: ASCII with NULs is valid UTF-8)
+        raise StepLogError(f"{p} is {enc} text, and step logs are read as UTF-8: convert it, e.g. `iconv -f "
+                           f"{enc.split()[0]} -t UTF-8 {p.name} > {p.stem}.utf8{p.suffix}`")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        enc = _wide_encoding(p)
-        if enc is not None:  # a log saved by an editor or PowerShell's `>` (UTF-16)
-            raise StepLogError(f"{p} is {enc} text, and step logs are read as UTF-8: convert it, e.g. `iconv -f "
-                               f"{enc.split()[0]} -t UTF-8 {p.name} > {p.stem}.utf8{p.suffix}`") from None
         raise StepLogError(f"{p} is not a text CSV ({e.reason} at byte {e.start})") from None
     if not text.strip():
         raise StepLogError(f"{p} is empty; a step log starts with the header {','.join(COLUMNS)}")
