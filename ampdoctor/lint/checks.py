@@ -47,7 +47,8 @@ class Ctx:
 
     @cached_property
     def events(self) -> list[Events]:
-        return [Events(self.f, fn) for fn in [self.f.module, *self.f.funcs]]
+        maybe = self.f.may_step()  # (a function that cannot reach a step has no event any rule reads)
+        return [Events(self.f, fn) for fn in [self.f.module, *self.f.funcs] if id(fn) in maybe]
 
     def scope_events(self) -> Iterator[list[Event]]:
         for ev in self.events:

@@ -205,6 +205,28 @@ class FileFacts:
         self.optimizers = self._optimizers()
         self.regions = self._regions()
 
+    def may_step(self) -> set[int]:
+        """The functions (ids of their ``Func``) whose events may hold an optimizer or scaler ``step`` call: one in
+        their own body, or in a same-file function they call, two calls deep as ``Events`` inlines them. Matched by
+        the called name's last part (more than ``resolve`` finds, never less; a ``forward`` that steps makes every
+        function a candidate). The rules that read events all need a step: the others' events are never built."""
+        own: dict[int, set[str]] = {}
+        direct: set[int] = set()
+        for c in self.calls:
+            fn = id(self.scope_of(c))
+            m = method(c)
+            if m is not None and m[1] == "step":
+                direct.add(fn)
+            own.setdefault(fn, set()).add(last(call_name(c)))
+        every = [self.module, *self.funcs]
+        hit = set(direct)
+        for _ in range(2):
+            names = {f.node.name for f in self.funcs if id(f) in hit}  # type: ignore[union-attr]
+            if "forward" in names:  # model(x) resolves to a forward by the class, not by the name called
+                return {id(f) for f in every}
+            hit |= {id(f) for f in every if own.get(id(f), set()) & names}
+        return hit
+
     def canon(self, name: str | None) -> str:
         """A dotted name with its first part's import spelled out: 'amp.autocast' -> 'torch.cuda.amp.autocast'."""
         if not name:
@@ -345,7 +367,7 @@ class FileFacts:
                 inner = method(recv)
                 if inner and inner[1] == "scale" and dotted(inner[0]):
                     out.add(dotted(inner[0]))  # type: ignore[arg-type]
-        for c in self.calls:  # a helper's parameter that a caller passes a scaler to
+        for c in self.calls if out else []:  # a helper's parameter that a caller passes a scaler to
             f = self.resolve(c, self.scope_of(c))
             if f is not None:
                 for p, a in _bind(f, c):
