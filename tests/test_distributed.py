@@ -321,7 +321,34 @@ def test_nproc_a_rank_that_cannot_set_up_stops_every_rank_in_one_line(
     mf.write_text(json.dumps(m))
     code, _, err = _nproc(tmp_path / "cap.rank1", "2")  # rank 0 set up fine and must not wait forever
     assert code == 2 and "the replay on 2 ranks failed" in err and "rank 1: CaptureError: embed.weight" in err
-    assert "rank 0: stopped: another rank could not set up" in err
+    assert "stopped: another rank could not set up" not in err  # the rank that failed, not the one it stopped
+
+
+@pytest.mark.slow
+def test_another_runs_rank_folder_is_refused_on_one_process_and_under_nproc_naming_the_folders(
+        fsdp2_run: tuple[Path, list[dict[str, object]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    import tempfile
+
+    out, _ = fsdp2_run
+    other = tmp_path / "other"
+    other.mkdir()
+    _sharded("fsdp2", other)  # a second run of the same model: the same step fails, its own run id
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copytree(out / "cap.rank0", mixed / "cap.rank0")
+    shutil.copytree(other / "cap.rank1", mixed / "cap.rank1")
+    ids = [json.loads((mixed / f"cap.rank{k}" / "manifest.json").read_text())["run_id"] for k in (0, 1)]
+    assert ids[0] != ids[1] and all(isinstance(i, str) for i in ids)
+    assert json.loads((other / "cap.rank0" / "manifest.json").read_text())["run_id"] == ids[1]  # one id a run
+    for args in ([], ["--nproc", "2"]):
+        r = CliRunner().invoke(app, ["triage", str(WORKER), "--from", str(mixed / "cap.rank1"), "-q", *args])
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and "are captures of different runs" in lines[0], r.output
+        assert "cap.rank0" in lines[0] and "cap.rank1" in lines[0] and ids[0] in lines[0] and ids[1] in lines[0]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # --nproc's results folder goes when the replay ends
+    code, _, _ = _nproc(out / "cap.rank1", "2")
+    assert code in (0, 1) and not list(tmp_path.glob("ampdoctor-ranks-*"))
 
 
 @pytest.mark.slow

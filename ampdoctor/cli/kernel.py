@@ -15,10 +15,14 @@ def build_kernel() -> None:
 
     if not fused.enabled():
         raise UsageError("AMPDOCTOR_FUSED=0 turns the kernel off in this environment; unset it to build the kernel")
+    why = fused.obstacle()
+    if why is not None:  # the folder, its permissions, the disk, the tools: said before anything is tried
+        fail(f"the statistics kernel cannot be built here: {why}")
+        return
     out.print("building the statistics kernel (about 45 s of one core, longer on a busy machine; once per machine)...", style="dim",
               markup=False, highlight=False)
     if fused.build_locked(wait=True) == 0:
         out.print(f"the statistics kernel is ready: {fused.build_dir()}", markup=False, highlight=False)
         return
-    fail("the statistics kernel could not be built (it needs a C++ compiler and ninja: pip install ninja, and g++ or "
-         "clang); the Monitor works without it, on the slower eager path")
+    fail(f"the statistics kernel could not be built: {fused.why_not()}; the Monitor works without it, on the "
+         "slower eager path")

@@ -56,6 +56,7 @@ def lint(
         res.findings += part.findings
         res.files += part.files
         res.errors += part.errors
+        res.skipped += part.skipped
     found = list(dict.fromkeys(res.findings))
     if output_format == "json":
         sys.stdout.write(json.dumps([as_dict(f) for f in found], indent=2) + "\n")
@@ -64,6 +65,8 @@ def lint(
             sys.stdout.write(github_line(f) + "\n")
     else:
         _text(found, res, concise=output_format == "concise")
+    for note in res.skipped:  # one line each: a file left unchecked on purpose is never silent
+        sys.stderr.write(f"note: {note}\n")
     if res.errors:
         more = f" ({len(res.errors) - 1} more file(s) like it)" if len(res.errors) > 1 else ""
         fail(res.errors[0] + more)
@@ -102,6 +105,8 @@ def _text(found: list[LintFinding], res: Result, *, concise: bool) -> None:
                       markup=False, highlight=False, soft_wrap=True, style="dim")
     files = len({f.path for f in found})
     checked = f"{res.files} file{'s' if res.files != 1 else ''} checked"
+    left = len(res.errors) + len(res.skipped)
+    checked += f", {left} not checked" if left else ""
     if found:
         out.print(f"Found {len(found)} finding{'s' if len(found) != 1 else ''} in {files} file{'s' if files != 1 else ''} "
                   f"({checked}).", markup=False, highlight=False)

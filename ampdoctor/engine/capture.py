@@ -450,6 +450,9 @@ class Capture:
     def __post_init__(self) -> None:
         if self.hold_bytes <= 0:
             self.hold_bytes = default_hold_bytes(self.max_bytes)
+        from ampdoctor.engine.run_identity import run_id
+
+        self.run_id = run_id()  # at arming, every rank alive: the id the ranks' captures share
         self._rng: tuple[Any, ...] | None = None
         self._rng_step: int | None = None
         self._rng_forward: int | None = None
@@ -612,15 +615,18 @@ class Capture:
         budget = self.max_bytes - sum(nbytes(v) for v in files.values())
         # the failing batch first in priority, then the ones before it, newest first
         kept: list[int] = []
+        short = ""
         for i in range(len(batches) - 1, -1, -1):
             b = nbytes(batches[i])
-            if b > budget:
+            if b > budget:  # by how much: the newest batch left out, against what the budget had left
+                short = (f"; the {'failing' if not kept else 'next'} step's batch takes {b} bytes, {b - max(budget, 0)} "
+                         f"more than the {max(budget, 0)} left beside the state files")
                 break
             budget -= b
             kept.append(i)
         kept.sort()
         if len(kept) < len(batches):
-            left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes})")
+            left_out.append(f"{len(batches) - len(kept)} of {len(batches)} batches (capture_max_bytes={self.max_bytes}{short})")
             if snap is not None and (not kept or kept[0] != 0):
                 files.pop(SNAPSHOT_FILE)
                 left_out.append(f"{SNAPSHOT_FILE} (its batches did not fit, so it cannot re-reach the step)")
@@ -657,6 +663,8 @@ class Capture:
             "rank": rank,
             "world_size": world,
             "sharded": self.sharded,
+            "run_id": self.run_id,
+            "model_fingerprint": _fingerprint(self.model, self.layout),
             **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
         }
 
@@ -726,6 +734,15 @@ def _recipe(model: nn.Module) -> dict[str, Any] | None:
     other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
     try:
         return recipe(model) or (other(model) if other is not None else None)
+    except Exception:
+        return None
+
+
+def _fingerprint(model: nn.Module, layout: dict[str, Any] | None) -> str | None:
+    from ampdoctor.engine.run_identity import fingerprint
+
+    try:
+        return fingerprint(model, layout)
     except Exception:
         return None
 

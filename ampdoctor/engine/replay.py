@@ -125,6 +125,7 @@ def _read_one(p: Path) -> Captured:
     manifest = read_manifest(mf)
     files = set(manifest["files"])
     batches = _load(p, BATCHES_FILE)
+    _budget_left_out(p, manifest, batches)
     validate_batches(batches, p / BATCHES_FILE)
     batches = [_batch(b, p / BATCHES_FILE, i) for i, b in enumerate(batches)]
     steps = [int(s) for s in manifest["batch_steps"]]
@@ -151,6 +152,18 @@ def _read_one(p: Path) -> Captured:
         return Captured(p, manifest, st["model"], StartState(st.get("optimizer"), st.get("scaler"), snap_step),
                         batches, from_snapshot=True, rng=rng, ring=ring)
     raise CaptureError(f"{p}: neither state.pt nor snapshot.pt; the capture holds no weights to start from")
+
+
+def _budget_left_out(p: Path, manifest: dict[str, Any], batches: Any) -> None:
+    """No batch because ``capture_max_bytes`` left them all out: say so, and by how much (the manifest's
+    ``left_out``), not that the run gave none."""
+    if isinstance(batches, list) and batches:
+        return
+    why = next((x for x in manifest.get("left_out") or [] if isinstance(x, str) and "capture_max_bytes=" in x
+                and " batches (" in x), None)
+    if why is not None:
+        raise CaptureError(f"{p}: the capture holds no batch to replay: the capture budget left out {why}; capture "
+                           "again with a larger Monitor(capture_max_bytes=...)")
 
 
 def rank_captures(p: Path) -> dict[int, Path]:

@@ -37,26 +37,76 @@ from typing import Any
 import torch
 
 from ampdoctor.engine.replay import Captured, StartState, read_rank
-from ampdoctor.engine.shards import assemble
+from ampdoctor.engine.shards import assemble, claimed_shape
 from ampdoctor.errors import CaptureError
-from ampdoctor.input.capture_schema import read_manifest
+from ampdoctor.input.capture_schema import SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
 
 MANIFEST = "manifest.json"
-_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)$")
+_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")
+"""``<base>.rank<N>``, or ``<base>.rank<N>-<k>``: the numbered name a capture takes when its own is taken (a second
+job capturing under the same name into the same folder, ``engine.capture.free_path``)."""
+
+
+def _candidates(folder: Path, base: str) -> dict[int, list[Path]]:
+    """Every rank's capture folders named ``<base>.rank<N>[-<k>]`` in ``folder``, by rank (unnumbered first)."""
+    out: dict[int, list[Path]] = {}
+    for q in sorted(folder.glob(f"{glob.escape(base)}.rank*"), key=lambda q: (len(q.name), q.name)):
+        mm = _RANK.match(q.name)
+        if mm is not None and mm.group("base") == base and (q / MANIFEST).is_file():
+            out.setdefault(int(mm.group("rank")), []).append(q)
+    return out
+
+
+def identity(m: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """What makes captures one step of one run: (run id, step, world size, model fingerprint); a field an older
+    capture lacks is None."""
+    return m.get("run_id"), m.get("step"), m.get("world_size"), m.get("model_fingerprint")
+
+
+def _suffix(q: Path) -> str:
+    mm = _RANK.match(q.name)
+    return (mm.group("n") or "") if mm else ""
+
+
+def _pick(qs: list[Path], suffix: str, want: tuple[Any, ...]) -> Path:
+    """Of one rank's folders, the one of the same run and step as the named folder (its run id), else the one
+    numbered as it (``-1``...), else the first: a mix is then refused naming both folders (``_read_all``)."""
+    same = [q for q in qs if _suffix(q) == suffix]
+    if want[0] is not None:
+        for q in [*same, *qs]:
+            try:
+                if identity(read_manifest(q / MANIFEST))[:2] == want[:2]:
+                    return q
+            except CaptureError:
+                continue
+    return same[0] if same else qs[0]
+
+
+def group_of(p: Path) -> dict[int, Path]:
+    """The per-rank folders of the step ``p`` names (``p`` one of them, or the ``capture=`` name the run was given):
+    by rank, the folder of the same run and step (its manifest's ``run_id``), a second job's numbered folders
+    (``cap.rank0-1``, ``cap.rank1-1``) grouped together."""
+    m = _RANK.match(p.name)
+    base = m.group("base") if m else p.name
+    suffix = (m.group("n") or "") if m else ""
+    found = _candidates(p.parent, base)
+    one = p if m else next((qs[0] for qs in found.values()), None)
+    if one is None or not (one / MANIFEST).is_file():
+        return {}
+    want = identity(read_manifest(one / MANIFEST))
+    return {r: (one if m and r == int(m.group("rank")) and one in qs else _pick(qs, suffix, want))
+            for r, qs in sorted(found.items())}
 
 
 def rank_folders(p: Path) -> dict[int, Path]:
-    """The per-rank capture folders of one sharded step (``<base>.rank<N>`` beside ``p``; ``p`` one of them or
-    the ``capture=`` name the run was given), when ``p`` names a sharded capture with a layout; else empty (a
-    whole model's capture, or one rank's of DDP, is read alone)."""
+    """The per-rank capture folders of one sharded step (``group_of``), when ``p`` names a sharded capture with a
+    layout; else empty (a whole model's capture, or one rank's of DDP, is read alone)."""
     m = _RANK.match(p.name)
-    base = m.group("base") if m else p.name
     if m and not (p / MANIFEST).is_file():
         return {}
     if not m and p.is_dir():
         return {}
-    found = {int(mm.group("rank")): q for q in sorted(p.parent.glob(f"{glob.escape(base)}.rank*"))
-             if (mm := _RANK.match(q.name)) is not None and mm.group("base") == base and (q / MANIFEST).is_file()}
+    found = group_of(p)
     one = p if m else (next(iter(found.values())) if found else None)
     if one is None:
         return {}
@@ -67,20 +117,57 @@ def rank_folders(p: Path) -> dict[int, Path]:
 
 
 def _layout(cap: Captured) -> tuple[dict[str, Any], list[str | None]]:
-    sh = cap.manifest.get("shards")
+    return _layout_of(cap.manifest, cap.path)
+
+
+def _layout_of(manifest: dict[str, Any], path: Path) -> tuple[dict[str, Any], list[str | None]]:
+    sh = manifest.get("shards")
     if not isinstance(sh, dict) or not isinstance(sh.get("model"), dict):
-        raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
-                           f"{cap.manifest.get('sharded')} model but its manifest has no field shards (where each piece "
+        raise CaptureError(f"{path}: this capture holds rank {manifest.get('rank')}'s shard of a "
+                           f"{manifest.get('sharded')} model but its manifest has no field shards (where each piece "
                            "sits); it cannot be reassembled: capture again with this ampdoctor")
     for n, lay in sh["model"].items():
         if not (isinstance(lay, dict) and isinstance(lay.get("shape"), list)
                 and (isinstance(lay.get("flat"), int) or isinstance(lay.get("offset"), list))):
-            raise CaptureError(f"{cap.path}: field shards.model[{n!r}] is not {{'shape': [...], 'flat': k}} or "
+            raise CaptureError(f"{path}: field shards.model[{n!r}] is not {{'shape': [...], 'flat': k}} or "
                                "{'shape': [...], 'offset': [...]}; the capture is damaged (capture again)")
     params = sh.get("optimizer_params") or []
     if not isinstance(params, list) or not all(isinstance(x, str) or x is None for x in params):
-        raise CaptureError(f"{cap.path}: field shards.optimizer_params is not a list of parameter names; the capture is damaged")
+        raise CaptureError(f"{path}: field shards.optimizer_params is not a list of parameter names; the capture is damaged")
     return sh["model"], params
+
+
+def check_pieces(p: Path, group: dict[int, Path]) -> None:
+    """Before a replay on N processes starts: every rank's folder is of the same run, and each piece of its state
+    file sits inside the whole shape its manifest names, the pieces holding at least that many elements (the state
+    files memory-mapped: their shapes are read, not their data). One ``CaptureError`` line naming the tensor, the
+    folder, the file and the field."""
+    ms = {r: read_manifest(q / MANIFEST) for r, q in sorted(group.items())}
+    r0 = min(ms)
+    for r, q in group.items():
+        _same_run(q, ms[r], group[r0], ms[r0])
+    models: dict[int, tuple[dict[str, Any], dict[str, Any], str]] = {}
+    for r, q in sorted(group.items()):
+        name = STATE_FILE if STATE_FILE in ms[r]["files"] else SNAPSHOT_FILE
+        try:
+            st = torch.load(q / name, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CaptureError(f"{q}: {name} cannot be read ({type(e).__name__}: {str(e).strip()[:120]}); the capture is "
+                               "truncated or damaged") from None
+        validate_state(st, q / name)
+        models[r] = (st["model"], _layout_of(ms[r], q)[0], name)
+    for n in models[r0][1]:
+        pieces, where = [], []
+        for r, (state, lay, fname) in sorted(models.items()):
+            if n not in state or n not in lay:
+                raise CaptureError(f"{group[r]}: {fname} holds no piece of {n} (field shards.model[{n!r}] of "
+                                   f"{group[r0].name} names it); the ranks' captures do not belong together")
+            pieces.append((state[n], lay[n]))
+            where.append(f"{group[r].name}/{MANIFEST}")
+        try:
+            claimed_shape(pieces, n, where, n)
+        except ValueError as e:
+            raise CaptureError(f"{p}: {e}; the capture is damaged or was edited (capture again)") from None
 
 
 def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captured]:
@@ -100,11 +187,21 @@ def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captur
                 r, m.get("step"), m.get("world_size"), m.get("sharded")):
             raise CaptureError(f"{q}: not rank {r}'s capture of the same {m.get('sharded')} step {m.get('step')} "
                                f"(it holds rank {cm.get('rank')}'s step {cm.get('step')} of {cm.get('world_size')})")
+        _same_run(q, cm, p, m)
         if caps and (c.from_snapshot != caps[0].from_snapshot or c.start.step0 != caps[0].start.step0):
             raise CaptureError(f"{q}: rank {r}'s capture starts from step {c.start.step0}, rank 0's from "
                                f"{caps[0].start.step0}; the ranks' captures do not belong together (capture again)")
         caps.append(c)
     return caps
+
+
+def _same_run(q: Path, cm: dict[str, Any], p: Path, m: dict[str, Any]) -> None:
+    """CaptureError naming both folders when ``q`` (a rank's capture) is not of the run and model ``p``'s is."""
+    for key, what in (("run_id", "run id"), ("model_fingerprint", "model fingerprint")):
+        if cm.get(key) != m.get(key):
+            raise CaptureError(f"{q} and {p} are captures of different runs ({what} {cm.get(key)} and {m.get(key)}), "
+                               f"not one step's shards: put the rank folders of one run together (each manifest.json "
+                               "says its run_id)")
 
 
 def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
@@ -125,7 +222,7 @@ def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
                 if n not in c.model or n not in lay:
                     raise ValueError(f"{n}: rank {c.manifest.get('rank')}'s capture has no piece of it")
                 pieces.append((c.model[n], lay[n]))
-            model[n] = assemble(pieces, n)
+            model[n] = assemble(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
         optimizer = _optimizer(caps, layouts)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CaptureError(f"{p}: the ranks' pieces do not make the whole model ({e}); the captures are damaged or "
@@ -148,10 +245,7 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
         raise CaptureError(f"{cap.path}: a {cap.manifest.get('sharded')} capture of rank {cap.manifest.get('rank')} of "
                            f"{cap.manifest.get('world_size')}, but its folder is not named <name>.rank<N>, so the other "
                            "ranks' captures cannot be found beside it")
-    base = named.group("base")
-    group = {int(mm.group("rank")): q for q in sorted(cap.path.parent.glob(f"{glob.escape(base)}.rank*"))
-             if (mm := _RANK.match(q.name)) is not None and mm.group("base") == base and (q / MANIFEST).is_file()}
-    whole = reassemble_group(cap.path, group)
+    whole = reassemble_group(cap.path, group_of(cap.path))
     assert whole.assembled is not None
     return whole, whole.assembled
 
@@ -176,7 +270,8 @@ def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[st
         for k, v in have[0][1].items():  # type: ignore[union-attr]
             r0 = have[0][0]
             if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(caps[r0].model[name].shape):
-                entry[k] = assemble([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}")  # type: ignore[index]
+                entry[k] = assemble([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}",  # type: ignore[index]
+                                    [f"{caps[r].path.name}/{MANIFEST}" for r, _ in have], key=name)
             else:
                 entry[k] = v
         out[idx] = entry
@@ -191,4 +286,4 @@ def _entry(state: dict[str, Any] | None, idx: int) -> dict[str, Any] | None:
     return got if isinstance(got, dict) else None
 
 
-__all__ = ["assemble", "reassemble", "reassemble_group", "rank_folders"]
+__all__ = ["assemble", "check_pieces", "group_of", "identity", "rank_folders", "reassemble", "reassemble_group"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError, UsageError
 
+STOPPED = "stopped: another rank could not set up its replay"
 TIMEOUT_S = 600.0
 """The longest a replay on N ranks may take (spawning N Python processes included)."""
 
@@ -118,6 +120,9 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         missing = sorted(set(range(world)) - set(group))
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
+    from ampdoctor.engine.shard_capture import check_pieces
+
+    check_pieces(cap, group)  # one run, every piece where its manifest says: one line now, not a rank's later
     return m, group
 
 
@@ -158,31 +163,53 @@ def replay_ranks(spec_path: str | Path | None, capture: str | Path, nproc: int, 
     m, group = check(capture, nproc)
     if spec_path is None:
         raise UsageError("--nproc: give the spec (SPEC.py with build_model()) the ranks rebuild the model from")
-    import torch.multiprocessing as mp
-
-    out = Path(tempfile.mkdtemp(prefix="ampdoctor-ranks-"))
     from dataclasses import astuple
 
-    args = (nproc, _free_port(), str(spec_path), astuple(names) if names is not None else None,
-            [str(group[r]) for r in range(nproc)], str(out))
-    ctx = mp.start_processes(_worker, args=args, nprocs=nproc, join=False, start_method="spawn")
-    end = time.monotonic() + timeout_s
-    failed = ""
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                failed = f"did not finish in {timeout_s:.0f} s"
-                break
-    except Exception as e:  # a rank exited non-zero: join ended the others
-        failed = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    results = {r: json.loads(f.read_text()) for r in range(nproc) if (f := out / f"rank{r}.json").is_file()}
+    import torch.multiprocessing as mp
+
+    ctx = None
+    out = Path(tempfile.mkdtemp(prefix="ampdoctor-ranks-"))
+    try:  # the ranks' results folder goes on every way out: an error, a rank's failure, Ctrl-C
+        args = (nproc, _free_port(), str(spec_path), astuple(names) if names is not None else None,
+                [str(group[r]) for r in range(nproc)], str(out))
+        ctx = mp.start_processes(_worker, args=args, nprocs=nproc, join=False, start_method="spawn")
+        failed = _wait(ctx, timeout_s)
+        results = {r: json.loads(f.read_text()) for r in range(nproc) if (f := out / f"rank{r}.json").is_file()}
+    finally:
+        if ctx is not None:
+            _end(ctx.processes)
+        shutil.rmtree(out, ignore_errors=True)
     errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if res.get("error")]
+    own = [e for e in errors if STOPPED not in e]
+    errors = own or errors  # the rank that failed, not the ones it stopped
     if errors or failed or len(results) != nproc:
         raise CaptureError(f"{capture}: the replay on {nproc} ranks failed ({'; '.join(errors) or failed or 'a rank wrote nothing'})")
     return RankReplay(nproc, layout_words(m["shards"]["recipe"]), results[0]["stages"])
+
+
+def _wait(ctx: Any, timeout_s: float) -> str:
+    """Join the ranks; what went wrong in words ("" when every rank exited cleanly)."""
+    end = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > end:
+                _end(ctx.processes)
+                return f"did not finish in {timeout_s:.0f} s"
+    except Exception as e:  # a rank exited non-zero: join ended the others
+        return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    return ""
+
+
+def _end(processes: list[Any]) -> None:
+    """Stop the ranks still running (a timeout, Ctrl-C in the parent), and wait for them to go."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _free_port() -> int:
@@ -225,7 +252,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
                 Path(out, f"rank{rank}.json").write_text(json.dumps(res))
                 os._exit(3)  # the others may wait in a collective: the parent's join ends them
         elif job is not None:
-            res["error"] = "stopped: another rank could not set up its replay"
+            res["error"] = STOPPED
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
         dist.barrier()  # every rank here: none tears gloo down while another still talks (an abort at exit)
     finally:
@@ -289,7 +316,12 @@ class _Rank:
                 if want != have:
                     raise CaptureError(f"{un}: rebuilt, rank {self.rank}'s piece is {have}; its capture's is {want} "
                                        "(not the layout the run had)")
-                local(t).copy_(self.cap.model[un])
+                got = self.cap.model.get(un)
+                if got is None or tuple(got.shape) != tuple(local(t).shape):
+                    what = "no piece" if got is None else f"a piece of shape {list(got.shape)}"
+                    raise CaptureError(f"{un}: {self.cap.path.name}'s state holds {what}; field shards.model[{un!r}] "
+                                       f"{want} puts one of shape {list(local(t).shape)} on rank {self.rank}")
+                local(t).copy_(got)
         return model
 
     def _fully_shard(self, model: nn.Module, stage: str) -> None:

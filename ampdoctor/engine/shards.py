@@ -23,6 +23,7 @@ of every rank's pieces is reassembled on one process (``engine.replay``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -297,34 +298,80 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     return {"engine": "fsdp2", "fully_shard": mods[::-1], "mp_policy": mp, "mesh": mesh}
 
 
-def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str) -> torch.Tensor:
-    """The whole tensor from every rank's piece and its layout (``engine.shard_capture`` describes the format);
-    ValueError when the pieces disagree on its shape, one runs past it, or an element is in no piece."""
+def claimed_shape(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str], key: str) -> list[int]:
+    """The whole shape every piece names, checked against the pieces before anything is allocated: every piece names
+    the same shape, sits inside it, and together they hold at least its elements (ValueError naming the tensor, the
+    rank's file and the field; ``where[i]``: piece ``i``'s manifest)."""
+    at = [where[i] if i < len(where) else f"rank {i}'s capture" for i in range(len(pieces))]
+    field = f"shards.model[{key!r}]"
     shape = [int(x) for x in pieces[0][1]["shape"]]
+    whole = math.prod(shape)  # Python integers: a claimed shape of 10**30 elements does not wrap
+    for i, (t, lay) in enumerate(pieces):
+        if [int(x) for x in lay["shape"]] != shape:
+            raise ValueError(f"{name}: {at[i]} field {field}.shape is {lay['shape']} and {at[0]}'s is {shape}; the "
+                             "ranks' pieces disagree on its shape")
+        if "flat" in lay:
+            k = int(lay["flat"])
+            if k + t.numel() > whole:
+                raise ValueError(f"{name}: {at[i]} field {field}.flat is {k}: its piece of {t.numel()} elements runs past "
+                                 f"the {whole} of its shape {shape}")
+            continue
+        off = [int(o) for o in lay["offset"]]
+        if len(off) != t.dim() or len(off) != len(shape):
+            raise ValueError(f"{name}: {at[i]} field {field}.offset is {off} ({len(off)} dimensions) for a piece of shape "
+                             f"{list(t.shape)} in a tensor of shape {shape}")
+        past = [d for d, (o, n, full) in enumerate(zip(off, t.shape, shape, strict=True)) if o + n > full]
+        if past:
+            d = past[0]
+            raise ValueError(f"{name}: {at[i]} field {field}.offset is {off}, and its piece of shape {list(t.shape)} "
+                             f"runs past the shape {shape} in dimension {d} ({off[d]} + {t.shape[d]} > {shape[d]})")
+    held = sum(t.numel() for t, _ in pieces)
+    if whole > held:
+        raise ValueError(f"{name}: field {field}.shape {shape} claims {whole} elements and the ranks' pieces hold {held} "
+                         f"({', '.join(at)}): {whole - held} of {whole} elements are in no rank's piece")
+    return shape
+
+
+def _fits(shape: list[int], dtype: torch.dtype, name: str) -> None:
+    """The whole tensor (and its coverage mask) within the memory this process may still take (ValueError)."""
+    from ampdoctor.input.limits import free_memory, human_bytes
+
+    need = math.prod(shape) * (dtype.itemsize + 1)
+    free = free_memory()
+    if free is not None and need > free:
+        raise ValueError(f"{name}: its shape {shape} takes {human_bytes(need)} to reassemble, more than the "
+                         f"{human_bytes(free)} this machine has free")
+
+
+def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str] | None = None,
+             key: str | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's piece and its layout (``engine.shard_capture`` describes the format);
+    ValueError (naming the tensor, the rank's manifest in ``where`` and the field) when the pieces disagree on its
+    shape, one runs past it, they hold fewer elements than it claims, it does not fit in free memory, or an element is
+    in no piece. Nothing is allocated before those checks: at most what the pieces hold. ``key``: the layout's
+    entry (default ``name``)."""
+    key = name if key is None else key  # the layout's entry (an optimizer state tensor is laid out as its parameter)
+    shape = claimed_shape(pieces, name, where or [], key)
     dtype = next((t.dtype for t, _ in pieces if t.numel()), pieces[0][0].dtype)
+    _fits(shape, dtype, name)
     full = torch.zeros(shape, dtype=dtype)
     have = torch.zeros(shape, dtype=torch.bool)
     for t, lay in pieces:
-        if [int(x) for x in lay["shape"]] != shape:
-            raise ValueError(f"{name}: the ranks' pieces disagree on its shape ({lay['shape']} and {shape})")
         if "flat" in lay:
             k = int(lay["flat"])
-            if k + t.numel() > full.numel():
-                raise ValueError(f"{name}: a piece of {t.numel()} elements at {k} runs past its {full.numel()}")
             full.view(-1)[k: k + t.numel()] = t.reshape(-1).to(dtype)
             have.view(-1)[k: k + t.numel()] = True
             continue
         off = [int(o) for o in lay["offset"]]
-        if len(off) != t.dim():
-            raise ValueError(f"{name}: a piece of {t.dim()} dimensions at an offset of {len(off)}")
         if list(t.shape) == shape and not any(off) and bool(have.all()):
             continue  # a replica of what is already there
         sl = tuple(slice(o, o + s) for o, s in zip(off, t.shape, strict=True))
         full[sl] = t.to(dtype)
         have[sl] = True
     if not bool(have.all()):
-        raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece")
+        raise ValueError(f"{name}: {int((~have).sum())} of {have.numel()} elements are in no rank's piece "
+                         f"(field shards.model[{key!r}] of {', '.join(where or []) or 'the ranks'})")
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "dtensor_piece", "recipe", "trip_stats"]
+__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "claimed_shape", "dtensor_piece", "recipe", "trip_stats"]

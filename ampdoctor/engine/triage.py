@@ -513,6 +513,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
                            "older ampdoctor); the manifest, stats.json and the step logs still say which rank, step and module")
     if not spec.own_model:
         rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
+        rebuild.check_size(rb, sum(t.numel() for t in cap.model.values()), str(cap.path))  # before it is built
         spec = replace(spec, build_model=rb.build)
         if rb.lightning and spec.loss_fn is None:  # its loss is its own training_step, on the whole batch
             spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())

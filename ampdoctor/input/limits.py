@@ -42,6 +42,33 @@ def physical_memory() -> int | None:
     return pages * size if pages > 0 and size > 0 else None
 
 
+def free_memory() -> int | None:
+    """Bytes this process may still allocate: the kernel's ``MemAvailable``, or less under an address-space limit
+    (``ulimit -v``, ``RLIMIT_AS``: the limit less what the process maps now); None when the OS does not say."""
+    got: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    got.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                mapped = int(f.read().split()[0]) * (os.sysconf("SC_PAGE_SIZE") or 4096)
+            got.append(max(0, soft - mapped))
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    if not got:
+        return physical_memory()
+    return min(got)
+
+
 def cache_budget() -> tuple[int, str]:
     """(bytes the cached batches may take, where that number comes from)."""
     gb = _env_number(CACHE_ENV)

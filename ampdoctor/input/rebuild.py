@@ -180,6 +180,31 @@ def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the
                    lightning=_is_lightning(cls))
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def check_size(rb: Rebuilt, held: int, where: str) -> None:
+    """Before the model is built: the recorded identity's model is built on the meta device (no memory) and its
+    parameters counted against the numbers the capture's weights hold (``held``). A config edited to a huge size, or
+    another model's, is refused (``SpecError``, one line: what was claimed and what was found) before anything is
+    allocated; a container built without its layers (``nn.Sequential()``) is said as such."""
+    try:
+        with torch.device("meta"):
+            model = rb.build()
+    except Exception:  # the real build says what is wrong with it
+        return
+    claimed = sum(p.numel() for p in model.parameters())
+    if claimed == 0 and held > 0 and isinstance(model, _CONTAINERS):
+        kind = f"torch.nn.{type(model).__name__}"
+        raise SpecError(f"{where}: the model is a {kind}, and the capture records its class, not the layers put into "
+                        f"it, so it cannot be rebuilt from the capture alone; write a spec whose build_model() returns the "
+                        f"same {type(model).__name__} (docs/spec-format.md)")
+    if claimed > held:
+        raise SpecError(f"{where}: {rb.source}: that model has {claimed:,} parameters, and the capture's weights hold "
+                        f"{held:,} numbers in all; refusing to build it (the recorded model_identity was edited, or is "
+                        f"another model's); {WRITE_SPEC}")
+
+
 def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = None, attn: str | None = None) -> Rebuilt:
     """The model of a checkpoint that says how to build it: a transformers Trainer folder's ``config.json``
     (``architectures`` names the class, ``model_type`` its config). config.json does not record the attention

@@ -47,7 +47,8 @@ class Ctx:
 
     @cached_property
     def events(self) -> list[Events]:
-        return [Events(self.f, fn) for fn in [self.f.module, *self.f.funcs]]
+        maybe = self.f.may_step()  # (a function that cannot reach a step has no event any rule reads)
+        return [Events(self.f, fn) for fn in [self.f.module, *self.f.funcs] if id(fn) in maybe]
 
     def scope_events(self) -> Iterator[list[Event]]:
         for ev in self.events:
@@ -363,7 +364,7 @@ def _mask_uses(ctx: Ctx) -> Iterator[tuple[ast.AST, float, str]]:
                 x = number(a)
                 if x is not None:
                     yield a, x, "where"
-    for n in ast.walk(ctx.f.tree):
+    for n in ctx.f.nodes:
         if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub)):
             for side in (n.left, n.right):
                 sign = -1.0 if (side is n.right and isinstance(n.op, ast.Sub)) else 1.0
@@ -445,7 +446,7 @@ SAFE_MASK_CALLS = {"masked_fill", "masked_fill_", "where", "clamp", "clamp_", "c
 
 
 def finfo_min_added(ctx: Ctx) -> Iterator[Hit]:
-    for n in ast.walk(ctx.f.tree):
+    for n in ctx.f.nodes:
         if not _is_finfo_fp16_min(n):
             continue
         p: ast.AST | None = ctx.f.parent.get(n)
@@ -527,7 +528,7 @@ def _stable(x: ast.AST) -> bool:
 def hand_softmax(ctx: Ctx) -> Iterator[Hit]:
     if not ctx.f.fp16_possible():
         return
-    for n in ast.walk(ctx.f.tree):
+    for n in ctx.f.nodes:
         if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)):
             continue
         num_x = _exp_arg(n.left)
@@ -603,7 +604,7 @@ ROOTS = {"log", "sqrt", "rsqrt", "log2", "log10"}
 
 
 def tiny_eps(ctx: Ctx) -> Iterator[Hit]:
-    for n in ast.walk(ctx.f.tree):
+    for n in ctx.f.nodes:
         target: ast.AST | None = None
         what = ""
         if isinstance(n, ast.Call):
@@ -767,7 +768,7 @@ def autocast_device(ctx: Ctx) -> Iterator[Hit]:
             devices.add("cuda")
         elif m[1] == "to" and c.args:
             devices.add(_device_of(ctx, c.args[0], ctx.f.scope_of(c)))
-    for n in ast.walk(ctx.f.tree):  # model = Net().to("cuda") / Net().cuda()
+    for n in ctx.f.nodes:  # model = Net().to("cuda") / Net().cuda()
         if isinstance(n, ast.Assign) and any(dotted(t) in models for t in n.targets):
             v = n.value
             while (m := method(v)) is not None and m[1] in ("to", "cuda", "half", "float", "train"):

@@ -45,16 +45,21 @@ def read_table(pyproject: Path) -> dict[str, Any]:
         raise LintInputError(f"{pyproject}: cannot read ({e}); fix it or run from another folder") from None
     except tomllib.TOMLDecodeError as e:
         raise LintInputError(f"{pyproject}: not valid TOML ({e}); fix it to use [tool.ampdoctor.lint]") from None
-    table = data.get("tool", {}).get("ampdoctor", {}).get("lint", {})
-    if not isinstance(table, dict):
-        raise LintInputError(f"{pyproject}: [tool.ampdoctor.lint] must be a table with {', '.join(KEYS)}")
+    table: Any = data
+    for i, key in enumerate(("tool", "ampdoctor", "lint")):
+        table = table.get(key, {})
+        if not isinstance(table, dict):  # `[tool] ampdoctor = "strict"`: a value where a table belongs
+            name = ".".join(("tool", "ampdoctor", "lint")[: i + 1])
+            raise LintInputError(f"{pyproject}: {name} is {type(table).__name__} {str(table)[:30]!r}, not a table; "
+                                 f"write [tool.ampdoctor.lint] with {', '.join(KEYS)} (docs/lint.md)")
     bad = sorted(k for k in table if k.replace("-", "_") not in KEYS)
     if bad:
         raise LintInputError(f"{pyproject}: [tool.ampdoctor.lint] has no key {bad[0]!r}; the keys are {', '.join(KEYS)}")
     for k, v in table.items():
         if not (isinstance(v, list) and all(isinstance(x, str) for x in v)) and not isinstance(v, str):
-            raise LintInputError(f"{pyproject}: [tool.ampdoctor.lint] {k} must be a list of strings, "
-                                 f"e.g. {k} = [\"AMP007\"]")
+            example = '["legacy/*.py", "gen_*.py"] (globs of files)' if k == "exclude" else '["AMP007"]'
+            raise LintInputError(f"{pyproject}: [tool.ampdoctor.lint] {k} is {v!r:.30}, not a list of strings; "
+                                 f"e.g. {k} = {example}")
     return table
 
 

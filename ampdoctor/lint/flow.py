@@ -173,13 +173,21 @@ class FileFacts:
         self.tree = tree
         self.source = source
         self.assume_amp = amp
+        self._fp16: bool | None = None
+        self._bf16: bool | None = None
+        self.nodes: list[ast.AST] = [tree]
+        """Every node of the file, in ``ast.walk``'s order: the one walk of the whole tree the rules share."""
         self.parent: dict[ast.AST, ast.AST] = {}
-        for p in ast.walk(tree):
+        i = 0
+        while i < len(self.nodes):  # (breadth first, as ast.walk; the parent of each node taken in the same pass)
+            p = self.nodes[i]
+            i += 1
             for c in ast.iter_child_nodes(p):
                 self.parent[c] = p
+                self.nodes.append(c)
         self.classes: dict[str, ast.ClassDef] = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         self.imports: dict[str, str] = {}
-        for n in ast.walk(tree):
+        for n in self.nodes:
             if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
                 for a in n.names:
                     self.imports[a.asname or a.name] = f"{n.module}.{a.name}"
@@ -192,10 +200,32 @@ class FileFacts:
         self.top: dict[str, Func] = {}
         self.func_of: dict[ast.AST, Func] = {tree: self.module}
         self._collect(tree.body, self.module, None)
-        self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
         self.scalers = self._scalers()
         self.optimizers = self._optimizers()
         self.regions = self._regions()
+
+    def may_step(self) -> set[int]:
+        """The functions (ids of their ``Func``) whose events may hold an optimizer or scaler ``step`` call: one in
+        their own body, or in a same-file function they call, two calls deep as ``Events`` inlines them. Matched by
+        the called name's last part (more than ``resolve`` finds, never less; a ``forward`` that steps makes every
+        function a candidate). The rules that read events all need a step: the others' events are never built."""
+        own: dict[int, set[str]] = {}
+        direct: set[int] = set()
+        for c in self.calls:
+            fn = id(self.scope_of(c))
+            m = method(c)
+            if m is not None and m[1] == "step":
+                direct.add(fn)
+            own.setdefault(fn, set()).add(last(call_name(c)))
+        every = [self.module, *self.funcs]
+        hit = set(direct)
+        for _ in range(2):
+            names = {f.node.name for f in self.funcs if id(f) in hit}  # type: ignore[union-attr]
+            if "forward" in names:  # model(x) resolves to a forward by the class, not by the name called
+                return {id(f) for f in every}
+            hit |= {id(f) for f in every if own.get(id(f), set()) & names}
+        return hit
 
     def canon(self, name: str | None) -> str:
         """A dotted name with its first part's import spelled out: 'amp.autocast' -> 'torch.cuda.amp.autocast'."""
@@ -318,7 +348,7 @@ class FileFacts:
     def _scalers(self) -> set[str]:
         """Names that hold a GradScaler: assigned one, or used as one (``x.unscale_(opt)``, ``x.scale(loss).backward()``)."""
         out: set[str] = set()
-        for n in ast.walk(self.tree):
+        for n in self.nodes:
             if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
                 v = n.value
                 if isinstance(v, ast.IfExp):
@@ -337,7 +367,7 @@ class FileFacts:
                 inner = method(recv)
                 if inner and inner[1] == "scale" and dotted(inner[0]):
                     out.add(dotted(inner[0]))  # type: ignore[arg-type]
-        for c in self.calls:  # a helper's parameter that a caller passes a scaler to
+        for c in self.calls if out else []:  # a helper's parameter that a caller passes a scaler to
             f = self.resolve(c, self.scope_of(c))
             if f is not None:
                 for p, a in _bind(f, c):
@@ -354,7 +384,7 @@ class FileFacts:
     def _optimizers(self) -> dict[str, ast.Call | None]:
         """Optimizer names -> the constructor call when seen (``opt = torch.optim.AdamW(model.parameters())``)."""
         out: dict[str, ast.Call | None] = {}
-        for n in ast.walk(self.tree):
+        for n in self.nodes:
             if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and last(call_name(n.value)) in OPTIMIZERS:
                 for t in n.targets:
                     if dotted(t):
@@ -368,10 +398,15 @@ class FileFacts:
         return out
 
     def fp16_possible(self) -> bool:
-        """The file may run FP16: GradScaler, float16/half, CUDA autocast without a dtype."""
+        """The file may run FP16: GradScaler, float16/half, CUDA autocast without a dtype (worked out once)."""
+        if self._fp16 is None:
+            self._fp16 = self._fp16_possible()
+        return self._fp16
+
+    def _fp16_possible(self) -> bool:
         if self.has_scaler():
             return True
-        for n in ast.walk(self.tree):
+        for n in self.nodes:
             d = dotted(n) if isinstance(n, (ast.Name, ast.Attribute)) else None
             if d in ("torch.float16", "torch.half"):
                 return True
@@ -382,18 +417,19 @@ class FileFacts:
                 return True
         return any(r.dtype in ("fp16", None) for r in self.regions.values())
 
+    def _bf16_named(self) -> bool:
+        if self._bf16 is None:
+            self._bf16 = any(dotted(n) in BF16_NAMES or (isinstance(n, ast.Constant) and n.value in ("bfloat16", "bf16", "bf16-mixed"))
+                             for n in self.nodes)
+        return self._bf16
+
     def reduced_precision(self) -> bool:
         """The file may run in FP16 or BF16 (or ``--amp`` says it does)."""
-        return self.fp16_possible() or any(
-            dotted(n) in BF16_NAMES or (isinstance(n, ast.Constant) and n.value in ("bfloat16", "bf16", "bf16-mixed"))
-            for n in ast.walk(self.tree))
+        return self.fp16_possible() or self._bf16_named()
 
     def bf16_only(self) -> bool:
         """Decidably BF16 (or FP32) only: bfloat16 named and nothing that may be FP16."""
-        if self.fp16_possible():
-            return False
-        return any(dotted(n) in BF16_NAMES or (isinstance(n, ast.Constant) and n.value in ("bfloat16", "bf16", "bf16-mixed"))
-                   for n in ast.walk(self.tree))
+        return not self.fp16_possible() and self._bf16_named()
 
     # autocast
     def autocast_of(self, expr: ast.expr, scope: Func, depth: int = 0) -> Region | None | bool:
@@ -443,7 +479,7 @@ class FileFacts:
         from a region (up to three calls deep, same file) run under it too."""
         out: dict[ast.AST, Region] = {}
         todo: list[tuple[Func, Region, int]] = []
-        for n in ast.walk(self.tree):
+        for n in self.nodes:
             if isinstance(n, (ast.With, ast.AsyncWith)):
                 scope = self.scope_of(n)
                 for item in n.items:

@@ -84,10 +84,10 @@ def build_dir() -> Path:
         from torch.utils.cpp_extension import _get_build_directory
 
         return Path(_get_build_directory(NAME, False))
-    except Exception:  # pragma: no cover - a torch without the private helper
+    except Exception:  # a torch without the private helper, or a folder it could not make (read-only, full)
         from torch.utils.cpp_extension import get_default_build_root
 
-        return Path(get_default_build_root()) / NAME
+        return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / NAME
 
 
 def build_now() -> Any:
@@ -98,10 +98,71 @@ def build_now() -> Any:
         mod = load(NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False, with_cuda=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the eager path stays
         _state["failed"] = True
+        _state["error"] = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         log.info("ampdoctor: the fused statistics kernel is not available (%s); using the eager path", e)
         return None
     _state["module"] = mod
     return mod
+
+
+MIN_FREE_BYTES = 20 * 10**6
+"""The free space below which a build is not tried: the finished build is 1.3 MB (``du -sh`` of its folder, on the
+development machine), its objects about as much again."""
+
+
+def obstacle() -> str | None:
+    """What stops a build before the compiler runs, in words: the build folder (``TORCH_EXTENSIONS_DIR``, else
+    torch's cache) read-only or not a folder, its disk full, no C++ compiler or no ninja; None when nothing does."""
+    import errno
+    import shutil
+    import tempfile
+
+    folder = build_dir()
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    env = " (TORCH_EXTENSIONS_DIR)" if os.environ.get("TORCH_EXTENSIONS_DIR") else ""
+    move = "set TORCH_EXTENSIONS_DIR to a writable folder on a disk with space"
+    if not probe.is_dir():
+        return f"{probe}, on the way to the build folder{env}, is not a folder; {move}"
+    try:
+        with tempfile.TemporaryFile(dir=probe) as f:  # the real test: root ignores permissions, not a read-only mount
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"the disk holding the build folder {probe}{env} is full; free some space or {move}"
+        how = "read-only file system" if e.errno == errno.EROFS else f"{e.strerror}, mode {oct(probe.stat().st_mode & 0o777)}"
+        return f"the build folder {probe}{env} cannot be written ({how}); {move}"
+    free = shutil.disk_usage(probe).free
+    if free < MIN_FREE_BYTES:
+        return f"the disk holding the build folder {probe}{env} has {free // 1000} kB free; free some space or {move}"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++")):
+        return "no C++ compiler on PATH (install g++ or clang, or set CXX)"
+    if not is_ninja_available():
+        return "no ninja on PATH (pip install ninja)"
+    return None
+
+
+def why_not() -> str:
+    """Why the kernel is not built, in words: ``obstacle``, else the build's own last line."""
+    return obstacle() or (f"the build failed: {_state['error']}" if _state.get("error") else
+                          "the build failed (`ampdoctor build-kernel` shows why)")
+
+
+def _say_failed() -> None:
+    """Once per process (the first local rank only under torchrun): the kernel cannot be built, why, and what the
+    Monitor runs instead."""
+    if _state.get("said") or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    _state["said"] = True
+    from ampdoctor.notify import say
+
+    say("ampdoctor: the statistics kernel could not be built (%s); the Monitor goes on with PyTorch's eager "
+        "statistics: the same figures, slower on recorded steps", why_not())
 
 
 def _load_built() -> Any:
@@ -172,12 +233,21 @@ def start_build() -> None:
             _state["next_look"] = time.monotonic() + POLL_S
             return
         try:
+            why = obstacle()
+        except Exception:  # (the look is a courtesy: the builder still finds out)
+            why = None
+        if why is not None:  # the folder, its disk or the tools: no builder would get anywhere; said now, once
+            _state["failed"] = True
+            _say_failed()
+            return
+        try:
             _state["proc"] = subprocess.Popen([sys.executable, "-m", "ampdoctor.watch.fused"], stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                               start_new_session=True)
         except OSError as e:  # pragma: no cover
             _state["failed"] = True
-            log.info("ampdoctor: could not start the kernel build (%s)", e)
+            _state["error"] = f"could not start the build ({e})"
+            _say_failed()
 
 
 def pending() -> bool:
@@ -216,6 +286,7 @@ def kernel() -> Any:
             return None
         if mod is None:
             _state["failed"] = True
+            _say_failed()
         return mod
     if _state.get("looked"):
         return None

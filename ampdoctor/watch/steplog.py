@@ -400,12 +400,36 @@ def read_step_log(path: str | Path) -> StepLog:
     return _finish(_validated(_table(text, p), p), p, notes)
 
 
+def _wide_encoding(p: Path) -> str | None:
+    """'UTF-16 (little-endian)' and the like when the file's first bytes say so (a byte-order mark, or ASCII text
+    with every other byte zero), else None."""
+    try:
+        with p.open("rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    for bom, name in ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+                      (b"\xff\xfe", "UTF-16 (little-endian)"), (b"\xfe\xff", "UTF-16 (big-endian)")):
+        if head.startswith(bom):
+            return name
+    even, odd = head[0::2], head[1::2]
+    if len(head) >= 8 and odd.count(0) == len(odd) and 0 not in even:
+        return "UTF-16LE"
+    if len(head) >= 8 and even.count(0) == len(even) and 0 not in odd:
+        return "UTF-16BE"
+    return None
+
+
 def _read_text(p: Path, notes: list[str]) -> str:
     """The log's text, its incomplete last line (a run killed mid-write) dropped and said in ``notes``."""
     if not p.exists():
         raise StepLogError(f"{p} does not exist")
     if p.is_dir():
         raise StepLogError(f"{p} is a directory, not a step log CSV")
+    enc = _wide_encoding(p)
+    if enc is not None:  # a log saved by an editor or PowerShell's `>` (UTF-16: ASCII with NULs is valid UTF-8)
+        raise StepLogError(f"{p} is {enc} text, and step logs are read as UTF-8: convert it, e.g. `iconv -f "
+                           f"{enc.split()[0]} -t UTF-8 {p.name} > {p.stem}.utf8{p.suffix}`")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
