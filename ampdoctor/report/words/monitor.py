@@ -134,6 +134,31 @@ def capture_without_batch(path: Any, step: int) -> str:
             "batch= to mon.step() or mon.after_backward(), or a failure cannot be replayed")
 
 
+def skip_why(why: str, first: int, step: int, scale: float | None, need: float | None) -> str:
+    """Why a run of skips is a failure and not GradScaler backing off (``engine.capture.FailingStep``): '' for
+    another trigger."""
+    steps = f"steps {first}-{step} were skipped" if first < step else f"step {step} was skipped"
+    if why == "unscaled":
+        at = f" down to scale {scale:g}" if scale is not None else ""
+        return f" ({steps}{at}: at a scale <= 1 the gradients overflow FP16 unscaled, the scale does not explain it)"
+    if why == "jump" and need is not None:
+        return (f" ({steps}: the overflow needs the largest gradient {need:.3g}x the last applied step's, a jump "
+                "the scale does not explain)")
+    return ""
+
+
+def skip_run(first: int, step: int, count: int, scale0: float | None, scale: float | None, why: str) -> str:
+    """A later run of skips judged a failure after the first failure was said: 'ampdoctor: steps 50-60 skipped
+    (11 in a row); the scale fell from 32768 to 32 (10 binades)'."""
+    import math
+
+    fell = ""
+    if scale0 is not None and scale is not None and scale > 0:
+        fell = f"; the scale fell from {scale0:g} to {scale:g} ({math.log2(scale0 / scale):.0f} binade(s))"
+    steps = f"steps {first}-{step}" if first < step else f"step {step}"
+    return f"ampdoctor: {steps} skipped ({count} in a row){fell}{why}"
+
+
 __all__ = ["capture_without_batch", "failed_at", "failure", "failure_what", "first_fault", "monitor_off", "rank_failed",
            "ranks_story", "sharded_no_exchange", "sharded_plain_scaler", "skip_rate_alert", "skip_rate_error",
-           "rank_alone", "spike_failure", "unreadable_layout", "unsupported_engine"]
+           "rank_alone", "skip_run", "skip_why", "spike_failure", "unreadable_layout", "unsupported_engine"]
