@@ -148,7 +148,7 @@ def failure_message(f: Failure) -> str:
 
 def skip_run_message(r: SkipRun) -> str:
     """'ampdoctor: steps 50-60 skipped (11 in a row); the scale fell from 32768 to 32 (10 binades) (...)'."""
-    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, words.skip_why(r.why, r.first, r.step, r.scale, r.need))
+    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, words.skip_why(r.why, r.first, r.step, None, r.need))
 
 
 def skip_rate_message(s: SkipRate) -> str:

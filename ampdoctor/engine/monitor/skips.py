@@ -85,9 +85,9 @@ class Episodes:
         self.said = first
         if mon.rank not in (None, 0):
             return
-        s0 = f.run_scale
-        fact = words.SkipRun(first, rec.step, rec.step - first + 1, s0, rec.scaler_scale, trig.reason, trig.why,
-                             trig.need)
+        s0, s = f.run_scale, rec.scaler_scale
+        after = s * mon.scaler.get_backoff_factor() if s is not None and mon.scaler is not None else s
+        fact = words.SkipRun(first, rec.step, rec.step - first + 1, s0, after, trig.reason, trig.why, trig.need)
         say(words.skip_run_message(fact), quiet=mon.quiet)
 
 

@@ -6,6 +6,7 @@ passes to ``ampdoctor.notify``; numbers are formatted as the run's log has alway
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -149,9 +150,7 @@ def skip_why(why: str, first: int, step: int, scale: float | None, need: float |
 
 def skip_run(first: int, step: int, count: int, scale0: float | None, scale: float | None, why: str) -> str:
     """A later run of skips judged a failure after the first failure was said: 'ampdoctor: steps 50-60 skipped
-    (11 in a row); the scale fell from 32768 to 32 (10 binades)'."""
-    import math
-
+    (11 in a row); the scale fell from 32768 to 16 (11 binades)' (``scale``: after the last skip's back-off)."""
     fell = ""
     if scale0 is not None and scale is not None and scale > 0:
         fell = f"; the scale fell from {scale0:g} to {scale:g} ({math.log2(scale0 / scale):.0f} binade(s))"
