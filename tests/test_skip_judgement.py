@@ -7,10 +7,9 @@ goes on after the first failure is said once."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
-
-import logging
 
 import pytest
 import torch
@@ -191,6 +190,9 @@ def test_a_persistent_overflow_is_reported_at_its_first_skip_and_replays_from_it
     m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert m["first_skip"] == 30 and m["snapshot_step"] == 30 and m["batch_steps"][0] == 30
     assert m["batch_steps"] == list(range(30, m["step"] + 1)) and m["state_step"] is None
+    assert m["rng_after_step"] == 29  # the RNG as step 30 began
+    snap = torch.load(tmp_path / "cap" / "snapshot.pt", weights_only=True)
+    assert snap["scaler"]["scale"] == recs[30].scaler_scale  # GradScaler's state before the first skip
     spec = tmp_path / "spec.py"
     spec.write_text(PERSIST_SPEC)
     r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])

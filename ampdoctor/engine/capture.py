@@ -657,6 +657,7 @@ class Capture:
             torch.cuda.synchronize()  # the non-blocking host copies are complete
         left_out: list[str] = []
         files, snap, at_start, batch_steps = self._files(step, skipped, scaler_before, left_out, trig.first)
+        begins = batch_steps[0] if trig.first is not None and snap is not None and batch_steps[:1] == [trig.first] else step
         manifest = {
             **self._manifest(trig, step, skipped, record, scaler_before),
             **extra,
@@ -665,10 +666,10 @@ class Capture:
             # the user's gradient / tensor hooks on the model, by name (a replay keeps them if the spec's model has them)
             "user_hooks": [h.as_json() for h in userhooks.found(self.model)],
             # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
-            "rng_after_step": (batch_steps[0] if snap is not None and batch_steps else step) - 1 if at_start else step,
+            "rng_after_step": begins - 1 if at_start else step,
             "state_step": step if STATE_FILE in files else None,
-            "snapshot_step": (batch_steps[0] if batch_steps else self._snapshot_step) if snap is not None else None,
-            "first_skip": trig.first,
+            "snapshot_step": (begins if begins < step else self._snapshot_step) if snap is not None else None,
+            "first_skip": trig.first if begins < step else None,
             "batch_steps": batch_steps,
             "files": sorted([*files, MANIFEST, *([STATS_FILE] if stats is not None else []), *tables]),
             "left_out": left_out,
