@@ -263,3 +263,30 @@ def test_skipping_that_goes_on_after_the_first_failure_is_said_once(tmp_path: Pa
     assert len(lines) == 1, err  # steps 30 and 31 skipped: one line, at the step that judged it
     assert lines[0].startswith("ampdoctor: step 30 skipped (1 in a row); the scale fell from 1 to 0.5 (1 binade(s))")
     assert "overflow FP16 unscaled" in lines[0]
+
+
+def test_a_provisional_capture_does_not_spend_the_capture(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a loss spike (spike_sigmas: a statistic, provisional) at step 30, then a NaN batch at step 45: both captured,
+    # the failure beside the first, its folder named for its reason, and one line says which holds the failure
+    # (an FP32 loop: with a GradScaler a spike this size overflows and is skipped, and a skip is no spike)
+    caplog.set_level(logging.WARNING, logger="ampdoctor")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    cap = tmp_path / "cap"
+    with Monitor(model, opt, capture=cap, spike_sigmas=8.0) as mon:
+        for step in range(50):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if step == 30:
+                y = y * 50.0  # a finite spike of the loss
+            if step == 45:
+                x[1, 1] = float("nan")
+            mon.step(nn.functional.mse_loss(model(x), y), batch=(x, y))
+    first = json.loads((cap / "manifest.json").read_text())
+    assert (first["step"], first["reason"]) == (30, "loss_spike")
+    second = tmp_path / "cap-2-nonfinite_loss"
+    m = json.loads((second / "manifest.json").read_text())
+    assert (m["step"], m["reason"]) == (45, "nonfinite_loss")
+    held = [r.getMessage() for r in caplog.records if "holds the failure" in r.getMessage()]
+    assert held == [f"ampdoctor: {second} holds the failure ({cap} holds the earlier loss_spike of step 30)"]
