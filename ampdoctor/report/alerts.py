@@ -147,8 +147,9 @@ def failure_message(f: Failure) -> str:
 
 
 def skip_run_message(r: SkipRun) -> str:
-    """'ampdoctor: steps 50-60 skipped (11 in a row); the scale fell from 32768 to 32 (10 binades) (...)'."""
-    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, words.skip_why(r.why, r.first, r.step, None, r.need))
+    """'ampdoctor: steps 50-60 skipped (11 in a row); scale 32768 -> 16, 11 binade(s) down' and why, on a second line."""
+    why = words.skip_cause(r.why, r.need) or words.skip_run_reason(r.reason)
+    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, why)
 
 
 def skip_rate_message(s: SkipRate) -> str:
