@@ -291,3 +291,48 @@ def test_a_provisional_capture_does_not_spend_the_capture(tmp_path: Path, caplog
     assert (m["step"], m["reason"]) == (45, "nonfinite_loss")
     held = [r.getMessage() for r in caplog.records if "holds the failure" in r.getMessage()]
     assert held == [f"ampdoctor: {second} holds the failure ({cap} holds the earlier loss_spike of step 30)"]
+
+
+def test_a_forced_capture_of_a_back_off_at_an_established_scale_is_triaged_healthy(tmp_path: Path) -> None:
+    # issue 45's benign capture: a back-off after applied steps at that scale (the Monitor attached after the
+    # calibration, capture_on="skip" takes the first skip it sees): scaler_normal, never "collapsed"
+    from typer.testing import CliRunner
+
+    from ampdoctor.cli.app import app
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(GROWING_SPEC)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    sc = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    mon = None
+    for step in range(20):
+        if step == 8:  # past GradScaler's calibration from 2^16 (and its back-off at step 6)
+            mon = Monitor(model, opt, sc, capture=tmp_path / "cap", capture_on="skip", first_step=8, quiet=True)
+        x = torch.randn(32, 16, generator=g)
+        y = torch.randn(32, 1, generator=g) * (1.12 ** min(step, 20))
+        if mon is None:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+        else:
+            with mon.autocast():
+                loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+            mon.step(loss, batch=(x, y))
+    assert mon is not None
+    mon.close()
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert m["scaler_phase"] == "backoff" and m["step"] > 8
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(tmp_path / "cap"), "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output[-2000:]
+    rep = json.loads(r.stdout)
+    v = rep["verdict"]
+    assert (v["cause"], v["first_step"]) == ("healthy", m["step"]), r.stdout[:1500]
+    assert "collapsed" not in r.stdout
+    normal = [f for f in rep["findings"] if f["code"] == "scaler_normal"]
+    assert normal and normal[0]["evidence"]["phase"] == "backoff"

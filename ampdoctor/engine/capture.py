@@ -24,10 +24,11 @@ Every ``.pt`` file loads with ``torch.load(weights_only=True)``. The folder is w
 temporary name and renamed; an existing capture is never overwritten (``name-1``, ``name-2``...).
 
 A **failing step** is one GradScaler's own working does not explain (``FailingStep``): a non-finite
-loss; a skip at an established scale that is neither calibration, a growth probe nor an isolated
-overflow; without a GradScaler, any non-finite gradient; the skip-rate alert (normal skips not
-counted); a scale that collapsed ``COLLAPSE_BINADES`` binades below the highest scale that carried a
-step. A capture failure is a warning (``CaptureWarning``), never an exception in the training loop.
+loss; a skip the scale does not explain (the growth it needs since the last applied step is a jump, or
+it came at a scale <= 1: the unscaled gradients leave FP16), captured from the first skip since the
+last applied step; without a GradScaler, any non-finite gradient; the skip-rate alert (calibration not
+counted; provisional: a later failure is captured beside it). A capture failure is a warning
+(``CaptureWarning``), never an exception in the training loop.
 """
 
 from __future__ import annotations

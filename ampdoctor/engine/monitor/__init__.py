@@ -191,7 +191,7 @@ class Monitor:
         capture_ranks: ``"first"``: only the rank that went first writes a capture (rank 0 when no
             rank saw it locally); ``"all"``: every rank writes its own.
         capture_on: ``"failure"``: the capture, the first-failure message and the skip-rate alert leave
-            out GradScaler's normal skips (calibration, growth probes, an isolated overflow; see
+            out GradScaler's normal skips (calibration, growth probes, back-offs the scale explains; see
             ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
@@ -448,8 +448,8 @@ class Monitor:
     @property
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
-        steps skipped for a reason GradScaler's own working does not explain (its calibration, growth probes
-        and isolated overflows are not counted; see ``engine.capture.FailingStep``)."""
+        steps skipped, GradScaler's calibration not counted (its back-offs are: skips that waste a share of the
+        steps are a failure however the scale explains them; see ``engine.capture.FailingStep``)."""
         return self.rates.counted_rate
 
     @property

@@ -20,7 +20,7 @@ from ampdoctor.report import alerts as words
 
 class Rates:
     """The two rolling windows of the last ``window`` steps: every skip (``skip_rate``), and the skips that count
-    for the alert and ``max_skip_rate`` (not GradScaler's calibration, probes or isolated overflows)."""
+    for the alert and ``max_skip_rate`` (every skip but GradScaler's calibration)."""
 
     def __init__(self, cfg: MonitorConfig) -> None:
         self.window = cfg.window

@@ -72,7 +72,7 @@ def skip_rate_alert(step: int, rate: float, window: int, alert_rate: float, reas
     top = ", ".join(f"{r} x{c}" for r, c in reasons)
     log_hint = (f"read the step log with `ampdoctor scaler {log_path}`" if log_path is not None
                 else "Monitor(log=...) keeps a step log for `ampdoctor scaler`")
-    normal = "; GradScaler's calibration and probes not counted" if scaler else ""
+    normal = "; GradScaler's calibration not counted" if scaler else ""
     return (f"ampdoctor: step {step}: {rate:.1%} of the last {window} steps were skipped (alert_rate "
             f"{alert_rate:.0%}{normal}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; {log_hint}")
 
