@@ -24,10 +24,11 @@ Every ``.pt`` file loads with ``torch.load(weights_only=True)``. The folder is w
 temporary name and renamed; an existing capture is never overwritten (``name-1``, ``name-2``...).
 
 A **failing step** is one GradScaler's own working does not explain (``FailingStep``): a non-finite
-loss; a skip at an established scale that is neither calibration, a growth probe nor an isolated
-overflow; without a GradScaler, any non-finite gradient; the skip-rate alert (normal skips not
-counted); a scale that collapsed ``COLLAPSE_BINADES`` binades below the highest scale that carried a
-step. A capture failure is a warning (``CaptureWarning``), never an exception in the training loop.
+loss; a skip the scale does not explain (the growth it needs since the last applied step is a jump, or
+it came at a scale <= 1: the unscaled gradients leave FP16), captured from the first skip since the
+last applied step; without a GradScaler, any non-finite gradient; the skip-rate alert (calibration not
+counted; provisional: a later failure is captured beside it). A capture failure is a warning
+(``CaptureWarning``), never an exception in the training loop.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from ampdoctor.input.capture_schema import (
     validate_manifest,
     validate_state,
 )
-from ampdoctor.judge.scaler import COLLAPSE_BINADES, DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
+from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
 from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
@@ -307,86 +308,145 @@ class Trigger:
     """Why a step counts as the failing step."""
 
     reason: str
-    """nonfinite_loss | nonfinite_grad | skip_rate_alert | scale_collapsed | nonfinite_update | exploding_update |
-    hidden_overflow"""
+    """nonfinite_loss | nonfinite_grad | skip_rate_alert | nonfinite_update | exploding_update | hidden_overflow"""
     detail: str = ""
+    first: int | None = None
+    """A failure judged at a skip that follows other skips since the last applied step: the first of them (the
+    skipped steps changed neither the weights nor the optimizer state, so the failure starts there)."""
+    why: str = ""
+    """A skip judged by the gradients (``FailingStep``): ``unscaled`` (the gradients overflow FP16 at a scale <= 1)
+    or ``jump`` (the overflow needs the gradients to have grown ``JUMP_RATIO`` times since the last applied step)."""
+    need: float | None = None
+    """``jump``: the least growth of the largest gradient since the last applied step that the skips imply."""
+
+    @property
+    def provisional(self) -> bool:
+        """A judgement of a rate or a statistic, not of a step that went wrong: its capture does not spend the
+        capture (a later failure still gets one)."""
+        return self.reason == "skip_rate_alert" or self.reason.endswith("_spike")
 
 
-NORMAL_SKIPS = ("calibration", "growth_probe", "isolated")
-"""GradScaler working as designed (``FailingStep.phase``): none of them is a failure."""
+NORMAL_SKIPS = ("calibration", "growth_probe", "backoff", "isolated")
+"""GradScaler working as designed (``FailingStep.phase``): none of them is a failure. (``isolated``: the name of a
+back-off in captures written before the gradients judged it.)"""
+JUMP_RATIO = EXPLODE_RATIO
+"""A skip needs the largest gradient to have grown at least this many times since the last applied step: a jump the
+scale does not explain (three orders of magnitude, the ratio that calls an applied update exploding)."""
 
 
 @dataclass
 class FailingStep:
-    """Which step is the run's failing one, from GradScaler's state machine (docs/diagnosis.md).
+    """Which step is the run's failing one: a skip judged by what the gradients did (docs/diagnosis.md, "Which
+    skip is a failure").
 
-    GradScaler starts at ``init_scale`` and halves on every overflow until the gradients fit
-    (**calibration**); after ``growth_interval`` clean steps it doubles, and an overflow right after is
-    its **growth probe** backing off; a single overflow at a scale that has carried steps, with none
-    other within ``growth_interval`` steps, is **isolated**: the scaler skips it and goes on. None of
-    these is a failure. A failure is a non-finite loss; a skip at an established scale (one at or below a
-    scale that carried an applied step) that is neither a growth probe nor isolated; a non-finite step
-    applied (no GradScaler); the skip-rate alert (which counts only the skips that are not normal); a scale
-    that fell ``COLLAPSE_BINADES`` below the highest scale that carried an applied step; an update applied
-    although its gradient norm is non-finite (every element finite, so GradScaler found no inf: something made
-    the overflowed values finite, a gradient hook's ``nan_to_num`` or a clamp) or ``EXPLODE_RATIO`` times the
-    median of the last applied norms (an exploding update: the weights take it); an update applied although a
-    gradient recorded in its backward is non-finite, on a model carrying the user's gradient hooks
-    (``hidden``: the hooks, in words).
+    GradScaler skips a step when a *scaled* FP16 gradient overflows: ``s * G > F`` (``s`` the scale, ``G`` the
+    largest unscaled gradient in the backward's FP16 tensors, ``F`` FP16's max). The last applied step ``a`` had
+    ``s_a * G_a <= F`` (``grad_max``: the Monitor's figure of it). A skip at scale ``s`` therefore needs the
+    gradient to have grown at least ``need = F / (s * G_a)`` times since ``a``. It is GradScaler's normal working
+    (**calibration** above every scale that carried a step, the **growth probe** at a doubled scale, a
+    **backoff** while the gradients grow) while ``need < JUMP_RATIO`` and the scale is above 1, however often it
+    happens. It is a failure when the scale does not explain it: ``need >= JUMP_RATIO`` (a jump: each further
+    consecutive skip halves ``s`` and doubles ``need``, so an overflow that persists is judged within
+    ``log2(JUMP_RATIO)`` skips), or a skip at a scale ``<= 1`` (the unscaled gradients themselves leave FP16, the
+    definition of ``fp16_grad_overflow``). Such a failure judged at a skip that follows other skips since ``a``
+    starts at the first of them (``Trigger.first``). Other failures: a non-finite loss; a non-finite step applied
+    (no GradScaler); the skip-rate alert; an update applied although its gradient norm is non-finite (every
+    element finite, so GradScaler found no inf: something made the overflowed values finite, a gradient hook's
+    ``nan_to_num`` or a clamp) or ``EXPLODE_RATIO`` times the median of the last applied norms (an exploding
+    update: the weights take it); an update applied although a gradient recorded in its backward is non-finite,
+    on a model carrying the user's gradient hooks (``hidden``: the hooks, in words).
     ``every_skip=True``: every skip of non-finite gradients is a failure (``Monitor(capture_on="skip")``).
     """
 
     growth_interval: int = DEFAULT_GROWTH_INTERVAL
     every_skip: bool = False
+    fmt_max: float = 65504.0
+    """The largest finite value of the format the backward runs in (FP16)."""
     phase: str = ""
-    """What the last judged step was: '' | 'calibration' | 'growth_probe' | 'isolated' | 'failure'."""
+    """What the last judged step was: '' | 'calibration' | 'growth_probe' | 'backoff' | 'failure'."""
     _peak_applied: float = 0.0
     _prev_scale: float | None = None
     _last_isolated: int | None = None
     _norms: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    _grad: Any = None
+    """The last applied step's largest unscaled gradient: a float, or a callable that works it out (on a skip)."""
+    run_first: int | None = None
+    """The first skipped step since the last applied one (None after an applied step)."""
+    run_scale: float | None = None
+    """The scale ``run_first`` used."""
+    run_failed: bool = False
+    """The run of skips since ``run_first`` has been judged a failure."""
+    need: float | None = None
+    """The last skip's ``need`` (None when no applied step's gradient is known)."""
 
     def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
-              step: int = 0, injected: bool = False, norm: float | None = None, hidden: str = "") -> Trigger | None:
+              step: int = 0, injected: bool = False, norm: float | None = None, hidden: str = "",
+              grad_max: Any = None) -> Trigger | None:
         """Whether this step is a failing one; updates the scale history (``phase`` says what it was).
         ``injected``: the fault is known not to come from the loss scale (injected, or another rank's batch,
-        forward or loss): a skip of it is a failure whatever the scaler's phase."""
+        forward or loss): a skip of it is a failure whatever the scaler's phase. ``grad_max`` (an applied step):
+        its largest unscaled gradient, or a callable returning it (called only if a skip needs it)."""
         grew = scale is not None and self._prev_scale is not None and scale > self._prev_scale
         if scale is not None and math.isfinite(scale):
             self._prev_scale = scale
+        if skipped and self.run_first is None:
+            self.run_first, self.run_scale, self.run_failed = step, scale, False
         self.phase = ""
         trig: Trigger | None = None
         if skipped and reason == "nonfinite_loss":
             trig = Trigger("nonfinite_loss")  # the forward: no scale explains it
         elif skipped:
-            label = "" if injected else self._skip_phase(scale, grew, step)
+            label, why = ("", "") if injected else self._skip_phase(scale, grew)
             if not label or self.every_skip:
-                trig = Trigger("nonfinite_grad", reason)
+                first = self.run_first if why and self.run_first is not None and self.run_first < step else None
+                trig = Trigger("nonfinite_grad", reason, first=first, why=why,
+                               need=self.need if why == "jump" else None)
             self.phase = label
-        elif nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
-            trig = Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
-        elif hidden:
-            # backward made a non-finite gradient, GradScaler found none in the parameters', and the model carries the
-            # user's gradient hooks: one of them made the overflow finite
-            trig = Trigger("hidden_overflow", hidden)
-        elif norm is not None and not math.isfinite(norm) and not math.isnan(norm):
-            # applied with every element finite (GradScaler found no inf) and yet a norm beyond FP32: values made
-            # finite at the edge of the format (nan_to_num's float max), the overflow hidden from the scaler
-            trig = Trigger("nonfinite_update", f"gradient norm {norm:g} applied")
-        elif norm is not None and self._exploded(norm):
-            trig = Trigger("exploding_update", f"gradient norm {norm:.4g} applied, {norm / self._typical():.3g}x the median "
-                                               f"of the last {len(self._norms)} applied")
-        elif alert:
-            trig = Trigger("skip_rate_alert")
-        elif (scale is not None and self._peak_applied > 0 and scale > 0
-              and math.log2(self._peak_applied / scale) >= COLLAPSE_BINADES):
-            trig = Trigger("scale_collapsed", f"{self._peak_applied:g} -> {scale:g}")
+        else:
+            trig = self._applied(reason, nonfinite, norm, hidden, alert)
+        if not skipped:
+            self.run_first = self.run_scale = None
+            self.run_failed = False
+            if grad_max is not None:
+                self._grad = grad_max
         if not skipped and scale is not None and math.isfinite(scale):
             self._peak_applied = max(self._peak_applied, scale)
         if not skipped and norm is not None and math.isfinite(norm):
             self._norms.append(norm)
         if trig is not None and not self.phase:
             self.phase = "failure"  # (every_skip keeps the label of a normal skip it captures anyway)
+        if trig is not None and skipped:
+            self.run_failed = True
         return trig
+
+    def _applied(self, reason: str, nonfinite: bool, norm: float | None, hidden: str, alert: bool) -> Trigger | None:
+        if nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
+            return Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
+        if hidden:
+            # backward made a non-finite gradient, GradScaler found none in the parameters', and the model carries the
+            # user's gradient hooks: one of them made the overflow finite
+            return Trigger("hidden_overflow", hidden)
+        if norm is not None and not math.isfinite(norm) and not math.isnan(norm):
+            # applied with every element finite (GradScaler found no inf) and yet a norm beyond FP32: values made
+            # finite at the edge of the format (nan_to_num's float max), the overflow hidden from the scaler
+            return Trigger("nonfinite_update", f"gradient norm {norm:g} applied")
+        if norm is not None and self._exploded(norm):
+            return Trigger("exploding_update", f"gradient norm {norm:.4g} applied, {norm / self._typical():.3g}x the "
+                                               f"median of the last {len(self._norms)} applied")
+        if alert:
+            return Trigger("skip_rate_alert")
+        return None
+
+    def grad_max(self) -> float | None:
+        """The last applied step's largest unscaled gradient (None when no applied step measured one)."""
+        g = self._grad
+        if callable(g):
+            try:
+                g = g()
+            except Exception:  # a figure the judgement can go without
+                g = None
+            self._grad = g
+        return float(g) if g is not None and math.isfinite(g) and g > 0 else None
 
     def _typical(self) -> float:
         return float(statistics.median(self._norms))  # (as np.median: the mean of the middle two of an even count)
@@ -397,17 +457,23 @@ class FailingStep:
         typical = self._typical()
         return typical > 0 and norm >= EXPLODE_RATIO * typical
 
-    def _skip_phase(self, scale: float | None, grew: bool, step: int) -> str:
+    def _skip_phase(self, scale: float | None, grew: bool) -> tuple[str, str]:
+        """(the normal phase, '') of a skip the scale explains, else ('', why)."""
+        self.need = None
         if scale is None:  # no GradScaler: the loop skipped a non-finite step itself
-            return ""
+            return "", ""
+        if scale <= 1.0:
+            return "", "unscaled"  # s * G > F with s <= 1: G > F, the gradients leave FP16 unscaled
+        g = self.grad_max()
+        if g is not None:
+            self.need = self.fmt_max / (scale * g)
+            if self.need >= JUMP_RATIO:
+                return "", "jump"
         if scale > self._peak_applied:
-            return "calibration"  # above every scale that carried a step: still probing from init_scale
+            return "calibration", ""  # above every scale that carried a step: still probing from init_scale
         if grew:
-            return "growth_probe"  # the first step at a doubled scale overflowed: the scale backs off again
-        if self._last_isolated is None or step - self._last_isolated >= self.growth_interval:
-            self._last_isolated = step
-            return "isolated"
-        return ""  # a second overflow at an established scale within growth_interval: not GradScaler's noise
+            return "growth_probe", ""  # the first step at a doubled scale overflowed: the scale backs off again
+        return "backoff", ""  # the gradients grew to the scale's limit: GradScaler backs off, as designed
 
 
 @dataclass
@@ -446,6 +512,11 @@ class Capture:
     """Snapshots taken before ``snapshot_every`` because the batches filled ``hold_bytes``."""
     _snap_bytes: int = 0
     _batch_bytes: int = 0
+    _run: tuple[int, Any, dict[str, Any] | None] | None = None
+    """The first skipped step since the last applied one: (step, the RNG as it began, the scaler's state before it)."""
+    earlier: tuple[Path, int, str] | None = None
+    """A provisional capture written before (``Trigger.provisional``): (its folder, step, reason); the capture stays
+    armed for a failure, written beside it as ``<path>-2-<reason>``."""
 
     def __post_init__(self) -> None:
         if self.hold_bytes <= 0:
@@ -467,6 +538,12 @@ class Capture:
         self._rng = raw_rng()
         self._rng_step = step
         self._rng_forward = step if forward else None
+
+    def skip_run_starts(self, step: int, scaler_before: dict[str, Any] | None) -> None:
+        """``step`` is the first skip since the last applied step: keep what a replay from it needs (the RNG as it
+        began and the scaler's state before it); the weights and optimizer state stay as they are while it skips."""
+        if not self.done:
+            self._run = (step, self._rng if self._rng_step == step else None, scaler_before)
 
     # every step ----------------------------------------------------------------------------------
     def before_update(self, step: int, batch: Any) -> None:
@@ -527,8 +604,14 @@ class Capture:
               scaler_before: dict[str, Any] | None, extra: dict[str, Any] | None = None, announce: bool = True,
               tables: dict[str, str] | None = None) -> Path | None:
         """Write the capture folder; a failure warns and returns None (training goes on). ``announce``: say
-        where it went and how to replay it (else the caller does, with ``replay_hint``)."""
-        self.done = True
+        where it went and how to replay it (else the caller does, with ``replay_hint``). A provisional trigger's
+        capture leaves the capture armed for one failure more (``earlier``)."""
+        if self.done or (trig.provisional and self.earlier is not None):
+            return None
+        self.done = not trig.provisional or self.earlier is not None
+        if self.earlier is not None:  # the failure after a provisional capture: beside it, within what is left
+            self.path = self.earlier[0].parent / f"{self.earlier[0].name}-2-{trig.reason}"
+            self.max_bytes = max(0, self.max_bytes - _folder_bytes(self.earlier[0]))
         try:
             self.written = self._write(trig, step=step, skipped=skipped, record=record, stats=stats, scaler_before=scaler_before,
                                        extra=extra or {}, tables=tables or {})
@@ -539,9 +622,18 @@ class Capture:
             if not self.quiet:
                 warn_user(msg, CaptureWarning)
             return None
+        if trig.provisional and self.earlier is None and not self.done:
+            self.earlier = (self.written, step, trig.reason)
         if announce:
             say("ampdoctor: step %d failed (%s); %s", step, trig.reason, self.replay_hint(), quiet=self.quiet)
         return self.written
+
+    def holds_failure(self) -> str:
+        """After a provisional capture, the line that says which capture holds the failure; else ''."""
+        e = self.earlier
+        if e is None or self.written is None or self.written == e[0]:
+            return ""
+        return f"{self.written} holds the failure ({e[0]} holds the earlier {e[2]} of step {e[1]})"
 
     def replay_hint(self) -> str:
         """'captured to DIR; replay it: ampdoctor triage SPEC --from DIR' (the script itself when it is a spec)."""
@@ -564,7 +656,8 @@ class Capture:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking host copies are complete
         left_out: list[str] = []
-        files, snap, at_start, batch_steps = self._files(step, skipped, scaler_before, left_out)
+        files, snap, at_start, batch_steps = self._files(step, skipped, scaler_before, left_out, trig.first)
+        begins = batch_steps[0] if trig.first is not None and snap is not None and batch_steps[:1] == [trig.first] else step
         manifest = {
             **self._manifest(trig, step, skipped, record, scaler_before),
             **extra,
@@ -573,9 +666,10 @@ class Capture:
             # the user's gradient / tensor hooks on the model, by name (a replay keeps them if the spec's model has them)
             "user_hooks": [h.as_json() for h in userhooks.found(self.model)],
             # rng.pt: as the failing step began (after the step before it), or else now, after its own draws
-            "rng_after_step": step - 1 if at_start else step,
+            "rng_after_step": begins - 1 if at_start else step,
             "state_step": step if STATE_FILE in files else None,
-            "snapshot_step": self._snapshot_step if snap is not None else None,
+            "snapshot_step": (begins if begins < step else self._snapshot_step) if snap is not None else None,
+            "first_skip": trig.first if begins < step else None,
             "batch_steps": batch_steps,
             "files": sorted([*files, MANIFEST, *([STATS_FILE] if stats is not None else []), *tables]),
             "left_out": left_out,
@@ -591,10 +685,37 @@ class Capture:
             validate_batches(files[BATCHES_FILE], self.path / BATCHES_FILE)
         return self._save(files, stats, tables, text)
 
+    def _run_files(self, first: int, step: int) -> tuple[dict[str, Any], dict[str, Any], bool, list[int]] | None:
+        """A failure judged at ``step``, a skip after other skips since ``first``: nothing was applied since, so the
+        live weights and optimizer state with the scaler's state before ``first`` are the state ``first`` began
+        from (``snapshot.pt``), and the held batches of ``first``..``step`` re-reach the judged step. None when
+        they are not all held (or do not fit ``capture_max_bytes``): the judged step alone is captured."""
+        run = self._run
+        if run is None or run[0] != first or first not in self._batch_steps:
+            return None
+        i = self._batch_steps.index(first)
+        batches, steps = self._batches[i:], self._batch_steps[i:]
+        if steps != list(range(first, step + 1)):
+            return None
+        st = self.state()
+        st["scaler"] = run[2] if run[2] is not None else st["scaler"]
+        files: dict[str, Any] = {SNAPSHOT_FILE: st, RNG_FILE: rng_states(run[1])}
+        if sum(nbytes(v) for v in files.values()) + sum(nbytes(b) for b in batches) > self.max_bytes:
+            return None
+        files[BATCHES_FILE] = list(batches)
+        return files, st, run[1] is not None, list(steps)
+
     def _files(self, step: int, skipped: bool, scaler_before: dict[str, Any] | None,
-               left_out: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None, bool, list[int]]:
+               left_out: list[str], first: int | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, bool, list[int]]:
         """The tensor files (name → object), within ``capture_max_bytes`` (what did not fit goes to ``left_out``);
-        the snapshot kept, whether ``rng.pt`` is the failing step's start, and the steps of the batches kept."""
+        the snapshot kept, whether ``rng.pt`` is the failing step's start, and the steps of the batches kept.
+        ``first``: the failure starts at that earlier skip (``Trigger.first``): its state and the batches since."""
+        run = self._run_files(first, step) if skipped and first is not None else None
+        if run is not None:
+            return run
+        if first is not None:
+            left_out.append(f"the batches of steps {first}-{step - 1} (skipped before the failure was judged; not all "
+                            f"held or within capture_max_bytes={self.max_bytes}): the replay starts at step {step}")
         files: dict[str, Any] = {}
         if skipped:  # nothing was applied: the live state is the state before the failing step
             st = self.state()
@@ -689,6 +810,14 @@ class Capture:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _folder_bytes(path: Path) -> int:
+    """The bytes of the files in a capture folder (0 when it cannot be read)."""
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
 
 
 def _claim(tmp: Path, path: Path, tries: int = 1000) -> Path:

@@ -718,7 +718,7 @@ def grad_overflow(c: Ctx) -> Outcome | None:
         # unless something handles the scaled gradients (the evidence amp_misuse names)
         if c.hooks:
             return _amp_misuse(c, bad, c.rc_ev, {"why": "probe_clean"})
-        if c.scaler_phase in ("calibration", "growth_probe", "isolated") or not (c.collapsed or c.skip_alert):
+        if c.scaler_phase in ("calibration", "growth_probe", "backoff", "isolated") or not (c.collapsed or c.skip_alert):
             return _scaler_normal(c, bad, st, module)
     if module is None and c.probe is not None:
         pb = _first_bad_step(c.probe, amp=False)

@@ -62,6 +62,27 @@ class Failure:
     """Under torch.distributed: the rank that went first."""
     spike: Spike | None = None
     """With the spike trigger: the spike this step was (its layers named)."""
+    run_first: int | None = None
+    """A failure judged at a skip after other skips: the first of them (the failure is said at that step)."""
+    run_scale: float | None = None
+    """The scale ``run_first`` used."""
+    why: str = ""
+    """``engine.capture.Trigger.why``: unscaled | jump ('' for the other triggers)."""
+    need: float | None = None
+
+
+@dataclass(frozen=True)
+class SkipRun:
+    """A run of skips judged a failure after the run's first failure was said (``engine.monitor.skips``)."""
+
+    first: int
+    step: int
+    count: int
+    scale0: float | None
+    scale: float | None
+    reason: str
+    why: str
+    need: float | None
 
 
 @dataclass(frozen=True)
@@ -118,9 +139,17 @@ def failure_message(f: Failure) -> str:
     if f.reason.endswith("_spike") and f.spike is not None:
         return words.spike_failure(spike_message(f.spike), f.skipped)
     what = words.failure_what(f.reason, f.detail, f.loss, f.module, f.bad_count)
+    step, scale = (f.run_first, f.run_scale) if f.run_first is not None else (f.step, f.scale)
+    what += words.skip_why(f.why, step, f.step, f.scale, f.need)
     first = (f.first.rank, f.first.kind, f.first.module) if f.first is not None else None
-    return words.failure(f.step, what, f.skipped, f.scale, first, f.first.spread if f.first else False,
+    return words.failure(step, what, f.skipped, scale, first, f.first.spread if f.first else False,
                          f.first.others_clean if f.first else False)
+
+
+def skip_run_message(r: SkipRun) -> str:
+    """'ampdoctor: steps 50-60 skipped (11 in a row); scale 32768 -> 16, 11 binade(s) down' and why, on a second line."""
+    why = words.skip_cause(r.why, r.need) or words.skip_run_reason(r.reason)
+    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, why)
 
 
 def skip_rate_message(s: SkipRate) -> str:
@@ -151,7 +180,7 @@ def history_words(told: Mapping[str, Any]) -> tuple[str, list[str]]:
     return history_title(told), history_lines(told)
 
 
-__all__ = ["Failure", "FirstRank", "Off", "SkipRate", "capture_without_batch", "deepspeed_no_backward",
+__all__ = ["Failure", "FirstRank", "Off", "SkipRate", "SkipRun", "skip_run_message", "capture_without_batch", "deepspeed_no_backward",
            "deepspeed_replay_hint", "failure_message", "first_fault",
            "forecast_alert", "history_words", "monitor_off", "off_reason", "rank_alone", "sharded_no_exchange", "sharded_plain_scaler",
            "skip_rate_error", "skip_rate_message"]

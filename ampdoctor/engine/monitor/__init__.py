@@ -60,9 +60,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, NORMAL_SKIPS, Capture, FailingStep, Trigger, sharded_engine
+from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger, sharded_engine
 from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
-from ampdoctor.engine.monitor import alerts, capturing, exchange, history, lookback
+from ampdoctor.engine.monitor import alerts, capturing, exchange, history, lookback, skips
 from ampdoctor.engine.monitor.alerts import Rates
 from ampdoctor.engine.monitor.config import MonitorConfig, steps
 from ampdoctor.engine.monitor.history import History
@@ -191,7 +191,7 @@ class Monitor:
         capture_ranks: ``"first"``: only the rank that went first writes a capture (rank 0 when no
             rank saw it locally); ``"all"``: every rank writes its own.
         capture_on: ``"failure"``: the capture, the first-failure message and the skip-rate alert leave
-            out GradScaler's normal skips (calibration, growth probes, an isolated overflow; see
+            out GradScaler's normal skips (calibration, growth probes, back-offs the scale explains; see
             ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
@@ -350,6 +350,7 @@ class Monitor:
             self.capture = capturing.arm(self, cfg, folder)
         self._failing = FailingStep(self.scaler.get_growth_interval() if self.scaler is not None else 2000,
                                     every_skip=cfg.capture_on == "skip")
+        self._episodes = skips.Episodes()
         self._build_log(log_file)
         if self.engine in SHARDED and self.rank in (None, 0):
             self._say_sharded(scaler)
@@ -447,8 +448,8 @@ class Monitor:
     @property
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
-        steps skipped for a reason GradScaler's own working does not explain (its calibration, growth probes
-        and isolated overflows are not counted; see ``engine.capture.FailingStep``)."""
+        steps skipped, GradScaler's calibration not counted (its back-offs are: skips that waste a share of the
+        steps are a failure however the scale explains them; see ``engine.capture.FailingStep``)."""
         return self.rates.counted_rate
 
     @property
@@ -818,8 +819,9 @@ class Monitor:
                            step_convention=self.step_convention)
 
     def _judge_failure(self, rec: MonitorRecord, pend: _Pending, spike: Any) -> None:
-        """Whether the step failed (``engine.capture.FailingStep``): the run's first failure is said once, with the
-        folder its capture went to; the capture is written at the first trigger."""
+        """Whether the step failed (``engine.capture.FailingStep``: a skip judged by what the gradients did): the run's
+        first failure is said once, with the folder its capture went to; the capture is written at the first trigger
+        (a provisional one leaves it armed); a later run of skips judged a failure is said once (``skips``)."""
         m = pend.m
         sk = rec.skipped
         # a fault no loss scale explains: injected, or a rank's own batch, forward or loss (seen through the exchange)
@@ -827,21 +829,29 @@ class Monitor:
         known = bool(pend.injected) or (first is not None and first.kind in ("input", "forward", "loss"))
         # the applied update's norm (none under a sharding engine, whose norms are a shard's; none when injected)
         norm = rec.grad_l2_pre_clip if not sk and self.engine is None and not pend.injected else None
-        trig = self._failing.judge(skipped=sk, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False,
-                                   nonfinite=m.skip, step=rec.step, injected=known, norm=norm,
-                                   hidden=self._hidden_overflow(m) if not sk and not pend.injected else "")
-        self.rates.push_counted(sk and self._failing.phase not in NORMAL_SKIPS)
+        fs = self._failing
+        trig = fs.judge(skipped=sk, reason=rec.skip_reason, scale=rec.scaler_scale, alert=False, nonfinite=m.skip,
+                        step=rec.step, injected=known, norm=norm, grad_max=skips.grad_figure(m, sk),
+                        hidden=self._hidden_overflow(m) if not sk and not pend.injected else "")
+        if sk and fs.run_first == rec.step and self.capture is not None:
+            self.capture.skip_run_starts(rec.step, skips.scaler_before(self, m))
+        self.rates.push_counted(sk and fs.phase != "calibration")
         if trig is None and self.rates.alerting(self.step_num - self.first_step) and not self.rates.alerted:
             trig = Trigger("skip_rate_alert")
         if trig is None and spike is not None and self.first_failure is None:
             trig = Trigger(f"{spike.what}_spike", f"{spike.value:g}, {spike.z:.1f} robust sd above the median {spike.median:g}")
+        self._episodes.later(self, rec, trig)
         failure = None
         if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
-            self.first_failure = (rec.step, trig.reason)
+            self.first_failure = (trig.first if trig.first is not None else rec.step, trig.reason)
+            self._episodes.first_failure(rec.step, fs.run_first if sk else None)
             last = self.lookback.last_spike if self.lookback is not None else None
-            failure = words.failure_message(alerts.failure_fact(rec, m, trig, last))
+            failure = words.failure_message(alerts.failure_fact(rec, m, trig, last, fs.run_scale))
         if self.capture is not None and not self.capture.done and trig is not None:
             capturing.write(self, rec, m, trig, announce=failure is None)
+            held = self.capture.holds_failure() if rec.capture else ""
+            if held:
+                say(f"ampdoctor: {held}", quiet=self.quiet)
         if failure is not None:  # one message: the failure, and where its capture went (if this rank wrote it)
             if rec.capture and self.capture is not None:
                 failure += "\n  " + self.capture.replay_hint()

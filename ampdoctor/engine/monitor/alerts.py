@@ -20,7 +20,7 @@ from ampdoctor.report import alerts as words
 
 class Rates:
     """The two rolling windows of the last ``window`` steps: every skip (``skip_rate``), and the skips that count
-    for the alert and ``max_skip_rate`` (not GradScaler's calibration, probes or isolated overflows)."""
+    for the alert and ``max_skip_rate`` (every skip but GradScaler's calibration)."""
 
     def __init__(self, cfg: MonitorConfig) -> None:
         self.window = cfg.window
@@ -94,7 +94,8 @@ class Rates:
         self.alerted = bool(state["alerted"])
 
 
-def failure_fact(rec: MonitorRecord, m: Measured, trig: Trigger, spike: Spike | None) -> words.Failure:
+def failure_fact(rec: MonitorRecord, m: Measured, trig: Trigger, spike: Spike | None,
+                 run_scale: float | None = None) -> words.Failure:
     """The run's first failing step, as the facts ``report.alerts.failure_message`` words."""
     view = m.ranks
     first = view.first if view is not None else None
@@ -103,7 +104,7 @@ def failure_fact(rec: MonitorRecord, m: Measured, trig: Trigger, spike: Spike | 
     who = (words.FirstRank(first.rank, first.kind, first.module, view.others_clean, view.spread)
            if first is not None and view is not None else None)
     return words.Failure(rec.step, rec.scaler_scale, trig.reason, trig.detail, rec.skipped, rec.loss, module,
-                         rec.nonfinite_count, who, spike)
+                         rec.nonfinite_count, who, spike, trig.first, run_scale, trig.why, trig.need)
 
 
 def say_failure(msg: str, m: Measured, rank: int | None, quiet: bool) -> None:

@@ -72,8 +72,8 @@ def state_dict(mon: Monitor) -> dict[str, Any]:
         "recent": list(r.recent), "over": r.over, "alerted": r.alerted,
         "scale_changes": [list(c) for c in h.scale_changes], "skips": [list(s) for s in h.skips],
         "counted": list(r.counted),
-        "failing": ({"peak_applied": f._peak_applied, "prev_scale": f._prev_scale, "last_isolated": f._last_isolated}
-                    if f is not None else None),
+        "failing": ({"peak_applied": f._peak_applied, "prev_scale": f._prev_scale, "last_isolated": f._last_isolated,
+                     "grad_max": f.grad_max()} if f is not None else None),
         "first_failure": list(mon.first_failure) if mon.first_failure is not None else None,
     }
 
@@ -95,6 +95,7 @@ def load_state_dict(mon: Monitor, state: dict[str, Any]) -> None:
         fs._peak_applied = float(f.get("peak_applied") or 0.0)
         fs._prev_scale = None if f.get("prev_scale") is None else float(f["prev_scale"])
         fs._last_isolated = None if f.get("last_isolated") is None else int(f["last_isolated"])
+        fs._grad = None if f.get("grad_max") is None else float(f["grad_max"])  # (the last applied step's G)
     ff = state.get("first_failure")
     mon.first_failure = (int(ff[0]), str(ff[1])) if ff else None
     h.scale_changes = [(int(s), float(v)) for s, v in state["scale_changes"]]

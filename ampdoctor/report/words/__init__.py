@@ -314,6 +314,7 @@ _PHASES = {
     "calibration": "probing a scale above any that had carried a step",
     "growth_probe": "probing a doubled scale after its growth interval",
     "isolated": "meeting one overflow at an established scale",
+    "backoff": "backing off as the gradients grew to the scale's limit",
 }
 
 

@@ -6,6 +6,7 @@ passes to ``ampdoctor.notify``; numbers are formatted as the run's log has alway
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -71,7 +72,7 @@ def skip_rate_alert(step: int, rate: float, window: int, alert_rate: float, reas
     top = ", ".join(f"{r} x{c}" for r, c in reasons)
     log_hint = (f"read the step log with `ampdoctor scaler {log_path}`" if log_path is not None
                 else "Monitor(log=...) keeps a step log for `ampdoctor scaler`")
-    normal = "; GradScaler's calibration and probes not counted" if scaler else ""
+    normal = "; GradScaler's calibration not counted" if scaler else ""
     return (f"ampdoctor: step {step}: {rate:.1%} of the last {window} steps were skipped (alert_rate "
             f"{alert_rate:.0%}{normal}); skip reasons: {top}{f' (+{more} more)' if more > 0 else ''}; {log_hint}")
 
@@ -134,6 +135,41 @@ def capture_without_batch(path: Any, step: int) -> str:
             "batch= to mon.step() or mon.after_backward(), or a failure cannot be replayed")
 
 
+def skip_cause(why: str, need: float | None) -> str:
+    """Why a skip is a failure and not GradScaler backing off (``engine.capture.Trigger.why``), or ''."""
+    if why == "unscaled":
+        return "the gradients overflow FP16 unscaled, at a scale <= 1"
+    if why == "jump" and need is not None:
+        return f"a jump: the skips need the largest gradient {need:.3g}x the last applied step's"
+    return ""
+
+
+def skip_why(why: str, first: int, step: int, scale: float | None, need: float | None) -> str:
+    """The failure message's account of a run of skips judged by the gradients: '' for another trigger."""
+    cause = skip_cause(why, need)
+    if not cause:
+        return ""
+    steps = f"steps {first}-{step} were skipped" if first < step else f"step {step} was skipped"
+    at = f" down to scale {scale:g}" if scale is not None and why == "unscaled" else ""
+    return f" ({steps}{at}; {cause})"
+
+
+def skip_run_reason(reason: str) -> str:
+    """What a later run of skips was, for a trigger other than the gradients' judgement."""
+    return {"nonfinite_loss": "the loss is non-finite", "nonfinite_grad": "a gradient went non-finite"}.get(reason, "")
+
+
+def skip_run(first: int, step: int, count: int, scale0: float | None, scale: float | None, why: str) -> str:
+    """A later run of skips judged a failure after the first failure was said: 'ampdoctor: steps 50-60 skipped
+    (11 in a row); scale 32768 -> 16, 11 binade(s) down' (``scale``: after the last skip's back-off), and
+    why on a line of its own."""
+    fell = ""
+    if scale0 is not None and scale is not None and scale > 0:
+        fell = f"; scale {scale0:g} -> {scale:g}, {math.log2(scale0 / scale):.0f} binade(s) down"
+    steps = f"steps {first}-{step}" if first < step else f"step {step}"
+    return f"ampdoctor: {steps} skipped ({count} in a row){fell}" + (f"\n  {why}" if why else "")
+
+
 __all__ = ["capture_without_batch", "failed_at", "failure", "failure_what", "first_fault", "monitor_off", "rank_failed",
            "ranks_story", "sharded_no_exchange", "sharded_plain_scaler", "skip_rate_alert", "skip_rate_error",
-           "rank_alone", "spike_failure", "unreadable_layout", "unsupported_engine"]
+           "rank_alone", "skip_cause", "skip_run", "skip_run_reason", "skip_why", "spike_failure", "unreadable_layout", "unsupported_engine"]
