@@ -22,7 +22,7 @@ from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
-from ampdoctor.input.batches import Batches, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input.batches import Batches, ModelInputs, as_micro, filter_kwargs, grouped, micro_batches, split, to_device, unlisted
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
@@ -77,7 +77,7 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
     """
     model = build_model(spec, cfg, device)
     preflight.initial_weights(model, spec.path)
-    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
+    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
     preflight.optimizer(spec, model)
     preflight.batches_run(spec, model, batches, device)
     return model, grouped(batches, cfg.steps, cfg.accumulate)
@@ -454,7 +454,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     loader_note: list[str] = []
     if skip_batches:
         spec, loader_note = _skipping(spec, skip_batches)
-    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
+    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
     preflight.batches_run(spec, model, batches, device)
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
@@ -549,7 +549,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
             torch.amp.GradScaler(device.type).load_state_dict(dict(cap.start.scaler))
         except Exception as e:
             raise CaptureError(f"{cap.path}: the captured GradScaler state cannot be loaded ({type(e).__name__}: {e})") from None
-    batches = Batches(cap.batches, cycled=False)
+    batches = Batches([as_micro(b, cfg.accumulate) for b in cap.batches], cycled=False)  # a list of `accumulate` micro-batches
     try:
         with torch.no_grad():
             forward_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)

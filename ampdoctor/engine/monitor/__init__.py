@@ -91,7 +91,7 @@ from ampdoctor.engine.shards import Shards
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.input.batches import Micro
+from ampdoctor.input.batches import Micro, as_micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.notify import alert, say
@@ -308,6 +308,8 @@ class Monitor:
         self._accumulated = False
         self._micro: list[Any] = []
         """Micro-batches given to ``backward``/``note_loss`` this step (for the capture)."""
+        self._backwards = 0
+        """``backward`` calls this step: a plain list of as many batches given to the step is its micro-batches."""
         self.ranks: RankExchange | None = None
         self.rank: int | None = None
         self.capture: Capture | None = None
@@ -607,6 +609,7 @@ class Monitor:
                 self._fail("the loss check", e)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._accumulated = True
+        self._backwards += 1
 
     def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> MonitorRecord:
         """One training step from a loss: backward, unscale_, clip, step or skip, update, zero_grad.
@@ -707,12 +710,13 @@ class Monitor:
         """The step's batch for the capture: the one given, or the micro-batches given to ``backward`` /
         ``note_loss`` (kept together: ``MicroBatches``)."""
         micro, self._micro = self._micro, []
+        calls, self._backwards = self._backwards, 0
         if micro and batch is not None:
             raise UsageError("the step's micro-batches were given to backward()/note_loss(); give the step no batch= "
                              "(or pass ampdoctor.MicroBatches([...]) to it and none to backward)")
         if micro:
             return Micro(micro) if len(micro) > 1 else micro[0]
-        return batch
+        return as_micro(batch, calls)  # a plain list of the step's micro-batches (issue 45)
 
     def _after_backward(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
         """The measurement at the step's one host copy; None when it failed (the monitor is then off, and

@@ -13,7 +13,7 @@ from ampdoctor.engine.capture import Capture, CaptureWarning, Trigger
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import MonitorRecord
 from ampdoctor.engine.step import Measured
-from ampdoctor.input.batches import named_tensors
+from ampdoctor.input.batches import Micro, as_micro, named_tensors
 from ampdoctor.notify import alert
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.ring import LAYERS_FILE, STEPS_FILE
@@ -46,7 +46,8 @@ def keep_batch(mon: Monitor, batch: Any) -> None:
     if cap is None or cap.done:
         return
     taken = mon.tap.take() if mon.tap is not None else None
-    b = batch if batch is not None else taken
+    # a plain list of as many micro-batches as the step's forwards (a loop that runs backward itself)
+    b = as_micro(batch, len(taken) if isinstance(taken, Micro) else 1) if batch is not None else taken
     if not mon._batch_checked:
         mon._batch_checked = True
         if b is None or not named_tensors(b):
