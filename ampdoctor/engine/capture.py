@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ampdoctor._version import __version__
+from ampdoctor.input import origin
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import (
     BATCHES_FILE,
@@ -266,6 +267,11 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
         try:
             out["lightning_hparams"] = _plain(dict(hp))
         except Exception:
+            pass
+    if len(out) == 1:  # a plain nn.Module: its folder and constructor's arguments (issue 45: replay without a spec)
+        try:
+            out.update(origin.record(inner))
+        except Exception:  # what cannot be read is left out: the replay asks for a spec
             pass
     return out
 

@@ -309,6 +309,9 @@ class Monitor:
         self._micro: list[Any] = []
         """Micro-batches given to ``backward``/``note_loss`` this step (for the capture)."""
         self._backwards = 0
+        self._loss_seen = False
+        self._loss_recipe: dict[str, Any] | None = None
+        """How the loop computed its loss from the model's output (``capturing.seen_loss``), for the capture."""
         """``backward`` calls this step: a plain list of as many batches given to the step is its micro-batches."""
         self.ranks: RankExchange | None = None
         self.rank: int | None = None
@@ -601,6 +604,7 @@ class Monitor:
         ``batch``: this micro-batch (in the form your spec's dataloader yields), kept for the capture;
         the step's micro-batches are kept together and replay as one accumulated step."""
         _check_loss(loss, "backward")
+        capturing.seen_loss(self, loss)
         self._keep_micro(batch)
         if self._off is None:
             try:
@@ -628,6 +632,7 @@ class Monitor:
                              "backward, update the weights yourself, then monitor.after_step()")
         if loss is not None:
             _check_loss(loss, "step")
+            capturing.seen_loss(self, loss)
         elif not self._accumulated:
             raise UsageError("step() without a loss: call monitor.backward(loss) for each micro-batch first")
         self._accumulated = False
@@ -654,6 +659,7 @@ class Monitor:
         and a non-finite one is logged (``nonfinite_loss``). No host sync. ``batch``: that micro-batch,
         kept for the capture (see ``backward``)."""
         _check_loss(loss, "note_loss")
+        capturing.seen_loss(self, loss)
         self._keep_micro(batch)
         if self._off is not None:
             return
@@ -688,6 +694,7 @@ class Monitor:
         """
         if loss is not None:
             _check_loss(loss, "after_backward")
+            capturing.seen_loss(self, loss)
         batch = self._step_batch(batch)
         if self._owe_exchange:
             self._pay_exchange()
