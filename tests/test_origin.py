@@ -79,3 +79,19 @@ def test_the_arguments_come_from_the_instance_when_the_script_does_not_say() -> 
 
     got = origin.record(Block(12, 3))
     assert got["init_args"] == {"width": "12", "act": "'gelu'"} and got["init_unknown"] == ["depth"]
+
+
+def test_the_replay_needs_what_the_capture_cannot_rebuild() -> None:
+    plain = {"class": "mymodel.Net", "import_root": ".", "module_file": "mymodel.py", "init_args": {"d": "64"},
+             "init_unknown": []}
+    ce = {"fn": "cross_entropy", "reduction": "mean"}
+    assert origin.replay_needs({"model_identity": plain, "loss_recipe": ce}) == []
+    assert origin.replay_needs({"model_identity": plain}) == ["loss_fn(output, target)"]
+    assert origin.replay_needs({"model_identity": {**plain, "init_unknown": ["layers"]}, "loss_recipe": ce}) == ["build_model()"]
+    assert origin.replay_needs({"model_identity": {"class": "__main__.Net", "init_args": {}, "init_unknown": []},
+                                "loss_recipe": {"fn": "model"}}) == ["build_model()"]
+    bert = {"class": "transformers.BertForSequenceClassification", "transformers_config": {"hidden_size": 8}}
+    lit = {"class": "mod.Lit", "lightning_hparams": {"d": 4}}
+    assert origin.replay_needs({"model_identity": bert}) == [] == origin.replay_needs({"model_identity": lit})
+    seq = origin.record(nn.Sequential(nn.Linear(2, 2)))  # *modules: not known
+    assert origin.replay_needs({"model_identity": {"class": "torch.nn.Sequential", **seq}, "loss_recipe": ce}) == ["build_model()"]

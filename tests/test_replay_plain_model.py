@@ -46,7 +46,7 @@ model = mymodel.Net(d=64, layers=3)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sc = torch.amp.GradScaler("cpu")
 g = torch.Generator().manual_seed(1)
-with Monitor(model, opt, sc, capture="cap", quiet=True) as mon:
+with Monitor(model, opt, sc, capture="cap") as mon:
     for step in range(24):
         x, y = torch.randn(8, 64, generator=g), torch.randint(0, 2, (8,), generator=g)
         if step == 20:
@@ -123,7 +123,14 @@ def net_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "train.py").write_text(TRAIN)
     r = _run([sys.executable, "train.py"], d)
     assert r.returncode == 0 and (d / "cap" / "manifest.json").is_file(), r.stderr[-2000:]
+    (d / "stderr.txt").write_text(r.stderr)
     return d
+
+
+def test_the_replay_hint_asks_for_no_spec(net_run: Path) -> None:
+    err = (net_run / "stderr.txt").read_text()
+    assert "ampdoctor: step 20 failed" in err and "replay it: ampdoctor triage --from cap\n" in err + "\n", err
+    assert "SPEC" not in err and "build_dataloader" not in err
 
 
 def test_the_capture_records_where_the_class_came_from_and_its_arguments(net_run: Path) -> None:

@@ -579,9 +579,8 @@ def _recorded_loss(spec: Spec, cap: Captured) -> tuple[Spec, str]:
     """A spec without ``loss_fn`` replaying a plain model whose run computed the loss outside it: the loss the capture
     read from the run's autograd graph (``manifest["loss_recipe"]``, ``input.origin.loss_fn_of``) and its name."""
     recipe = cap.manifest.get("loss_recipe")
-    if spec.loss_fn is not None or not isinstance(recipe, dict):
-        return spec, ""
-    return replace(spec, loss_fn=origin.loss_fn_of(recipe, str(cap.path))), str(recipe.get("fn"))
+    fn = origin.loss_fn_of(recipe, str(cap.path)) if spec.loss_fn is None and isinstance(recipe, dict) else None
+    return (spec, "") if fn is None else (replace(spec, loss_fn=fn), str(recipe.get("fn")))  # type: ignore[union-attr]
 
 
 def _load_rebuilt(cap: Captured, model: nn.Module, rb: rebuild.Rebuilt | None) -> None:

@@ -123,13 +123,14 @@ def _attr_literal(value: Any) -> str | None:
 def _init_args(cls: type, instance: Any) -> tuple[dict[str, str], list[str], str]:
     """The constructor's arguments as literals, the ones not known, and where they were read."""
     try:
-        params = [p for p in inspect.signature(cls).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        every = list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):
-        return {}, [], "none"
+        return {}, ["*"], "none"
+    params = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     call = _script_call(cls)
     args: dict[str, str] = {}
-    unknown: list[str] = []
+    # *args (nn.Sequential's modules): not known from literals or attributes
+    unknown: list[str] = [f"*{p.name}" for p in every if p.kind == p.VAR_POSITIONAL]
     own = vars(instance)
     if call is not None:
         pos, kw = call
@@ -310,6 +311,8 @@ def loss_fn_of(recipe: Mapping[str, Any], where: str) -> Any:
     import torch.nn.functional as F
 
     fn = recipe.get("fn")
+    if fn == "model":
+        return None  # the model's own output is the loss
     known = {"cross_entropy", *_HEADS.values()}
     if fn not in known or recipe.get("reduction") not in _REDUCTIONS.values():
         raise SpecError(f"{where}: the capture's loss_recipe names {str(fn)[:40]!r}, which this ampdoctor does not "
@@ -328,4 +331,21 @@ def loss_fn_of(recipe: Mapping[str, Any], where: str) -> Any:
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"{fn} (the run's, from its autograd graph)"
     return loss_fn
-__all__ = ["TRUST_FLAG", "call_words", "import_folder", "init_kwargs", "loss_fn_of", "loss_recipe", "record", "refuse_capture_code"]
+def replay_needs(manifest: Mapping[str, Any]) -> list[str]:
+    """What a spec must give ``triage --from`` for this capture: ``build_model()`` when the capture cannot rebuild the
+    model (a class defined in the script itself, constructor arguments it could not read), ``loss_fn(output,
+    target)`` when the run's loss is neither the model's own nor one it read from the graph; [] for none."""
+    ident = manifest.get("model_identity") or {}
+    if not isinstance(ident, Mapping) or not isinstance(ident.get("class"), str):
+        return ["build_model()", "loss_fn(output, target)"]
+    if ident.get("transformers_config") or ident.get("lightning_hparams"):
+        return []  # the model's own loss (labels in the batch), or its training_step
+    needs = []
+    if str(ident["class"]).startswith("__main__.") or ident.get("init_unknown") or "init_args" not in ident:
+        needs.append("build_model()")
+    if not isinstance(manifest.get("loss_recipe"), Mapping):
+        needs.append("loss_fn(output, target)")
+    return needs
+
+
+__all__ = ["TRUST_FLAG", "replay_needs", "call_words", "import_folder", "init_kwargs", "loss_fn_of", "loss_recipe", "record", "refuse_capture_code"]

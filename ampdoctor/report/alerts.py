@@ -37,6 +37,8 @@ class FirstRank:
     module: str | None
     others_clean: bool
     spread: bool = False
+    together: tuple[tuple[int, str, str | None], ...] = ()
+    """Every rank that saw it in its own batch, forward, loss or activation gradients (several: none went first)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def failure_message(f: Failure) -> str:
     what = words.failure_what(f.reason, f.detail, f.loss, f.module, f.bad_count)
     first = (f.first.rank, f.first.kind, f.first.module) if f.first is not None else None
     return words.failure(f.step, what, f.skipped, f.scale, first, f.first.spread if f.first else False,
-                         f.first.others_clean if f.first else False)
+                         f.first.others_clean if f.first else False, list(f.first.together) if f.first else None)
 
 
 def skip_rate_message(s: SkipRate) -> str:

@@ -309,6 +309,8 @@ class Monitor:
         self._micro: list[Any] = []
         """Micro-batches given to ``backward``/``note_loss`` this step (for the capture)."""
         self._backwards = 0
+        self.loss_note = ""
+        """A framework's words for a non-finite loss ("the Trainer's own log hides it"), said in the failure's message."""
         self._loss_seen = False
         self._loss_recipe: dict[str, Any] | None = None
         """How the loop computed its loss from the model's output (``capturing.seen_loss``), for the capture."""
@@ -854,6 +856,8 @@ class Monitor:
         if self.capture is not None and not self.capture.done and trig is not None:
             capturing.write(self, rec, m, trig, announce=failure is None)
         if failure is not None:  # one message: the failure, and where its capture went (if this rank wrote it)
+            if self.loss_note and isinstance(rec.loss, float) and not math.isfinite(rec.loss):
+                failure += f"; {self.loss_note}"
             if rec.capture and self.capture is not None:
                 failure += "\n  " + self.capture.replay_hint()
             alerts.say_failure(failure, m, self.rank, self.quiet)
