@@ -173,6 +173,8 @@ def record(instance: Any) -> dict[str, Any]:
                 out["module_sha256"] = _sha256(file)
     args, unknown, how = _init_args(cls, instance)
     out.update({"init_args": args, "init_unknown": unknown, "init_args_from": how})
+    if any(c.__name__ == "LightningModule" for c in cls.__mro__):
+        out["lightning"] = True  # its loss is its own training_step
     return out
 
 
@@ -343,7 +345,7 @@ def replay_needs(manifest: Mapping[str, Any]) -> list[str]:
     needs = []
     if str(ident["class"]).startswith("__main__.") or ident.get("init_unknown") or "init_args" not in ident:
         needs.append("build_model()")
-    if not isinstance(manifest.get("loss_recipe"), Mapping):
+    if not isinstance(manifest.get("loss_recipe"), Mapping) and not ident.get("lightning"):
         needs.append("loss_fn(output, target)")
     return needs
 

@@ -210,7 +210,7 @@ def _plain_args(cls: type, identity: Mapping[str, Any], where: str, folder: str,
             f"{'' if len(defaults) == 1 else 's'}") if defaults else ""
     src = f" ({folder})" if folder else ""
     return Rebuilt(lambda: cls(**kwargs), f"the model is {call}, imported from {path}{src} with the arguments {by} "
-                   f"recorded{tail}", unknown=defaults)
+                   f"recorded{tail}", unknown=defaults, lightning=_is_lightning(cls))
 
 
 def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = None, attn: str | None = None) -> Rebuilt:
