@@ -153,7 +153,7 @@ with Monitor(model, opt, sc, log=None, capture=sys.argv[1]) as mon:
         g = torch.Generator().manual_seed(100 * rank + step)
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         if step == 6:
-            x[2] = 3.0e4  # finite, and past FP16's range once layer 0 sums it: every rank's own forward overflows
+            x[2] = 1.0e5  # finite in FP32, past FP16's range in layer 0's autocast: every rank's own forward overflows
         with mon.autocast():
             loss = nn.functional.cross_entropy(model(x).float(), y)
         mon.step(loss, batch=(x, y))

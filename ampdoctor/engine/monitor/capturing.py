@@ -66,7 +66,7 @@ def seen_loss(mon: Monitor, loss: Any) -> None:
     try:
         tap = mon.tap
         last = tap._last() if tap is not None and tap._last is not None else None
-        own = last is not None and (last is loss or output_loss(last) is loss)
+        own = (tap is not None and tap.own_loss) or (last is not None and (last is loss or output_loss(last) is loss))
         mon._loss_recipe = {"fn": "model"} if own else origin.loss_recipe(loss)
     except Exception:  # a graph it cannot read: the replay asks for a spec's loss_fn
         mon._loss_recipe = None
