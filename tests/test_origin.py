@@ -58,16 +58,21 @@ def test_constructor_arguments_are_literals_read_back_never_code() -> None:
 
 
 def test_the_folder_goes_on_the_import_path_only_from_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+    here = tmp_path / "work"
+    (here / "cap").mkdir(parents=True)
+    monkeypatch.chdir(here)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    (tmp_path / "m.py").write_text("X = 1\n")
+    for d in (tmp_path, here, here / "cap"):
+        (d / "m.py").write_text("X = 1\n")
     ident = {"class": "m.Net", "import_root": ".", "module_file": "m.py", "module_sha256": "0" * 64}
-    assert origin.import_folder(ident, "cap", tmp_path / "cap", False) == "m.py in this folder, changed since the capture"
-    assert sys.path[0] == str(tmp_path)
+    assert origin.import_folder(ident, "cap", here / "cap", False) == "m.py in this folder, changed since the capture"
+    assert sys.path[0] == str(here.resolve())
+    assert origin.import_folder({**ident, "import_root": "elsewhere"}, "cap", here / "cap", False) == ""  # not here
     with pytest.raises(SpecError, match="--trust-capture"):
-        origin.import_folder({**ident, "import_root": ".."}, "cap", tmp_path / "cap", False)
+        origin.import_folder({**ident, "import_root": ".."}, "cap", here / "cap", False)
+    assert origin.import_folder({**ident, "import_root": ".."}, "cap", here / "cap", True).startswith("m.py in ../")
     with pytest.raises(SpecError, match="never runs a capture's own files"):
-        origin.import_folder({**ident, "import_root": "cap"}, "cap", tmp_path / "cap", True)
+        origin.import_folder({**ident, "import_root": "cap"}, "cap", here / "cap", True)
 
 
 def test_the_arguments_come_from_the_instance_when_the_script_does_not_say() -> None:

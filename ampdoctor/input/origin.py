@@ -196,12 +196,12 @@ def import_folder(identity: Mapping[str, Any], where: str, capture: Path | None,
     if capture is not None and _inside(folder, capture.resolve()):
         raise SpecError(f"{where}: the capture says its model class {cls} comes from {root}, which is inside the capture "
                         "itself; ampdoctor never runs a capture's own files: write a spec whose build_model() returns the model")
-    if not _inside(folder, here) and not trust:
-        raise SpecError(f"{where}: the model class {cls} was imported from {root}, outside this folder; run from the "
-                        f"training script's folder, or give {TRUST_FLAG} to put {root} on the import path")
     target = folder / file
     if not target.is_file():
         return ""  # not here: importing says what to do
+    if not _inside(folder, here) and not trust:
+        raise SpecError(f"{where}: the model class {cls} was imported from {root}, outside this folder; run from the "
+                        f"training script's folder, or give {TRUST_FLAG} to put {root} on the import path")
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     digest = identity.get("module_sha256")
