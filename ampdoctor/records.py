@@ -53,6 +53,8 @@ NBINADES = BINADE_MAX - BINADE_MIN + 1
 
 MODEL = "<model>"
 """The model's own name among its modules (``named_modules()`` names it ""): in calls, findings, layer rows, rings."""
+LABELS = "<labels>"
+"""A model input no module reads, only the model's own code: the batch's labels, read by its loss (``judge.locate``)."""
 
 
 class Call(NamedTuple):

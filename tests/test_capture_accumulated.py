@@ -151,3 +151,114 @@ def test_every_micro_batch_is_the_models_input(tmp_path: Path) -> None:
     st = rec.stats
     assert st is not None and len(st.model_inputs) == 2
     assert locate.first_consumer_of_inputs(st) == "0"
+
+
+LIST_SPEC = '''
+import torch
+from torch import nn
+
+TRIAGE_OPTIONS = {"accumulate": 4}
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+def build_dataloader():  # each step: a plain list of its 4 (x, y) micro-batches, as the loop below
+    g = torch.Generator().manual_seed(0)
+    return [[(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+            for _ in range(6)]
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.float(), y)
+'''
+
+
+def _list_run(tmp: Path, how: str) -> Path:
+    """Issue 45 item 4: 4 micro-batches a step, given to the step as the plain list of (x, y) pairs; GradScaler's
+    defaults; a NaN in the third micro-batch of step 30. ``how``: ``mon.backward`` (the Monitor counts 4 backward
+    calls) or the loop's own backward with ``after_backward`` (4 forwards of the model)."""
+    ns: dict[str, object] = {}
+    exec(LIST_SPEC, ns)
+    model = ns["build_model"]()  # type: ignore[operator]
+    loss_fn = ns["loss_fn"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(3)
+    with Monitor(model, opt, sc, capture=tmp / how, quiet=True) as mon:
+        for step in range(40):
+            micro = []
+            for i in range(4):
+                x, y = torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
+                if step == 30 and i == 2:
+                    x[1, 3] = float("nan")
+                micro.append((x, y))
+                with mon.autocast():
+                    loss = loss_fn(model(x), y) / 4  # type: ignore[operator]
+                if how == "backward":
+                    mon.backward(loss)
+                else:
+                    mon.note_loss(loss)
+                    sc.scale(loss).backward()
+            if how == "backward":
+                rec = mon.step(batch=micro)
+            else:
+                mon.after_backward(batch=micro)
+                sc.step(opt)
+                sc.update()
+                rec = mon.after_step()
+                opt.zero_grad()
+            if rec.capture:
+                return Path(rec.capture)
+    raise AssertionError("no capture")
+
+
+def _triage(spec_text: str, tmp: Path, cap: Path) -> dict:  # type: ignore[type-arg]
+    spec = tmp / "spec.py"
+    spec.write_text(spec_text)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--from", str(cap), "--json", "-", "-q"])
+    assert r.exit_code in (0, 1), r.output[-2000:]  # (1: a verdict other than healthy)
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["backward", "after_backward"])
+def test_a_plain_list_of_micro_batches_is_captured_as_the_steps_micro_batches(tmp_path: Path, how: str) -> None:
+    cap = _list_run(tmp_path, how)
+    m = json.loads((cap / "manifest.json").read_text())
+    assert m["step"] == 30
+    kept = torch.load(cap / "batches.pt", weights_only=True)[-1]["ampdoctor_micro_batches"]
+    assert len(kept) == 4 and torch.isnan(kept[2][0]).any() and not torch.isnan(kept[1][0]).any()
+    # it replays with a spec that says nothing of accumulation (the capture holds the grouping)
+    rep = _triage(LIST_SPEC.replace('TRIAGE_OPTIONS = {"accumulate": 4}', ""), tmp_path, cap)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 30)
+
+
+def test_a_captured_plain_list_replays_as_the_specs_accumulate(tmp_path: Path) -> None:
+    """A capture whose batch is the plain list (as ampdoctor kept it before issue 45) replays as micro-batches when
+    the spec's TRIAGE_OPTIONS says accumulate=4; it used to exit 2 ("does not run through the spec's model")."""
+    cap = _list_run(tmp_path, "backward")
+    f = cap / "batches.pt"
+    torch.save([list(b["ampdoctor_micro_batches"]) for b in torch.load(f, weights_only=True)], f)
+    rep = _triage(LIST_SPEC, tmp_path, cap)
+    assert (rep["verdict"]["cause"], rep["verdict"]["first_step"]) == ("data", 30)
+    assert "[2][0]" in json.dumps(rep["verdict"])  # the third micro-batch's inputs
+
+
+def test_a_dataloader_of_plain_lists_triages_with_the_specs_accumulate(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.py"
+    spec.write_text(LIST_SPEC)
+    r = CliRunner().invoke(app, ["triage", str(spec), "--steps", "3", "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["verdict"]["cause"] == "healthy" and rep["config"]["accumulate"] == 4
+
+
+def test_a_list_is_micro_batches_only_when_it_is_one_a_call() -> None:
+    from ampdoctor.input.batches import Micro, as_micro
+
+    x, y = torch.randn(4, 6), torch.randint(0, 2, (4,))
+    pairs = [(x, y), (x, y), (x[:2], y[:2])]  # a short last micro-batch
+    assert isinstance(as_micro(pairs, 3), Micro)
+    assert not isinstance(as_micro(pairs, 2), Micro) and not isinstance(as_micro(pairs, 1), Micro)
+    assert not isinstance(as_micro([x, y], 2), Micro)  # (inputs, targets) of one batch: not two micro-batches
+    assert not isinstance(as_micro(tuple(pairs), 3), Micro)  # a tuple is one batch's parts
+    assert not isinstance(as_micro([1, 2], 2), Micro)

@@ -255,6 +255,9 @@ Trainer(model=t._Reg(), args=args, train_dataset=t._RegData(), callbacks=[AmpDoc
     # bf16 on the CPU, no GradScaler: the Trainer applies the NaN step, and the callback says so, once
     assert r.stderr.count("ampdoctor: step 1 failed: the loss is nan; the step was applied") == 1, r.stderr[-3000:]
     assert r.stderr.count("the Trainer's own log hides it") == 1
+    # one message for the event (issue 45): the hidden loss is said in the failure's own line, not a second message
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("ampdoctor: step 1 failed"))
+    assert "the Trainer's own log hides it" in line and r.stderr.count("ampdoctor: step 1") == 1, r.stderr[-3000:]
 
 
 def test_a_run_that_asked_for_fp16_and_runs_fp32_is_told_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ampdoctor._version import __version__
+from ampdoctor.input import origin
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import (
     BATCHES_FILE,
@@ -263,6 +264,11 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
         try:
             out["lightning_hparams"] = _plain(dict(hp))
         except Exception:
+            pass
+    if len(out) == 1:  # a plain nn.Module: its folder and constructor's arguments (issue 45: replay without a spec)
+        try:
+            out.update(origin.record(inner))
+        except Exception:  # what cannot be read is left out: the replay asks for a spec
             pass
     return out
 
@@ -639,12 +645,13 @@ class Capture:
         """'captured to DIR; replay it: ampdoctor triage SPEC --from DIR' (the script itself when it is a spec)."""
         where = self.written
         spec = spec_hint()
+        needs = [] if spec else _replay_needs(where)  # what this capture's replay needs from a spec (issue 45)
+        cmd = f"ampdoctor triage {spec or ('SPEC.py' if needs else '')} --from {where}".replace("  ", " ")
+        tail = f"   (SPEC.py: {' and '.join(needs)}; docs/spec-format.md)" if needs else ""
         if self.sharded:
-            spec_ = spec or "SPEC.py"
             return (f"captured to {where}: this rank's shard of the {self.sharded} model, beside every other rank's\n"
-                    f"  replay it (the shards reassembled on one process): ampdoctor triage {spec_} --from {where}")
-        tail = "" if spec else "   (SPEC.py: build_model() and build_dataloader(), docs/spec-format.md)"
-        return f"captured to {where}\n  replay it: ampdoctor triage {spec or 'SPEC.py'} --from {where}{tail}"
+                    f"  replay it (the shards reassembled on one process): {cmd}{tail}")
+        return f"captured to {where}\n  replay it: {cmd}{tail}"
 
     def _shards(self) -> dict[str, Any]:
         """The manifest's ``shards`` (``engine.shard_capture`` describes it): where this rank's pieces sit, the
@@ -833,6 +840,14 @@ def _claim(tmp: Path, path: Path, tries: int = 1000) -> Path:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not final.exists():
                 raise
     raise OSError(errno.EEXIST, f"no free capture folder name next to {path}")
+
+
+def _replay_needs(where: Path | None) -> list[str]:
+    """What ``triage --from`` needs from a spec for the capture written at ``where`` (``input.origin.replay_needs``)."""
+    try:
+        return origin.replay_needs(json.loads((Path(str(where)) / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return ["build_model()", "loss_fn(output, target)"]
 
 
 def _num(x: Any) -> float | str | None:

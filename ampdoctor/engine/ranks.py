@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ampdoctor.judge import locate
-from ampdoctor.records import Col, StepStats
+from ampdoctor.records import LABELS, Col, StepStats
 
 SLOTS = 5
 HANDSHAKE_TIMEOUT = 120.0
@@ -212,28 +212,29 @@ class RankExchange:
             for t in c.outputs:
                 producer.setdefault(t, c.module)
         inputs = set(st.model_inputs)
-        first = locate.first_consumer_of_inputs(st)
-        if self.derived_inputs and first in (None, locate.MODEL):  # the engine cast the batch before the first module
-            first = locate.first_reader_of_derived(st) or first
-        reader = self._code(first)
-        idx, order, codes, is_in = [], [], [], []
+        made = min(producer, default=0)  # the engine's copy of the batch is made before any module's output
+        idx, order, codes, is_in, reads = [], [], [], [], []
         for i, k in enumerate(keys):
             if isinstance(k, tuple) and k[0] == "act":
                 tid = int(k[1])
                 idx.append(i)
                 order.append(tid)  # tensor ids are handed out in the order the forward made them
-                if tid in inputs or (self.derived_inputs and tid not in producer):  # the batch, or the engine's copy
-                    codes.append(reader)
-                    is_in.append(1.0)
-                else:
-                    codes.append(self._code(producer.get(tid, locate.MODEL)))
-                    is_in.append(0.0)
+                reader = locate.first_consumer_of(st, tid)
+                reads.append(self._code(reader) if reader not in (None, LABELS) else 0.0)
+                codes.append(self._code(producer.get(tid, locate.MODEL)))
+                # the batch, or the engine's copy of it (FSDP's cast: made before any module's output)
+                is_in.append(1.0 if tid in inputs or (self.derived_inputs and tid not in producer and tid < made) else 0.0)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if not idx:
             return zero, zero, zero, zero
         bad = _bad_rows(rows[torch.tensor(idx, device=device)])
         anyb, code, pos = self._first(bad, order, codes, device)
-        return anyb, code, (bad & (torch.tensor(is_in, device=device) > 0)).any().to(torch.float64), pos
+        inp = (bad & (torch.tensor(is_in, device=device) > 0)).any()
+        # a bad batch: the first module that reads a non-finite tensor; none (a label only the loss reads): LABELS
+        read = torch.tensor(reads, dtype=torch.float64, device=device)
+        down_any, down, _ = self._first(bad & (read > 0), order, reads, device)
+        code = torch.where(inp, torch.where(down_any > 0, down, float(len(self.modules) + 1)), code)
+        return anyb, code, inp.to(torch.float64), pos
 
     def _backward(self, st: StepStats, keys: list[Hashable], rows: torch.Tensor,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -317,6 +318,8 @@ class RankExchange:
         return RankView(self.world, tuple(faults), tuple(off), self.by_position)
 
     def _module(self, code: int) -> str | None:
+        if code == len(self.modules) + 1:  # a batch tensor no module read: its labels, read by the loss
+            return LABELS
         return self.modules[code - 1] if 0 < code <= len(self.modules) else None
 
 

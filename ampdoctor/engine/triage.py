@@ -21,8 +21,18 @@ from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
-from ampdoctor.input import rebuild
-from ampdoctor.input.batches import Batches, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input import origin, rebuild
+from ampdoctor.input.batches import (
+    Batches,
+    ModelInputs,
+    as_micro,
+    filter_kwargs,
+    grouped,
+    micro_batches,
+    split,
+    to_device,
+    unlisted,
+)
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
@@ -77,7 +87,7 @@ def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
     """
     model = build_model(spec, cfg, device)
     preflight.initial_weights(model, spec.path)
-    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
+    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
     preflight.optimizer(spec, model)
     preflight.batches_run(spec, model, batches, device)
     return model, grouped(batches, cfg.steps, cfg.accumulate)
@@ -214,6 +224,7 @@ def triage(
     skip_batches: int = 0,
     script: str | Path | None = None,
     attn_implementation: str | None = None,
+    trust_capture: bool = False,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
@@ -228,6 +239,8 @@ def triage(
     the dataloader's batches after ``skip_batches``; steps are numbered from the checkpoint's step.
     ``attn_implementation``: the attention a transformers model rebuilt from a checkpoint's config.json runs
     (config.json does not record the run's).
+    ``trust_capture``: rebuild a spec-free capture's model even where it needs a folder outside this one on the
+    import path (``input.origin``).
     ``script``: the training script; ``ampdoctor lint`` checks it and the spec, and the report lists
     what it finds (``report.lint``), the findings that can cause the verdict first.
     """
@@ -242,7 +255,7 @@ def triage(
     start_note = ""
     said: list[str] = []
     if from_capture is not None:
-        spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture)
+        spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture, trust_capture)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
         start = cap.start
@@ -458,7 +471,7 @@ def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path
     loader_note: list[str] = []
     if skip_batches:
         spec, loader_note = _skipping(spec, skip_batches)
-    batches = load_batches(spec, cfg.steps * cfg.accumulate, progress)
+    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
     preflight.batches_run(spec, model, batches, device)
     batches = grouped(batches, cfg.steps, cfg.accumulate)
     opt_state = opt.state_dict() if state.optimizer is not None else None
@@ -494,8 +507,8 @@ def _last(res: StageResult) -> dict[str, float | None]:
             "scale": r.scaler_scale if r else None}
 
 
-def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
-                   capture: str | Path) -> tuple[Spec, nn.Module, Batches, Captured, list[str]]:
+def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device, capture: str | Path,
+                   trust: bool = False) -> tuple[Spec, nn.Module, Batches, Captured, list[str]]:
     """The model with the captured weights, the captured batches; check the optimizer state fits. A spec
     without ``build_model`` (or none) gets the model the capture's ``model_identity`` describes, and one
     without ``build_optimizer`` the captured optimizer's class and parameter groups. The list says where
@@ -511,16 +524,18 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
         raise CaptureError(f"{cap.path}: this capture holds rank {cap.manifest.get('rank')}'s shard of a "
                            f"{cap.manifest['sharded']} model without the layout that reassembles it (a capture of an "
                            "older ampdoctor); the manifest, stats.json and the step logs still say which rank, step and module")
+    rb: rebuild.Rebuilt | None = None
     if not spec.own_model:
-        rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path))
+        rb = rebuild.from_identity(cap.manifest.get("model_identity"), str(cap.path), capture=cap.path, trust=trust)
         rebuild.check_size(rb, sum(t.numel() for t in cap.model.values()), str(cap.path))  # before it is built
         spec = replace(spec, build_model=rb.build)
         if rb.lightning and spec.loss_fn is None:  # its loss is its own training_step, on the whole batch
             spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
             said.append(stage_report.source(stage_report.Source("rebuilt", text=rb.source, loss="training_step")))
         else:
-            said.append(stage_report.source(stage_report.Source("rebuilt", text=rb.source,
-                                                                loss="model" if spec.loss_fn is None else "")))
+            spec, loss = _recorded_loss(spec, cap)
+            said.append(stage_report.source(stage_report.Source("rebuilt", text=rb.source, name=loss,
+                                                                loss="recorded" if loss else "model" if spec.loss_fn is None else "")))
     rebuilt_from_layout = None
     if spec.build_optimizer is None:
         rebuilt_from_layout = layout_optimizer(cap.manifest.get("optimizer_layout"))
@@ -533,7 +548,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
     if spec.loss_fn is None and rebuild.is_lightning(model):  # the spec's LightningModule: its training_step
         spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
         said.append(stage_report.source(stage_report.Source("training_step", type(model).__name__, spec_has_none=True)))
-    load_into(cap, model)
+    _load_rebuilt(cap, model, rb)
     if rebuilt_from_layout is None:
         preflight.optimizer(spec, model)  # the spec's own: what it raises names its file and line
     try:  # the optimizer (the spec's, or rebuilt from the capture's layout) and its state must fit the model
@@ -554,7 +569,7 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
             torch.amp.GradScaler(device.type).load_state_dict(dict(cap.start.scaler))
         except Exception as e:
             raise CaptureError(f"{cap.path}: the captured GradScaler state cannot be loaded ({type(e).__name__}: {e})") from None
-    batches = Batches(cap.batches, cycled=False)
+    batches = Batches([as_micro(b, cfg.accumulate) for b in cap.batches], cycled=False)  # a list of `accumulate` micro-batches
     try:
         with torch.no_grad():
             forward_loss(model, to_device(micro_batches(batches[0])[0], device), spec.loss_fn)
@@ -563,6 +578,26 @@ def prepare_replay(spec: Spec, cfg: TriageConfig, device: torch.device,
                            f"({type(e).__name__}: {str(e).strip()[:160]}); pass batch= in the form build_dataloader() yields") from None
     cap.start.rng = cap.rng
     return spec, model, batches, cap, said
+
+
+def _recorded_loss(spec: Spec, cap: Captured) -> tuple[Spec, str]:
+    """A spec without ``loss_fn`` replaying a plain model whose run computed the loss outside it: the loss the capture
+    read from the run's autograd graph (``manifest["loss_recipe"]``, ``input.origin.loss_fn_of``) and its name."""
+    recipe = cap.manifest.get("loss_recipe")
+    fn = origin.loss_fn_of(recipe, str(cap.path)) if spec.loss_fn is None and isinstance(recipe, dict) else None
+    return (spec, "") if fn is None else (replace(spec, loss_fn=fn), str(recipe.get("fn")))  # type: ignore[union-attr]
+
+
+def _load_rebuilt(cap: Captured, model: nn.Module, rb: rebuild.Rebuilt | None) -> None:
+    """The captured weights into the model; a model rebuilt with constructor arguments the capture could not read
+    (their defaults) that does not fit says which."""
+    try:
+        load_into(cap, model)
+    except CaptureError as e:
+        if rb is None or not rb.unknown:
+            raise
+        raise CaptureError(f"{e}; the capture could not read the model's constructor argument(s) {', '.join(rb.unknown[:4])} "
+                        "(not literals in the training script), and the defaults are not the run's") from None
 
 
 def start_of(run: Run) -> str:

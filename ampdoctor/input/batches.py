@@ -385,9 +385,32 @@ class Micro(list):  # type: ignore[type-arg]
 MicroBatches = Micro
 
 
+def as_micro(batch: Any, n: int) -> Any:
+    """``batch`` as an accumulated step's micro-batches when it is written as a plain list of ``n`` > 1 of them (the
+    step ran ``n`` backward calls, or the spec's ``accumulate`` is ``n``): each element one micro-batch of the same
+    layout (``layout``: a short last one allowed), not the parts of one batch (``[inputs, targets]`` differ in
+    layout). Anything else is returned as it is; ``Micro`` stays the explicit form."""
+    if type(batch) is not list or n < 2 or len(batch) != n:
+        return batch
+    if not all(named_tensors(b) for b in batch):
+        return batch
+    first = layout(batch[0])
+    if first[0] == "value" or any(layout(b) != first for b in batch[1:]):
+        return batch
+    return Micro(batch)
+
+
 def micro_batches(b: Any) -> list[Any]:
     """The micro-batches of a step: the group's, or the batch alone."""
     return list(b) if isinstance(b, Micro) else [b]
+
+
+def unlisted(batches: Batches, n: int) -> Batches:
+    """A dataloader that yields each step as a plain list of its ``n`` micro-batches (``as_micro``): its
+    micro-batches in order, for ``grouped`` to group again; any other dataloader's batches as they are."""
+    if n < 2 or not batches.items or not isinstance(as_micro(batches.items[0], n), Micro):
+        return batches
+    return Batches([m for b in batches.items for m in as_micro(b, n)], cycled=batches.cycled)
 
 
 def grouped(batches: Batches, steps: int, n: int) -> Batches:

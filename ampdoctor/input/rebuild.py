@@ -21,7 +21,7 @@ import inspect
 import json
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import SpecError
+from ampdoctor.input import origin
 
 WRITE_SPEC = "write a spec whose build_model() returns the model (docs/spec-format.md)"
 
@@ -40,6 +41,8 @@ class Rebuilt:
     build: Callable[[], nn.Module]
     source: str
     """'the capture's model_identity: transformers BertForSequenceClassification from its config (sdpa attention)'."""
+    unknown: list[str] = field(default_factory=list)
+    """Constructor arguments the capture could not read (their defaults were used)."""
     lightning: bool = False
     """A LightningModule: without a spec's ``loss_fn`` its loss is its own ``training_step`` (``TrainingStepLoss``)."""
 
@@ -150,12 +153,16 @@ def _transformers(cls: type, config: Mapping[str, Any], attn: str | None, where:
     return build
 
 
-def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the capture") -> Rebuilt:
-    """The model a capture's ``model_identity`` describes (see the module docstring); ``by``: who recorded it."""
+def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the capture", *,
+                  capture: Path | None = None, trust: bool = False) -> Rebuilt:
+    """The model a capture's ``model_identity`` describes (see the module docstring); ``by``: who recorded it.
+    ``capture``: the capture's folder (none of its files is ever imported); ``trust``: ``--trust-capture``."""
     if not identity or not isinstance(identity.get("class"), str):
         raise SpecError(f"{where}: the capture does not say which model it holds (no model_identity: captured before "
                         f"ampdoctor recorded it); {WRITE_SPEC}")
     path = str(identity["class"])
+    folder = origin.import_folder(identity, where, capture, trust)  # the script's folder, as the run had it
+    origin.refuse_capture_code(path, capture, where)
     cls = import_path(path, where)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise SpecError(f"{where}: {path} is not a torch.nn.Module; {WRITE_SPEC}")
@@ -172,6 +179,9 @@ def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the
         kw = dict(hp)
         return Rebuilt(lambda: cls(**kw), f"the model is the LightningModule {name}({', '.join(sorted(kw))}) from "
                        f"{path}, rebuilt from the hparams {by} recorded", lightning=True)
+    plain = _plain_args(cls, identity, where, folder, by)
+    if plain is not None:
+        return plain
     need = _required_args(cls)
     if need:
         raise SpecError(f"{where}: the model class {path} needs constructor arguments the capture did not record "
@@ -203,6 +213,29 @@ def check_size(rb: Rebuilt, held: int, where: str) -> None:
         raise SpecError(f"{where}: {rb.source}: that model has {claimed:,} parameters, and the capture's weights hold "
                         f"{held:,} numbers in all; refusing to build it (the recorded model_identity was edited, or is "
                         f"another model's); {WRITE_SPEC}")
+
+
+def _plain_args(cls: type, identity: Mapping[str, Any], where: str, folder: str, by: str) -> Rebuilt | None:
+    """A plain ``nn.Module`` built with the constructor arguments the capture recorded (``input.origin``); None
+    when it recorded none. Arguments it could not read keep their defaults (the weights' shapes then say whether
+    that is the run's model); a required one is one line."""
+    got = origin.init_kwargs(identity, where)
+    if got is None:
+        return None
+    kwargs, unknown = got
+    path = str(identity["class"])
+    need = [n for n in _required_args(cls) if n not in kwargs]
+    if need:
+        raise SpecError(f"{where}: the model class {path} needs constructor arguments the capture could not read "
+                        f"({', '.join(need[:4])}: not literals in the training script); {WRITE_SPEC}")
+    raw = identity.get("init_args") or {}
+    call = origin.call_words(cls.__qualname__, kwargs, raw)
+    defaults = [n for n in unknown if n not in kwargs]
+    tail = (f"; {', '.join(defaults[:4])} not known, so {'its' if len(defaults) == 1 else 'their'} default"
+            f"{'' if len(defaults) == 1 else 's'}") if defaults else ""
+    src = f" ({folder})" if folder else ""
+    return Rebuilt(lambda: cls(**kwargs), f"the model is {call}, imported from {path}{src} with the arguments {by} "
+                   f"recorded{tail}", unknown=defaults, lightning=_is_lightning(cls))
 
 
 def from_checkpoint(path: str | Path, obj_hparams: Mapping[str, Any] | None = None, attn: str | None = None) -> Rebuilt:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.monitor import Monitor
+from ampdoctor.engine.monitor.capturing import seen_loss
 from ampdoctor.integrations._attach import Attached, inner_optimizer
 
 
@@ -98,6 +99,7 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
 
     def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
         n = max(1, int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1))
+        seen_loss(a.monitor, loss)  # how the loss came from the model's output (its graph, before the detach)
         a.note_loss(loss.detach() / n if n > 1 else loss)  # what accelerate backpropagates
         return backward(loss, **kwargs)
 

@@ -96,6 +96,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
                                  asked=asked, framework="the Trainer (TrainingArguments)", step_convention="trainer_global_step",
                                  log=self.log_file, capture=self.capture_dir, loss_from_output=True,
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
+        if args.logging_nan_inf_filter:  # said with the run's first failure, in its one message (issue 45)
+            self.attached.monitor.loss_note = "the Trainer's own log hides it (logging_nan_inf_filter=True)"
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attached is not None:
@@ -110,6 +112,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
         if (rec is not None and not self._said_hidden and not (rec.loss == rec.loss and abs(rec.loss) != float("inf"))
                 and args.logging_nan_inf_filter):
             self._said_hidden = True  # once a run: the step log has every one
+            if a.monitor.first_failure is not None and a.monitor.first_failure[0] == rec.step:
+                return  # the failure's own message said it: one message for the event
             where = f"the step log has it: {a.monitor.log_path}" if a.monitor.log_path is not None else "pass log= to keep a step log"
             say(f"ampdoctor: step {rec.step}: the loss is {rec.loss}; the Trainer's own log hides it "
                 f"(logging_nan_inf_filter=True); {where}", quiet=a.monitor.quiet)

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ampdoctor.records import MODEL
+
 MIN_POINTS = 32
 """Recorded steps a layer needs in the window before its trend is judged."""
 WINDOW = 64
@@ -157,7 +159,9 @@ def forecast(steps: np.ndarray, absmax: np.ndarray, nonfinite: np.ndarray, names
         out.append(Forecast(names[m], int(now), a_now, math.log2(fmt_max / a_now), slope,
                             100.0 * slope / (a_now * math.log(2.0)), int(math.ceil(now + soon)),
                             int(math.ceil(now + eta)), z, int(keep.sum())))
-    out.sort(key=lambda f: (f.expected_step, f.layer))
+    # a named module before the model's own output (``MODEL``, the root's output: often that module's own, its trend
+    # the same; a user cannot act on the root): the forecast names the module whose headroom is going (issue 45)
+    out.sort(key=lambda f: (f.layer == MODEL, f.expected_step, f.layer))
     return out
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ampdoctor.records import MODEL, Call, Col, StepStats, nonfinite
+from ampdoctor.records import LABELS, MODEL, Call, Col, StepStats, nonfinite
 
 
 def is_ancestor(a: str, b: str) -> bool:
@@ -51,6 +51,15 @@ def first_consumer_of_inputs(st: StepStats) -> str | None:
     inputs = set(st.model_inputs)
     leaves = innermost(c.module for c in st.calls if inputs & set(c.inputs))
     return leaves[0] if leaves else None
+
+
+def first_consumer_of(st: StepStats, tid: int) -> str | None:
+    """The first leaf module (in execution order) that reads the model input ``tid``; ``LABELS`` when no module
+    but the model's own code reads it (labels read only by its loss); None when nothing does."""
+    leaves = innermost(c.module for c in st.calls if tid in c.inputs)
+    if leaves == [MODEL]:
+        return LABELS
+    return next((m for m in leaves if m != MODEL), None)
 
 
 def first_reader_of_derived(st: StepStats) -> str | None:

@@ -37,6 +37,8 @@ class FirstRank:
     module: str | None
     others_clean: bool
     spread: bool = False
+    together: tuple[tuple[int, str, str | None], ...] = ()
+    """Every rank that saw it in its own batch, forward, loss or activation gradients (several: none went first)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def failure_message(f: Failure) -> str:
     what += words.skip_why(f.why, step, f.step, f.scale, f.need)
     first = (f.first.rank, f.first.kind, f.first.module) if f.first is not None else None
     return words.failure(step, what, f.skipped, scale, first, f.first.spread if f.first else False,
-                         f.first.others_clean if f.first else False)
+                         f.first.others_clean if f.first else False, list(f.first.together) if f.first else None)
 
 
 def skip_run_message(r: SkipRun) -> str:

@@ -70,7 +70,7 @@ class Source:
     the class, ``count``: its parameter groups)."""
     name: str = ""
     text: str = ""
-    loss: Literal["", "training_step", "model"] = ""
+    loss: Literal["", "training_step", "model", "recorded"] = ""
     spec_has_none: bool = False
     groups: tuple[int, ...] = ()
     count: int = 0
@@ -79,7 +79,7 @@ class Source:
 def source(s: Source) -> str:
     """The note on where the model, its loss or the optimizer came from."""
     if s.code == "rebuilt":
-        return words.own_loss(s.text, s.loss)
+        return words.own_loss(s.text, s.loss, s.name)
     if s.code == "training_step":
         return words.training_step_loss(s.name, s.spec_has_none)
     if s.code == "lightning_optimizer":

@@ -45,6 +45,8 @@ class ForwardTap:
         """Called as each training call of the model begins (before its forward draws any random number)."""
         self.inputs: list[Any] = []
         self._last: weakref.ref[Any] | None = None
+        self.own_loss = False
+        """The last training output carried the model's own loss (``output.loss`` / ``output["loss"]``)."""
         self.on_error: Callable[[BaseException], None] | None = None
         """Called when the tap raised inside the user's forward (it stops listening)."""
         self._handles: list[Any] = []
@@ -103,6 +105,7 @@ class ForwardTap:
             return  # evaluation
         if self._last is not None and self._last() is output:
             return  # the same call seen from a compile wrapper and from the model (dynamo fell back): once
+        self.own_loss = not isinstance(output, torch.Tensor) and model_loss(output) is not None
         try:
             self._last = weakref.ref(output)  # weakly: never keeps a step's logits alive
         except TypeError:

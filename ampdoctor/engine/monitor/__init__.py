@@ -91,7 +91,7 @@ from ampdoctor.engine.shards import Shards
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
-from ampdoctor.input.batches import Micro
+from ampdoctor.input.batches import Micro, as_micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.notify import alert, say
@@ -308,6 +308,13 @@ class Monitor:
         self._accumulated = False
         self._micro: list[Any] = []
         """Micro-batches given to ``backward``/``note_loss`` this step (for the capture)."""
+        self._backwards = 0
+        self.loss_note = ""
+        """A framework's words for a non-finite loss ("the Trainer's own log hides it"), said in the failure's message."""
+        self._loss_seen = False
+        self._loss_recipe: dict[str, Any] | None = None
+        """How the loop computed its loss from the model's output (``capturing.seen_loss``), for the capture."""
+        """``backward`` calls this step: a plain list of as many batches given to the step is its micro-batches."""
         self.ranks: RankExchange | None = None
         self.rank: int | None = None
         self.capture: Capture | None = None
@@ -600,6 +607,7 @@ class Monitor:
         ``batch``: this micro-batch (in the form your spec's dataloader yields), kept for the capture;
         the step's micro-batches are kept together and replay as one accumulated step."""
         _check_loss(loss, "backward")
+        capturing.seen_loss(self, loss)
         self._keep_micro(batch)
         if self._off is None:
             try:
@@ -608,6 +616,7 @@ class Monitor:
                 self._fail("the loss check", e)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._accumulated = True
+        self._backwards += 1
 
     def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> MonitorRecord:
         """One training step from a loss: backward, unscale_, clip, step or skip, update, zero_grad.
@@ -626,6 +635,7 @@ class Monitor:
                              "backward, update the weights yourself, then monitor.after_step()")
         if loss is not None:
             _check_loss(loss, "step")
+            capturing.seen_loss(self, loss)
         elif not self._accumulated:
             raise UsageError("step() without a loss: call monitor.backward(loss) for each micro-batch first")
         self._accumulated = False
@@ -652,6 +662,7 @@ class Monitor:
         and a non-finite one is logged (``nonfinite_loss``). No host sync. ``batch``: that micro-batch,
         kept for the capture (see ``backward``)."""
         _check_loss(loss, "note_loss")
+        capturing.seen_loss(self, loss)
         self._keep_micro(batch)
         if self._off is not None:
             return
@@ -686,6 +697,7 @@ class Monitor:
         """
         if loss is not None:
             _check_loss(loss, "after_backward")
+            capturing.seen_loss(self, loss)
         batch = self._step_batch(batch)
         if self._owe_exchange:
             self._pay_exchange()
@@ -708,12 +720,13 @@ class Monitor:
         """The step's batch for the capture: the one given, or the micro-batches given to ``backward`` /
         ``note_loss`` (kept together: ``MicroBatches``)."""
         micro, self._micro = self._micro, []
+        calls, self._backwards = self._backwards, 0
         if micro and batch is not None:
             raise UsageError("the step's micro-batches were given to backward()/note_loss(); give the step no batch= "
                              "(or pass ampdoctor.MicroBatches([...]) to it and none to backward)")
         if micro:
             return Micro(micro) if len(micro) > 1 else micro[0]
-        return batch
+        return as_micro(batch, calls)  # a plain list of the step's micro-batches (issue 45)
 
     def _after_backward(self, loss: torch.Tensor | None, batch: Any, observe: bool) -> _Pending | None:
         """The measurement at the step's one host copy; None when it failed (the monitor is then off, and
@@ -853,6 +866,8 @@ class Monitor:
             if held:
                 say(f"ampdoctor: {held}", quiet=self.quiet)
         if failure is not None:  # one message: the failure, and where its capture went (if this rank wrote it)
+            if self.loss_note and isinstance(rec.loss, float) and not math.isfinite(rec.loss):
+                failure += f"; {self.loss_note}"
             if rec.capture and self.capture is not None:
                 failure += "\n  " + self.capture.replay_hint()
             alerts.say_failure(failure, m, self.rank, self.quiet)

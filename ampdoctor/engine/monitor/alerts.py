@@ -101,7 +101,8 @@ def failure_fact(rec: MonitorRecord, m: Measured, trig: Trigger, spike: Spike | 
     first = view.first if view is not None else None
     r = rec.skip_reason.removeprefix("applied:")
     module = r.split(":", 1)[1] if r.startswith("nonfinite_grad:") else None
-    who = (words.FirstRank(first.rank, first.kind, first.module, view.others_clean, view.spread)
+    together = tuple((f.rank, f.kind, f.module) for f in view.faults if f.local) if view is not None else ()
+    who = (words.FirstRank(first.rank, first.kind, first.module, view.others_clean, view.spread, together)
            if first is not None and view is not None else None)
     return words.Failure(rec.step, rec.scaler_scale, trig.reason, trig.detail, rec.skipped, rec.loss, module,
                          rec.nonfinite_count, who, spike, trig.first, run_scale, trig.why, trig.need)

@@ -13,11 +13,12 @@ from ampdoctor.engine.capture import Capture, CaptureWarning, Trigger
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import MonitorRecord
 from ampdoctor.engine.step import Measured
-from ampdoctor.input.batches import named_tensors
+from ampdoctor.input import origin
+from ampdoctor.input.batches import Micro, as_micro, named_tensors
 from ampdoctor.notify import alert
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.ring import LAYERS_FILE, STEPS_FILE
-from ampdoctor.watch.tap import ForwardTap
+from ampdoctor.watch.tap import ForwardTap, output_loss
 
 if TYPE_CHECKING:
     from ampdoctor.engine.monitor import Monitor
@@ -46,7 +47,8 @@ def keep_batch(mon: Monitor, batch: Any) -> None:
     if cap is None or cap.done:
         return
     taken = mon.tap.take() if mon.tap is not None else None
-    b = batch if batch is not None else taken
+    # a plain list of as many micro-batches as the step's forwards (a loop that runs backward itself)
+    b = as_micro(batch, len(taken) if isinstance(taken, Micro) else 1) if batch is not None else taken
     if not mon._batch_checked:
         mon._batch_checked = True
         if b is None or not named_tensors(b):
@@ -54,10 +56,28 @@ def keep_batch(mon: Monitor, batch: Any) -> None:
     cap.before_update(mon.step_num, b)
 
 
+def seen_loss(mon: Monitor, loss: Any) -> None:
+    """The first loss the loop hands over: how it was computed from the model's output (``input.origin.loss_recipe``,
+    read from its autograd graph), so a spec-free replay of a plain model computes the run's loss; nothing when the
+    model's own output is the loss. Reads the graph only; never raises."""
+    if mon.capture is None or mon.capture.done or mon._loss_seen:
+        return
+    mon._loss_seen = True
+    try:
+        tap = mon.tap
+        last = tap._last() if tap is not None and tap._last is not None else None
+        own = (tap is not None and tap.own_loss) or (last is not None and (last is loss or output_loss(last) is loss))
+        mon._loss_recipe = {"fn": "model"} if own else origin.loss_recipe(loss)
+    except Exception:  # a graph it cannot read: the replay asks for a spec's loss_fn
+        mon._loss_recipe = None
+
+
 def _extra(mon: Monitor, m: Measured, trig: Trigger) -> tuple[dict[str, Any], dict[str, str]]:
     """The manifest's extra fields (the scaler's phase, the ranks, the ring, the spike) and the ring's tables."""
     extra: dict[str, Any] = {"scaler_phase": mon._failing.phase,
                              "step_log": str(mon.log_path) if mon.log_path is not None else None}
+    if mon._loss_recipe is not None:
+        extra["loss_recipe"] = mon._loss_recipe  # (issue 45: a plain model's replay without a spec)
     view = m.ranks
     if view is not None:
         first = view.first

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampdoctor.records import LABELS
+
 
 def ranks_story(rank: int, kind: str, module: str | None, others_clean: bool, spread: bool) -> tuple[str, str]:
     """(where, who) of the first rank that went non-finite: ' in embed', and what the other ranks did."""
-    where = f" in {module}" if module else ""
+    where = ": the batch's labels (the loss)" if module == LABELS else f" in {module}" if module else ""
     who = (f"the other ranks went non-finite later in the forward, through a collective: rank {rank}'s own "
            "computation" if spread else
            f"the other ranks were clean: rank {rank}'s own batch or forward" if others_clean
@@ -45,16 +47,29 @@ def failure_what(reason: str, detail: str, loss: float, module: str | None, bad_
     return f"the loss scale collapsed ({detail})"
 
 
+def _ranks_together(together: list[tuple[int, str, str | None]]) -> str:
+    """'; ranks 0 and 1 went non-finite at this step each on its own, none first (0: forward in attn; 1: ...)'."""
+    ranks = [str(r) for r, _, _ in together]
+    names = ", ".join(ranks[:-1]) + f" and {ranks[-1]}"
+    each = "; ".join(f"{r}: {k}" + (" (the batch's labels)" if m == LABELS else f" in {m}" if m else "")
+                     for r, k, m in together[:4])
+    more = f"; +{len(together) - 4} more" if len(together) > 4 else ""
+    return f"; ranks {names} went non-finite at this step each on its own, none first ({each}{more})"
+
+
 def failure(step: int, what: str, skipped: bool, scale: float | None, first: tuple[int, str, str | None] | None,
-            spread: bool, others_clean: bool) -> str:
+            spread: bool, others_clean: bool, together: list[tuple[int, str, str | None]] | None = None) -> str:
     """'ampdoctor: step 154 failed: the loss is inf; the step was skipped at scale 65536' (+ the rank that went
-    first: ``first`` is (rank, kind, module))."""
+    first: ``first`` is (rank, kind, module); ``together``: the ranks that each saw it in their own batch, forward
+    or loss at this step, when there are several and none carried it to the others: none went first)."""
     done = "skipped" if skipped else "applied"
     at = f" at scale {scale:g}" if scale is not None else ""
     who = ""
-    if first is not None:
+    if together and len(together) > 1 and not spread:
+        who = _ranks_together(together)
+    elif first is not None:
         rank, kind, module = first
-        where = f" in {module}" if module else ""
+        where = ": the batch's labels (the loss)" if module == LABELS else f" in {module}" if module else ""
         who = (f"; rank {rank} went first ({kind}{where}), "
                + ("the other ranks went non-finite later in the forward, through a collective" if spread
                   else "the other ranks were clean" if others_clean else "other ranks saw it too"))

@@ -105,9 +105,12 @@ def epochs(epoch: int, at: int, how: str) -> str:
 # where the model, the loss and the optimizer came from, and where a checkpoint started ------------------------
 
 
-def own_loss(source: str, loss: str) -> str:
+def own_loss(source: str, loss: str, fn: str = "") -> str:
     """A model rebuilt from a capture's ``model_identity`` (``source``, the rebuild's words), with its loss:
-    'training_step' (a LightningModule's), 'model' (the model's own), '' (the spec's)."""
+    'training_step' (a LightningModule's), 'model' (the model's own), 'recorded' (``fn`` of the output, as the
+    capture read it from the run's autograd graph), '' (the spec's)."""
+    if loss == "recorded":
+        return f"{source}; the loss is {fn} of its output and the batch's targets, as the run's autograd graph recorded it"
     return source + {"training_step": ", with its own training_step as the loss", "model": ", with the model's own loss"}.get(loss, "")
 
 
