@@ -51,7 +51,7 @@ def _step_of_name(p: Path) -> int:
 
 def expand(paths: Iterable[str | Path]) -> list[Path]:
     """Each path as the checkpoints it names: a run folder's ``checkpoint-N/`` subfolders (by N), a folder of
-    ``.ckpt`` files (by name), else the path itself. A path that does not exist is one line."""
+    checkpoint files (``CKPT_SUFFIXES``, by name) that is not itself a checkpoint, else the path itself. A path that does not exist is one line."""
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -59,7 +59,9 @@ def expand(paths: Iterable[str | Path]) -> list[Path]:
             raise CheckpointError(f"{p}: no such file or folder; pass a checkpoint, or the run's output folder")
         if p.is_dir():
             subs = sorted((s for s in p.iterdir() if s.is_dir() and _step_of_name(s) >= 0), key=_step_of_name)
-            ckpts = sorted(s for s in p.iterdir() if s.is_file() and s.suffix == ".ckpt")
+            own = any((p / n).is_file() for n in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                                                  "pytorch_model.bin.index.json", ".metadata"))
+            ckpts = [] if own else sorted(s for s in p.iterdir() if s.is_file() and s.suffix in CKPT_SUFFIXES)
             if subs or ckpts:
                 out += subs + ckpts
                 continue
@@ -109,13 +111,6 @@ def _float_weights(model: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[i
     return [(k, tuple(v.shape)) for k, v in model.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
-def _no_decay(name: str) -> bool:
-    """The Trainer's no-decay group by name alone: biases and normalisation layers' weights
-    (``Trainer.get_decay_parameter_names`` decides by the module's type, which a checkpoint does not record)."""
-    low = name.lower()
-    return "bias" in low or "norm" in low or re.search(r"(^|\.)ln", low) is not None
-
-
 def _shapes(state: Mapping[Any, Any], ids: list[Any]) -> list[tuple[int, ...] | None]:
     """The shape of each id's state tensors (None when it holds none bigger than a scalar)."""
     out: list[tuple[int, ...] | None] = []
@@ -151,13 +146,15 @@ def optimizer_names(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, A
     state = optimizer.get("state") or {}
     shapes = _shapes(state, ids)
     weights = _float_weights(model)
-    orders = [weights]
-    if len(groups) == 2:  # the Trainer's decay group, then its no-decay group
-        orders.insert(0, [w for w in weights if not _no_decay(w[0])] + [w for w in weights if _no_decay(w[0])])
-    for ws in orders:
-        names = _by_order(ws, shapes)
-        if names is not None and len(set(names)) == len(names):
-            return dict(zip(ids, names, strict=True)), "by the order and shapes of the weights"
+    names: list[str] | None = []
+    at = 0
+    for g in groups:  # each group matched in the weights' order, among the weights earlier groups left
+        n = len(g.get("params", []))
+        got = _by_order([w for w in weights if names is not None and w[0] not in names], shapes[at:at + n])
+        names = names + got if names is not None and got is not None else None
+        at += n
+    if names is not None and len(set(names)) == len(names) == len(ids):
+        return dict(zip(ids, names, strict=True)), "by the order and shapes of the weights"
     return {i: f"optimizer entry {i}" for i in ids}, "not matched to the weights (their shapes differ)"
 
 

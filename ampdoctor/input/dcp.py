@@ -46,11 +46,20 @@ def read_dcp(path: Path) -> CheckpointState:
     except ImportError as e:  # pragma: no cover - a torch without torch.distributed
         raise CheckpointError(f"{path}: a torch.distributed.checkpoint folder, and this torch cannot read one ({e})") from None
 
+    refused: list[str] = []
+    _MetadataUnpickler.refused = refused
+    try:
+        with (path / ".metadata").open("rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as e:  # read here first: torch's loader would log its own tracebacks on the way to failing
+        if refused:
+            raise CheckpointError(f"{path}/: its .metadata holds pickled Python objects that checking does not load "
+                                  f"({', '.join(refused[:3])}); only torch.distributed.checkpoint's own metadata is read") from None
+        raise CheckpointError(f"{path}/: its .metadata cannot be read ({type(e).__name__}: {first_line(e)}); the save was "
+                              "probably interrupted: use an earlier checkpoint") from None
+
     class SafeReader(FileSystemReader):  # type: ignore[misc]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                up = _MetadataUnpickler(f)
-                md = up.load()
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -67,8 +76,6 @@ def read_dcp(path: Path) -> CheckpointState:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     sd: dict[str, Any] = {}
-    refused: list[str] = []
-    _MetadataUnpickler.refused = refused
     try:
         import warnings
 
@@ -76,9 +83,6 @@ def read_dcp(path: Path) -> CheckpointState:
             warnings.simplefilter("ignore")  # "torch.distributed is unavailable...": one process reads it, as intended
             _load_state_dict(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
     except Exception as e:
-        if refused:
-            raise CheckpointError(f"{path}/: its .metadata holds pickled Python objects that checking does not load "
-                                  f"({', '.join(refused[:3])}); only torch.distributed.checkpoint's own metadata is read") from None
         raise CheckpointError(f"{path}/: a torch.distributed.checkpoint folder that cannot be read ({type(e).__name__}: "
                               f"{first_line(e)}); copy the whole folder (.metadata and every .distcp file)") from None
     state = _from_dict(sd, path)

@@ -92,7 +92,10 @@ def _lines(module: str, issues: list[Issue], fmt: Format) -> list[str]:
 
 def _one(c: Loaded, fmt: Format, first_scale: float | None) -> CheckedCheckpoint:
     if c.state is None:
-        return CheckedCheckpoint(str(c.path), c.step, "unreadable", c.error)
+        why = c.error
+        for pre in (f"{c.path}: ", f"{c.path}/: ", f"{c.path.name}/: "):
+            why = why[len(pre):] if why.startswith(pre) else why
+        return CheckedCheckpoint(str(c.path), c.step, "unreadable", why)
     h = judge(c.state, fmt, first_scale)
     base = CheckedCheckpoint(str(c.path), c.step, "damaged" if h.damaged else "good", "", c.state.layout,
                              scale=h.scale, notes=list(c.state.notes) + ([f"optimizer entries matched to weights {h.names_how}"]
