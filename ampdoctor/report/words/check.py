@@ -101,4 +101,8 @@ def save_warning(path: str, step: int | None, reason: str, nonfinite: list[str],
             "(`ampdoctor check` finds the last good one)")
 
 
-__all__ = ["healthy", "issue", "nonfinite_parts", "more_modules", "part", "save_warning", "scaler_issue", "series", "summary"]
+def on_record_failed(name: str, text: str) -> str:
+    return f"ampdoctor: on_record raised {name}: {text}; the figures are off for the rest of the run (the monitor goes on)"
+
+
+__all__ = ["on_record_failed", "healthy", "issue", "nonfinite_parts", "more_modules", "part", "save_warning", "scaler_issue", "series", "summary"]
