@@ -38,7 +38,7 @@ def trainer_logs_first(callback: Any) -> None:
 
     def on_log(self: Any, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         mon = callback.monitor
-        if mon is None or not isinstance(logs, dict) or any(str(k).startswith("eval_") for k in logs):
+        if mon is None or not isinstance(logs, dict) or "loss" not in logs:  # a training log (not eval, not the summary)
             return
         try:
             logs.update(mon.figures.take())
