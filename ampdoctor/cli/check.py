@@ -23,8 +23,9 @@ def check(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON to this path ('-': stdout).")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing --json file.")] = False,
 ) -> None:
-    """Find NaN/Inf weights, damaged Adam moments and a collapsed GradScaler in checkpoints; name the last good one.
-    Exit 0: all healthy; 1: damage found; 2: bad input."""
+    """Which checkpoints hold NaN/Inf, broken Adam moments or a collapsed GradScaler; the last good one.
+
+    Exit 0: all healthy; 1: damage found; 2: bad input (one line says why)."""
     from ampdoctor.errors import UsageError
     from ampdoctor.input.checkpoint_series import read_series
     from ampdoctor.io import check_writable

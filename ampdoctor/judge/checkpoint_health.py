@@ -137,7 +137,7 @@ def _weights(model: Mapping[str, torch.Tensor], fmt: Format, h: Health) -> None:
 
 def _adam(name: str, st: Mapping[str, Any], c: float | None) -> list[Issue]:
     m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-    if not (_floats(m) and _floats(v)) or m.shape != v.shape:
+    if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and _floats(m) and _floats(v)) or m.shape != v.shape:
         return []
     m, v = m.detach(), v.detach()
     ok = torch.isfinite(m) & torch.isfinite(v)
