@@ -305,3 +305,18 @@ def test_distributed_checkpoint_with_code_in_metadata_is_refused(tmp_path: Path)
     r = cli(str(folder))
     assert r.exit_code == 2 and not (Path.cwd() / "PWNED").exists()
     assert "its .metadata holds pickled Python objects that checking does not load (posix.system)" in r.stderr
+
+
+def test_one_checkpoint_in_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second layout unlike the dicts: a bare safetensors state_dict, healthy, then with a NaN and a weight beyond FP16."""
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file({"a.weight": torch.tensor([1.0, 2.0])}, "ok.safetensors")
+    r = cli("ok.safetensors")
+    assert r.exit_code == 0 and flat(r.output).endswith("the checkpoint is healthy")
+    save_file({"a.weight": torch.tensor([1.0, 7e4]), "a.bias": torch.tensor([float("nan")])}, "bad.safetensors")
+    r = cli("bad.safetensors")
+    assert r.exit_code == 1 and flat(r.output).endswith("bad.safetensors is damaged: do not resume from it")
+    assert "a: - bias: NaN/Inf in the values (1 of 1) - weight: 1 of 2 values beyond fp16's max" in flat(r.output)
+    assert cli("bad.safetensors", "--target", "bf16").exit_code == 1  # the NaN bias is damage in any format

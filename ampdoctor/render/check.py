@@ -48,7 +48,7 @@ def render(report: CheckReport, out: Console) -> None:
             out.print(indent(more_modules(len(c.modules) - MAX_MODULES), 2))
     for c in report.checkpoints:
         for note in c.notes if c.status == "unreadable" or c.path == report.first_damaged else []:
-            out.print(indent(f"note: {c.path}: {note}", 0), style="dim")
+            out.print(Text(f"note: {c.path}: {note}", style="dim"))
     out.print()
     out.print(Text(report.verdict, style="bold red" if report.exit_code == 1 else "bold"), soft_wrap=False)
 

@@ -71,8 +71,10 @@ def series(n: int, first_damaged: str | None, first_step: int | None, last_good:
            unreadable: int) -> str:
     """The verdict line over the series."""
     bad = f"; {unreadable} could not be read" if unreadable else ""
+    if n == 1 and not unreadable:
+        return "the checkpoint is healthy" if first_damaged is None else f"{first_damaged} is damaged: do not resume from it"
     if first_damaged is None:
-        return (f"all {n} checkpoint{'s are' if n != 1 else ' is'} healthy" if not unreadable
+        return (f"all {n} checkpoints are healthy" if not unreadable
                 else f"no damage found in the {n - unreadable} checkpoint(s) read") + bad
     at = f" (step {first_step})" if first_step is not None else ""
     good = (f"last good: {last_good}: resume from it" if last_good is not None
