@@ -38,10 +38,9 @@ def check(
     to_stdout = json_path is not None and str(json_path) == "-"
     if json_path is not None and not to_stdout:
         check_writable(json_path, force)
-    series = read_series(paths)
-    if len(series) == 1 and series[0].state is None:
-        raise UsageError(series[0].error)  # one checkpoint that cannot be read: its one line, exit 2
-    report = build(series, fmt)
+    report = build(read_series(paths), fmt)
+    if len(report.checkpoints) == 1 and report.checkpoints[0].error:
+        raise UsageError(report.checkpoints[0].error)  # one checkpoint that cannot be read: its one line, exit 2
     human = err if to_stdout else out
     render(report, human)
     if json_path is not None:

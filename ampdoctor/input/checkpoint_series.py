@@ -13,7 +13,7 @@ named after the weights they belong to (``optimizer_names``): by the names the o
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,15 +93,15 @@ def read_one(path: Path) -> CheckpointState:
     return read_checkpoint(path)
 
 
-def read_series(paths: Iterable[str | Path]) -> list[Loaded]:
-    """Every checkpoint the paths name, read (an unreadable one keeps its one-line reason), sorted by step."""
-    loaded: list[Loaded] = []
+def read_series(paths: Iterable[str | Path]) -> Iterator[Loaded]:
+    """Every checkpoint the paths name, read one at a time (the caller judges it and lets it go: a series of large
+    checkpoints is never all in memory), an unreadable one with its one-line reason. The caller sorts them by
+    ``Loaded.step``."""
     for i, p in enumerate(expand(paths)):
         try:
-            loaded.append(Loaded(p, read_one(p), order=i))
+            yield Loaded(p, read_one(p), order=i)
         except CheckpointError as e:
-            loaded.append(Loaded(p, None, str(e), order=i))
-    return sorted(loaded, key=lambda c: (c.step if c.step is not None else -1, c.order))
+            yield Loaded(p, None, str(e), order=i)
 
 
 # ------------------------------------------------------------------------------------ optimizer names

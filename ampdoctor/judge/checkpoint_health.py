@@ -23,6 +23,10 @@ Each rule is a definition, not a tuned threshold:
   ends at 0; ``scale_collapsed``: the scale is below 1: the gradients overflow FP16 even unscaled, the project's
   definition of a collapse (``judge.scaler``); in a series, also a fall of ``COLLAPSE_BINADES`` or more from the
   first checkpoint's scale.
+- ``v_fell`` (in a series): a tensor's exp_avg_sq summed is below what the previous checkpoint's allows. Every update
+  gives v' = b2 v + (1-b2) g^2 >= b2 v element by element, so after the k updates between the two (Adam's own
+  ``step`` count, which skipped steps do not advance) sum v' >= b2^k sum v. Below it, the second moments were
+  reset or flushed between the two checkpoints: the next updates m / sqrt(v) are too large.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Issue:
     name: str
     """The parameter (or buffer) name; '' for the scaler."""
     count: int = 0
-    """Elements affected."""
+    """Elements affected (scale_collapsed: binades fallen from the series' first; v_fell: the updates between)."""
     numel: int = 0
     value: float = 0.0
     """A figure: the largest |x| (out_of_range), the worst |m| / (C sqrt(v)) (moment_bound), the scale (scale_*)."""
@@ -88,6 +92,8 @@ class Health:
     """Adam's moments were judged (the optimizer state holds exp_avg and exp_avg_sq)."""
     names_how: str = ""
     """How the optimizer entries were matched to weights ('' when the optimizer saved the names)."""
+    second_moments: dict[str, tuple[float, float, float, str]] = field(default_factory=dict)
+    """Per parameter: (Adam's step count, the sum of exp_avg_sq in FP64, beta2, dtype), for ``judge_series``."""
 
     @property
     def damaged(self) -> bool:
@@ -172,8 +178,20 @@ def _optimizer(opt: Mapping[str, Any], model: Mapping[str, torch.Tensor], h: Hea
         if all(k in st for k in ADAM_KEYS):
             h.adam = True
             b = betas.get(i)
-            c = moment_bound(float(b[0]), float(b[1])) if isinstance(b, (tuple, list)) and len(b) == 2 else None
+            ok = isinstance(b, (tuple, list)) and len(b) == 2
+            c = moment_bound(float(b[0]), float(b[1])) if ok else None
             h.issues += _adam(name, st, c)
+            _keep_v(h, name, st, float(b[1]) if ok else None)
+
+
+def _keep_v(h: Health, name: str, st: Mapping[str, Any], beta2: float | None) -> None:
+    v, step = st.get("exp_avg_sq"), st.get("step")
+    n = float(step.item() if isinstance(step, torch.Tensor) else step) if isinstance(step, (torch.Tensor, int, float)) else None
+    if beta2 is None or n is None or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        return
+    total = float(v.detach().double().sum())
+    if math.isfinite(total):
+        h.second_moments[name] = (n, total, beta2, str(v.dtype).replace("torch.", ""))
 
 
 def scale_value(scaler: Mapping[str, Any] | None) -> float | None:
@@ -186,7 +204,7 @@ def scale_value(scaler: Mapping[str, Any] | None) -> float | None:
         return None
 
 
-def _scaler(scale: float | None, h: Health, first_scale: float | None) -> None:
+def _scaler(scale: float | None, h: Health) -> None:
     h.scale = scale
     if scale is None:
         return
@@ -196,19 +214,53 @@ def _scaler(scale: float | None, h: Health, first_scale: float | None) -> None:
         h.issues.append(Issue("scale_zero", "scaler", "", value=scale))
     elif scale < SCALE_FLOOR:
         h.issues.append(Issue("scale_floor", "scaler", "", value=scale))
-    elif scale < 1 or (first_scale is not None and first_scale > 0 and math.log2(first_scale / scale) >= COLLAPSE_BINADES):
-        h.issues.append(Issue("scale_collapsed", "scaler", "", value=scale, count=int(math.log2(first_scale / scale))
-                              if first_scale and first_scale > scale else 0))
+    elif scale < 1:
+        h.issues.append(Issue("scale_collapsed", "scaler", "", value=scale))
 
 
-def judge(state: CheckpointState, fmt: Format, first_scale: float | None = None) -> Health:
-    """Every rule on one checkpoint. ``first_scale``: the series' first scale (a collapse is a fall from it)."""
+def judge(state: CheckpointState, fmt: Format) -> Health:
+    """Every rule on one checkpoint (``judge_series`` adds what only its neighbours tell)."""
     h = Health()
     _weights(state.model, fmt, h)
     if state.optimizer is not None:
         _optimizer(state.optimizer, state.model, h)
-    _scaler(scale_value(state.scaler), h, first_scale)
+    _scaler(scale_value(state.scaler), h)
     return h
 
 
-__all__ = ["ADAM_KEYS", "MOMENT_SLACK", "SCALE_FLOOR", "Health", "Issue", "judge", "moment_bound", "scale_value"]
+def _v_fell(prev: Health, h: Health) -> list[Issue]:
+    """exp_avg_sq summed over a tensor, against its previous checkpoint's: v' = b2 v + (1-b2) g^2 >= b2 v element by
+    element at every update, so after k updates (Adam's own step count) sum v' >= b2^k sum v."""
+    out = []
+    for name, (n, total, b2, dtype) in h.second_moments.items():
+        before = prev.second_moments.get(name)
+        if before is None or n < before[0] or before[1] <= 0:
+            continue
+        k = n - before[0]
+        floor = before[1] * b2**k
+        slack = max(MOMENT_SLACK, 2 * k * 2.0**-24)  # each update rounds v by at most u (FP32) a step
+        if total < floor * (1 - slack):
+            out.append(Issue("v_fell", "exp_avg_sq", name, int(k), value=total / floor, dtype=dtype))
+    return out
+
+
+def judge_series(healths: list[Health | None]) -> None:
+    """What a checkpoint's neighbours tell, added to its issues (``healths`` in step order; None: unreadable):
+    GradScaler's scale ``COLLAPSE_BINADES`` or more below the series' first, and Adam's exp_avg_sq below what the
+    previous checkpoint's allows (``_v_fell``)."""
+    first = next((h.scale for h in healths if h is not None and h.scale is not None and math.isfinite(h.scale)
+                  and h.scale > 0), None)
+    prev: Health | None = None
+    for h in healths:
+        if h is None:
+            continue
+        s = h.scale
+        if (first is not None and s is not None and math.isfinite(s) and 1 <= s and math.log2(first / s) >= COLLAPSE_BINADES):
+            h.issues.append(Issue("scale_collapsed", "scaler", "", value=s, count=int(math.log2(first / s))))
+        if prev is not None:
+            h.issues += _v_fell(prev, h)
+        prev = h
+
+
+__all__ = ["ADAM_KEYS", "MOMENT_SLACK", "SCALE_FLOOR", "Health", "Issue", "judge", "judge_series", "moment_bound",
+           "scale_value"]

@@ -4,12 +4,13 @@ with its words, built once; ``render.check`` draws it (terminal table, JSON)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ampdoctor.formats import Format
 from ampdoctor.input.checkpoint_series import Loaded
-from ampdoctor.judge.checkpoint_health import Health, Issue, judge, scale_value
+from ampdoctor.judge.checkpoint_health import Health, Issue, judge, judge_series
 from ampdoctor.report.words import check as words
 
 MAX_MODULES = 12
@@ -31,6 +32,8 @@ class CheckedCheckpoint:
     """Every damaged tensor's code and figures (``judge.checkpoint_health.Issue``)."""
     scale: float | None = None
     notes: list[str] = field(default_factory=list)
+    error: str = ""
+    """Why it could not be read (unreadable), in one line."""
 
 
 @dataclass
@@ -90,29 +93,41 @@ def _lines(module: str, issues: list[Issue], fmt: Format) -> list[str]:
     return out
 
 
-def _one(c: Loaded, fmt: Format, first_scale: float | None) -> CheckedCheckpoint:
+def _judged(c: Loaded, fmt: Format) -> tuple[CheckedCheckpoint, Health | None]:
+    """The checkpoint's row (its words come later, once its neighbours have been judged) and its health."""
     if c.state is None:
         why = c.error
         for pre in (f"{c.path}: ", f"{c.path}/: ", f"{c.path.name}/: "):
             why = why[len(pre):] if why.startswith(pre) else why
-        return CheckedCheckpoint(str(c.path), c.step, "unreadable", why)
-    h = judge(c.state, fmt, first_scale)
-    base = CheckedCheckpoint(str(c.path), c.step, "damaged" if h.damaged else "good", "", c.state.layout,
-                             scale=h.scale, notes=list(c.state.notes) + ([f"optimizer entries matched to weights {h.names_how}"]
-                                                                         if h.names_how else []))
+        return CheckedCheckpoint(str(c.path), c.step, "unreadable", why, error=c.error), None
+    h = judge(c.state, fmt)
+    notes = list(c.state.notes) + ([f"optimizer entries matched to weights {h.names_how}"] if h.names_how else [])
+    return CheckedCheckpoint(str(c.path), c.step, "", "", c.state.layout, scale=h.scale, notes=notes), h
+
+
+def _word(row: CheckedCheckpoint, h: Health, fmt: Format) -> None:
+    row.status = "damaged" if h.damaged else "good"
     if not h.damaged:
-        base.summary = words.healthy(h.tensors, fmt.name, h.adam, h.scale)
-        return base
-    base.summary, base.modules = _worded(h, fmt)
-    base.issues = [dict(asdict(i), module=i.module) for i in h.issues]
-    return base
+        row.summary = words.healthy(h.tensors, fmt.name, h.adam, h.scale)
+        return
+    row.summary, row.modules = _worded(h, fmt)
+    row.issues = [dict(asdict(i), module=i.module) for i in h.issues]
 
 
-def build(series: list[Loaded], fmt: Format) -> CheckReport:
-    """Judge each checkpoint (a GradScaler's collapse measured from the series' first scale) and say the verdict."""
-    first_scale = next((s for c in series if c.state is not None and (s := scale_value(c.state.scaler)) is not None
-                        and math.isfinite(s) and s > 0), None)
-    rows = [_one(c, fmt, first_scale) for c in series]
+def build(series: Iterable[Loaded], fmt: Format) -> CheckReport:
+    """Judge each checkpoint as it is read (then let it go), sort by step, add what neighbours tell
+    (``judge_series``: the scale's fall from the first, Adam's v below its previous), and say the verdict."""
+    judged: list[tuple[int, int, CheckedCheckpoint, Health | None]] = []
+    for c in series:
+        row, h = _judged(c, fmt)
+        judged.append((c.step if c.step is not None else -1, c.order, row, h))
+        c.state = None
+    judged.sort(key=lambda t: (t[0], t[1]))
+    judge_series([h for *_, h in judged])
+    for *_, row, h in judged:
+        if h is not None:
+            _word(row, h, fmt)
+    rows = [row for *_, row, _ in judged]
     first = next((r for r in rows if r.status == "damaged"), None)
     before = rows[:rows.index(first)] if first is not None else rows
     last_good = next((r.path for r in reversed(before) if r.status == "good"), None)

@@ -31,6 +31,9 @@ def issue(code: str, p: str, count: int, numel: int, value: float, dtype: str, t
     if code == "moment_bound":
         return (f"Adam exp_avg beyond what exp_avg_sq allows in {share} values (|m| up to {num(value, 3)}x "
                 "the bound C*sqrt(v)): a damaged moment")
+    if code == "v_fell":
+        return (f"Adam exp_avg_sq summed is {num(value, 3)}x the least the previous checkpoint's allows after {count} "
+                "updates (v can fall by at most beta2 an update): the moments were reset or flushed")
     return scaler_issue(code, value, count)
 
 
@@ -47,7 +50,7 @@ def scaler_issue(code: str, scale: float, fell: int) -> str:
 
 
 SHORT = {"nonfinite": "NaN/Inf", "out_of_range": "beyond {target}", "v_flushed": "v flushed",
-         "moment_bound": "moment bound", "scale_nonfinite": "scale NaN/Inf", "scale_zero": "scale 0",
+         "moment_bound": "moment bound", "v_fell": "v fell", "scale_nonfinite": "scale NaN/Inf", "scale_zero": "scale 0",
          "scale_floor": "scale at floor", "scale_collapsed": "scale collapsed"}
 
 
