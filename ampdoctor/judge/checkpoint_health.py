@@ -178,10 +178,10 @@ def _optimizer(opt: Mapping[str, Any], model: Mapping[str, torch.Tensor], h: Hea
         if all(k in st for k in ADAM_KEYS):
             h.adam = True
             b = betas.get(i)
-            ok = isinstance(b, (tuple, list)) and len(b) == 2
-            c = moment_bound(float(b[0]), float(b[1])) if ok else None
+            b1, b2 = (float(b[0]), float(b[1])) if isinstance(b, (tuple, list)) and len(b) == 2 else (None, None)
+            c = moment_bound(b1, b2) if b1 is not None and b2 is not None else None
             h.issues += _adam(name, st, c)
-            _keep_v(h, name, st, float(b[1]) if ok else None)
+            _keep_v(h, name, st, b2)
 
 
 def _keep_v(h: Health, name: str, st: Mapping[str, Any], beta2: float | None) -> None:
