@@ -36,15 +36,24 @@ class Saves:
             self.applied = (rec.step, rec.skip_reason.split(":", 1)[1])
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2, tensor parallelism) local piece: each rank checks its own, with no collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _tensors(mon: Monitor) -> list[tuple[str, torch.Tensor]]:
-    out = [(n, t) for n, t in mon.model.state_dict().items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """Weights, buffers, optimizer state tensors and the scale, read as they are (never ``state_dict()``, which is a
+    collective under FSDP1)."""
+    named = list(mon.model.named_parameters()) + list(mon.model.named_buffers())
+    out = [(n, _local(t)) for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()]
     opt = mon.optimizer
     if opt is not None:
         names = {id(p): n for n, p in mon.model.named_parameters()}
         for p, st in opt.state.items():
             for k, t in (st or {}).items():
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and k != "step":
-                    out.append((f"{names.get(id(p), '?')} ({k})", t))
+                    out.append((f"{names.get(id(p), '?')} ({k})", _local(t)))
     sc = mon.scaler
     s = getattr(sc, "_scale", None) if sc is not None else None
     if isinstance(s, torch.Tensor):
