@@ -328,7 +328,7 @@ def _adam_state(p: nn.Parameter, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_second_moment_falls_no_faster_than_beta2(tmp_path: Path, fused: bool) -> None:
-    """The tight case of v' >= b2 v: gradients of exactly 0 for 500 updates (v decays by b2 each), then a v
+    """The tight case of v' >= b2 v: gradients of exactly 0 for 200 updates (v decays by b2 each), then a v
     reset between two checkpoints (a third, unlike the first two: the step count goes on, the moments do not)."""
     from ampdoctor.judge.checkpoint_health import judge_series
 
@@ -339,7 +339,7 @@ def test_second_moment_falls_no_faster_than_beta2(tmp_path: Path, fused: bool) -
         p.grad = torch.randn(64)
         opt.step()
     _save(tmp_path, _adam_state(p, opt), "a.pt")
-    for _ in range(500):
+    for _ in range(200):
         p.grad = torch.zeros(64)
         opt.step()
     _save(tmp_path, _adam_state(p, opt), "b.pt")

@@ -19,8 +19,8 @@ from ampdoctor.errors import UsageError
 from .test_transparency import _run, _same
 
 
-@pytest.mark.parametrize("driver", ["observe", "owned"])
-@pytest.mark.parametrize("opt_name", ["adamw_fused", "adam_forloop", "sgd_momentum"])
+@pytest.mark.parametrize(("opt_name", "driver"), [("adamw_fused", "observe"), ("adamw_fused", "owned"),
+                                                  ("adam_forloop", "owned"), ("sgd_momentum", "observe")])
 @pytest.mark.parametrize("fault", ["none", "nan_loss", "inf_grad", "nan_batch"])
 def test_figures_change_nothing(opt_name: str, driver: str, fault: str) -> None:
     got: list[tuple[int, dict[str, float]]] = []
