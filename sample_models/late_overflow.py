@@ -62,9 +62,18 @@ def build_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
     return torch.optim.Adam(params, lr=0.05)
 
 
-def train(steps: int, capture: str | None, log: str | None, device: str = "cpu") -> int | None:
-    """The user's loop: AMP + GradScaler with a Monitor. Returns the first skipped step after calibration."""
+def train(steps: int, capture: str | None, log: str | None, device: str = "cpu", tensorboard: str | None = None) -> int | None:
+    """The user's loop: AMP + GradScaler with a Monitor. Returns the first skipped step after calibration.
+    ``tensorboard``: a folder for the Monitor's figures (``ampdoctor.integrations.tensorboard.scalars``)."""
     from ampdoctor import Monitor
+
+    on_record = None
+    if tensorboard is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        from ampdoctor.integrations.tensorboard import scalars
+
+        on_record = scalars(SummaryWriter(tensorboard))
 
     dev = torch.device(device)
     model = build_model().to(dev)
@@ -72,7 +81,8 @@ def train(steps: int, capture: str | None, log: str | None, device: str = "cpu")
     scaler = torch.amp.GradScaler(dev.type)
     data = build_dataloader()
     first_bad = None
-    with Monitor(model, opt, scaler, log=log, log_mode="overwrite", capture=capture, snapshot_every=100) as mon:
+    with Monitor(model, opt, scaler, log=log, log_mode="overwrite", capture=capture, snapshot_every=100,
+                 on_record=on_record) as mon:
         for step in range(steps):
             x, y = data[step % len(data)]
             x, y = x.to(dev), y.to(dev)
@@ -90,8 +100,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--capture", default=None, help="capture folder (ampdoctor triage ... --from it)")
     ap.add_argument("--log", default=None, help="step-log CSV")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tensorboard", default=None, help="write the Monitor's figures to this TensorBoard folder")
     a = ap.parse_args(argv)
-    bad = train(a.steps, a.capture, a.log, a.device)
+    bad = train(a.steps, a.capture, a.log, a.device, a.tensorboard)
     print("no failure" if bad is None else f"first non-finite loss at step {bad}")
     return 0
 

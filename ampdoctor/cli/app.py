@@ -199,6 +199,7 @@ def _show(report: Report, human: Console, json_path: Path | None, written: list[
 
 
 # Commands that live in their own modules (one job each) register here.
+from ampdoctor.cli.check import check as _check  # noqa: E402
 from ampdoctor.cli.kernel import build_kernel as _build_kernel  # noqa: E402
 from ampdoctor.cli.layers import layers as _layers  # noqa: E402
 from ampdoctor.cli.lint import lint as _lint  # noqa: E402
@@ -208,6 +209,7 @@ app.command("layers")(_layers)
 app.command("scaler")(_scaler)
 app.command("lint")(_lint)
 app.command("build-kernel")(_build_kernel)
+app.command("check")(_check)
 
 
 def main() -> None:

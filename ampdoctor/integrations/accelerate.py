@@ -34,6 +34,7 @@ from torch import nn
 
 from ampdoctor.engine.monitor import Monitor
 from ampdoctor.engine.monitor.capturing import seen_loss
+from ampdoctor.integrations import _tracker
 from ampdoctor.integrations._attach import Attached, inner_optimizer
 
 
@@ -81,11 +82,13 @@ def adopt(mon: Monitor, attached: Attached, restore: list[tuple[Any, str]]) -> _
 
 
 def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path | None = "ampdoctor/steps.csv",
-          capture: str | Path | None = None, **monitor_kwargs: Any) -> Monitor:
+          capture: str | Path | None = None, figures: bool = False, **monitor_kwargs: Any) -> Monitor:
     """Attach a ``Monitor`` to a prepared model and optimizer; returns it (``close()`` detaches).
 
     ``monitor_kwargs`` go to ``ampdoctor.Monitor`` (``mode="sentinel"``, ``every``, ``alert_rate`` ...).
-    Call after ``accelerator.prepare``.
+    Call after ``accelerator.prepare``. ``figures``: log the Monitor's figures (``ampdoctor/headroom_min``...)
+    with ``accelerator.log`` after each step (when trackers were initialised). ``accelerator.save_state`` checks
+    the state first (``Monitor.saving``).
     """
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +98,7 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
                  asked={"fp16": "fp16", "bf16": "bf16"}.get(mp, "fp32"), framework=f"accelerate (mixed_precision={mp!r})",
                  capture=capture, loss_from_output=False, monitor_kwargs=monitor_kwargs)
     mon = adopt(a.monitor, a, [])
+    log_figures = _tracker.accelerate_hooks(accelerator, mon, figures)
     backward, step = accelerator.backward, optimizer.step
 
     def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
@@ -111,6 +115,8 @@ def watch(accelerator: Any, model: nn.Module, optimizer: Any, *, log: str | Path
             return step(*args, **kwargs)
         finally:
             a.after_optimizer_step(applied=None if mon.scaler is not None else True)
+            if log_figures is not None:
+                log_figures()
 
     accelerator.backward = watched_backward
     optimizer.step = watched_step

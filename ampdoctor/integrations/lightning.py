@@ -49,6 +49,7 @@ except ImportError:  # the older package name
 
 from ampdoctor.engine.capture import model_identity
 from ampdoctor.input.batches import Micro
+from ampdoctor.integrations import _tracker
 from ampdoctor.integrations._attach import Attached, inner_optimizer
 
 try:
@@ -67,13 +68,16 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
     Args:
         log: the step-log CSV (``steps.rank1.csv`` per rank under torch.distributed); None: no file.
         capture: the folder written on the first failing step; None: off.
+        figures: log the Monitor's figures (``ampdoctor/headroom_min``, ``ampdoctor/scale``...) with the
+            LightningModule's ``log_dict`` each step, for its loggers.
         **monitor_kwargs: passed to ``ampdoctor.Monitor`` (``mode="sentinel"``, ``full_every``, ``every``,
             ``activations``, ``alert_rate``, ``max_skip_rate``, ``snapshot_every``, ``inject_inf_at`` ...).
     """
 
     def __init__(self, log: str | Path | None = "ampdoctor/steps.csv", capture: str | Path | None = None,
-                 **monitor_kwargs: Any) -> None:
+                 figures: bool = False, **monitor_kwargs: Any) -> None:
         super().__init__()
+        self.figures = figures
         self.log_file = log
         self.capture_dir = capture
         self.monitor_kwargs = monitor_kwargs
@@ -199,6 +203,11 @@ class AmpDoctorCallback(Callback):  # type: ignore[misc]
         if a is not None:  # only after an optimizer step (gradient accumulation: every N batches)
             self._due = None  # (Lightning's _after_closure always clips; a measurement after the step would be wrong)
             a.after_optimizer_step(applied=None if a.monitor.scaler is not None else True)
+            _tracker.lightning_figures(self, pl_module)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.attached is not None:  # before Lightning writes it: said once when the state is damaged
+            self.attached.monitor.saving(f"the checkpoint of step {trainer.global_step}")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._unwrap_clip()

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ampdoctor.integrations import _tracker
 from ampdoctor.integrations._attach import Attached, inner_optimizer
 from ampdoctor.notify import say
 
@@ -57,13 +58,16 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
     Args:
         log: the step-log CSV (``steps.rank1.csv`` per rank under torch.distributed); None: no file.
         capture: the folder written on the first failing step; None: off.
+        figures: add the Monitor's figures (``ampdoctor/headroom_min``, ``ampdoctor/scale``, ``ampdoctor/skips``,
+            ``ampdoctor/steps_to_overflow``...) to the Trainer's ``logs``, so every ``report_to`` shows them.
         **monitor_kwargs: passed to ``ampdoctor.Monitor`` (``mode="sentinel"``, ``full_every``,
             ``every``, ``activations``, ``alert_rate``, ``max_skip_rate``, ``snapshot_every``,
             ``inject_inf_at`` ...). The Trainer clips, so the monitor only measures.
     """
 
     def __init__(self, log: str | Path | None = "ampdoctor/steps.csv", capture: str | Path | None = None,
-                 **monitor_kwargs: Any) -> None:
+                 figures: bool = False, **monitor_kwargs: Any) -> None:
+        self.figures = figures
         self.log_file = log
         self.capture_dir = capture
         self.monitor_kwargs = monitor_kwargs
@@ -98,6 +102,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
                                  monitor_kwargs={"log_mode": "append", **self.monitor_kwargs})
         if args.logging_nan_inf_filter:  # said with the run's first failure, in its one message (issue 45)
             self.attached.monitor.loss_note = "the Trainer's own log hides it (logging_nan_inf_filter=True)"
+        if self.figures:
+            _tracker.trainer_logs_first(self)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attached is not None:
@@ -109,6 +115,7 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             return
         # without a GradScaler the Trainer applies every step, finite or not
         rec = a.after_optimizer_step(applied=None if a.monitor.scaler is not None else True)
+        _tracker.trainer_saving(self, args, state, control, before=True)
         if (rec is not None and not self._said_hidden and not (rec.loss == rec.loss and abs(rec.loss) != float("inf"))
                 and args.logging_nan_inf_filter):
             self._said_hidden = True  # once a run: the step log has every one
@@ -117,6 +124,9 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             where = f"the step log has it: {a.monitor.log_path}" if a.monitor.log_path is not None else "pass log= to keep a step log"
             say(f"ampdoctor: step {rec.step}: the loss is {rec.loss}; the Trainer's own log hides it "
                 f"(logging_nan_inf_filter=True); {where}", quiet=a.monitor.quiet)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _tracker.trainer_saving(self, args, state, control, before=False)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attached is not None:

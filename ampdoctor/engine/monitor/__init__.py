@@ -62,7 +62,7 @@ from torch import nn
 
 from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger, sharded_engine
 from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
-from ampdoctor.engine.monitor import alerts, capturing, exchange, history, lookback, skips
+from ampdoctor.engine.monitor import alerts, capturing, exchange, figures, history, lookback, saving, skips
 from ampdoctor.engine.monitor.alerts import Rates
 from ampdoctor.engine.monitor.config import MonitorConfig, steps
 from ampdoctor.engine.monitor.history import History
@@ -207,6 +207,9 @@ class Monitor:
             of the ``spike_window`` applied steps before it is a failure: said, captured, and the layers whose
             update norms spiked first named. None (default): off. See docs/long-runs.md.
         spike_window: see ``spike_sigmas``.
+        on_record: a function called after every step with ``(step, figures)``: a few figures for your tracker
+            under an ``ampdoctor/`` prefix (``engine.monitor.figures``; ``integrations.tensorboard.scalars(writer)``
+            writes them to TensorBoard). None (default): no figures are made.
     """
 
     def __init__(
@@ -251,6 +254,7 @@ class Monitor:
         forecast_horizon: int | None = DEFAULT_HORIZON,
         spike_sigmas: float | None = None,
         spike_window: int = SPIKE_WINDOW,
+        on_record: Any = None,
     ) -> None:
         _check_types(model, optimizer, scaler)
         cfg = MonitorConfig(
@@ -262,7 +266,8 @@ class Monitor:
             capture_max_bytes=capture_max_bytes, mode=mode, full_every=full_every, full_after=full_after,
             first_step=first_step, distributed=distributed, process_group=process_group, capture_ranks=capture_ranks,
             capture_on=capture_on, capture_hold_bytes=capture_hold_bytes, quiet=quiet, step_convention=step_convention,
-            ring=ring, forecast_horizon=forecast_horizon, spike_sigmas=spike_sigmas, spike_window=spike_window)
+            ring=ring, forecast_horizon=forecast_horizon, spike_sigmas=spike_sigmas, spike_window=spike_window,
+            on_record=on_record)
         self._start(model, optimizer, scaler, cfg)
         if self.engine in UNSUPPORTED:
             if max_norm is not None:
@@ -330,6 +335,8 @@ class Monitor:
         """Every skip and every change of scale (``history.History``)."""
         self.engine = sharded_engine(unwrap(model))
         """The sharding engine holding the model (``engine.capture.sharded_engine``), None for a whole model."""
+        self.figures, self.saves, self._on_record_failed = figures.Figures(self), saving.Saves(), False
+        """The tracker figures (``figures``), the save-time check's record (``saving``)."""
 
     def _build(self, scaler: torch.amp.GradScaler | None) -> None:
         """Everything built once the setup is known to be one the monitor can watch."""
@@ -810,6 +817,8 @@ class Monitor:
             self.hooks.begin_step(self.step_num)
         self._judge_failure(rec, pend, spike)
         capturing.step_done(self)
+        self.saves.note(rec)
+        figures.deliver(self, rec)
         self.rates.judge(pend.step, self.step_num - self.first_step, self.skips, speaks=self.rank in (None, 0),
                          quiet=self.quiet, log_path=str(self.log_path) if self.log_path is not None else None,
                          scaler=self.scaler is not None)
@@ -880,6 +889,16 @@ class Monitor:
             return ""
         hooks = userhooks.found(self.model)  # (only on such a step)
         return "; ".join(h.describe() for h in hooks[:3]) + (f" (+{len(hooks) - 3})" if len(hooks) > 3 else "")
+
+    def saving(self, path: str | Path | None = None) -> str | None:
+        """Call when your loop is about to save a checkpoint (``path``: where, for the message). Says once, on the
+        terminal, that the state being saved holds NaN/Inf or follows a step that applied a non-finite update, and
+        which step; returns that message (None: the state is sound). Observes only: the save goes on unchanged."""
+        try:
+            return saving.check(self, path)
+        except Exception as e:
+            self._fail("checking the state at a save", e)
+            return None
 
     # history -----------------------------------------------------------------------------------
     def scale_history(self) -> tuple[list[int], list[float], list[bool]]:

@@ -7,7 +7,7 @@ process group (``inject_param``, ``distributed=True``) is checked by the part th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,11 +108,15 @@ class MonitorConfig:
     """A loss or gradient norm this many robust standard deviations above the median is a failure (None: off)."""
     spike_window: int = SPIKE_WINDOW
     """The applied steps ``spike_sigmas`` judges against."""
+    on_record: Callable[[int, dict[str, float]], Any] | None = None
+    """Called after every step with (step, figures): ``engine.monitor.figures`` (None: no figures are made)."""
 
     def __post_init__(self) -> None:
         _check_counts(self)
         _check_modes(self)
         _check_lookback(self)
+        if self.on_record is not None and not callable(self.on_record):
+            raise UsageError(f"on_record takes a function of (step, figures), got {type(self.on_record).__name__}")
 
     @property
     def fresh_step(self) -> int:
