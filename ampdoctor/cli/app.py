@@ -85,6 +85,7 @@ def triage(
     data_fn: DataFn = "build_dataloader",
     loss_fn: LossFn = "loss_fn",
     optimizer_fn: OptimizerFn = "build_optimizer",
+    batch_keys: Annotated[Optional[str], typer.Option("--batch-keys", help="The batch's input fields and target: image:label, input_ids,attention_mask:labels, 0:1 for a tuple.", metavar="IN:TARGET")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path ('-': to stdout, the rest of the output to stderr).")] = None,
     report_path: Annotated[Optional[list[Path]], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html; repeat it for several.")] = None,
     log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
@@ -107,7 +108,7 @@ def triage(
             check_triage_outputs(json_path, report_path, log, dump_dir, force)
             given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                     "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+                     "batch_keys": batch_keys, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             if nproc is not None and from_capture is None:
                 raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")

@@ -22,7 +22,7 @@ from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
-from ampdoctor.input.batches import Batches, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input.batches import Batches, BatchKeys, KeyedLoss, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
@@ -160,7 +160,8 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
                     worst, worst_abs = b, math.inf if not math.isfinite(li) else abs(li)
         except Exception:
             return None
-        args, kwargs, target = split(to_device(worst, device))
+        keys = spec.loss_fn.keys if isinstance(spec.loss_fn, KeyedLoss) else None
+        args, kwargs, target = split(to_device(worst, device), model, keys)
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         model.zero_grad(set_to_none=True)
 
@@ -232,6 +233,8 @@ def triage(
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
     spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
+    if cfg.batch_keys:  # --batch-keys: every forward and loss of the run takes the fields named
+        spec = replace(spec, loss_fn=KeyedLoss(BatchKeys.parse(cfg.batch_keys), spec.loss_fn))
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
     cap: Captured | None = None
     start: StartState | None = None
@@ -598,6 +601,8 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     fp32 = results.get("fp32")
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
     cfg_dict = asdict(cfg)
+    if cfg_dict.get("batch_keys") is None:
+        cfg_dict.pop("batch_keys", None)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
     cfg_dict["start"] = start_words
     if ratio is not None:
