@@ -12,7 +12,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-os.environ["COLUMNS"] = "100"
+os.environ["COLUMNS"] = "80"
 os.environ["NO_COLOR"] = "1"
 os.environ["TERM"] = "dumb"
 
@@ -22,8 +22,8 @@ from ampdoctor.cli.app import app  # noqa: E402
 def generate() -> str:
     runner = CliRunner()
     parts = ["# Command-line reference", "", "Generated from `--help` by `python docs/gen_cli.py`; do not edit by hand.", ""]
-    for args in ([], ["triage"], ["layers"], ["scaler"], ["lint"], ["build-kernel"]):
-        res = runner.invoke(app, [*args, "--help"], prog_name="ampdoctor", env={"COLUMNS": "100", "NO_COLOR": "1", "TERM": "dumb"})
+    for args in ([], ["triage"], ["layers"], ["scaler"], ["lint"], ["build-kernel"], ["doctor"]):
+        res = runner.invoke(app, [*args, "--help"], prog_name="ampdoctor", env={"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"})
         title = "ampdoctor " + " ".join(args) if args else "ampdoctor"
         text = "\n".join(line.rstrip() for line in res.output.strip("\n").splitlines())
         parts += [f"## `{title}`", "", "```text", text, "```", ""]

@@ -22,7 +22,17 @@ from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import rebuild
-from ampdoctor.input.batches import Batches, BatchKeys, KeyedLoss, ModelInputs, filter_kwargs, grouped, micro_batches, split, to_device
+from ampdoctor.input.batches import (
+    Batches,
+    BatchKeys,
+    KeyedLoss,
+    ModelInputs,
+    filter_kwargs,
+    grouped,
+    micro_batches,
+    split,
+    to_device,
+)
 from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device

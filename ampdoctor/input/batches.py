@@ -264,6 +264,12 @@ class KeyedLoss:
         self.keys = keys
         self.loss_fn = loss_fn
 
+    def __call__(self, output: Any, target: Any) -> Any:
+        """The spec's loss (a caller that split the batch itself), else the model's own (``input.loss``)."""
+        from ampdoctor.input.loss import loss_candidate
+
+        return self.loss_fn(output, target) if self.loss_fn is not None else loss_candidate(output)
+
 
 def split(batch: Any, model: Any = None, keys: BatchKeys | None = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """(args, kwargs, target) for one batch.
