@@ -139,14 +139,15 @@ def _how_called(spec: Spec, model: nn.Module, batch: Any) -> str:
     loss_fn(output, batch['label']); name the fields with --batch-keys ...'."""
     from ampdoctor.input.batches import KeyedLoss, describe_call
 
-    keys = spec.loss_fn.keys if isinstance(spec.loss_fn, KeyedLoss) else None
+    keyed = spec.loss_fn if isinstance(spec.loss_fn, KeyedLoss) else None
+    keys = keyed.keys if keyed is not None else None
     try:
         call = describe_call(batch, model, keys)
     except BatchError:
         call = ""
     if not call:
         return "; a batch is model(inputs) + loss_fn(output, targets) for (inputs, targets), model(**batch) for a dict"
-    if spec.loss_fn is None or (keys is not None and spec.loss_fn.loss_fn is None):
+    if spec.loss_fn is None or (keyed is not None and keyed.loss_fn is None):
         call = call.split(" and loss_fn(")[0] + " and took the model's own loss"
     fields = [str(k) for k in batch] if isinstance(batch, dict) else [str(i) for i in range(len(batch))]
     example = f"{','.join(fields[:-1])}:{fields[-1]}" if len(fields) > 1 else "image:label"
