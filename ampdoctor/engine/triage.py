@@ -636,7 +636,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)
     if rp is not None and rp.ring is not None:  # the steps before the failure, from the capture's ring (run's steps)
-        told = history_finding(rp.ring, int(rp.manifest["step"]), report.verdict.first_module)
+        told = history_finding(rp.ring, int(rp.manifest["step"]), report.verdict.first_module, report.verdict.cause)
         if told is not None:
             report.findings.append(told)
     return report
