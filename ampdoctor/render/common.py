@@ -72,7 +72,9 @@ def calibration_line(sc: Any) -> str:
     grad = sum(1 for e in first if not str(e.reason).startswith("nonfinite_loss"))
     if grad == len(first):
         return str(sc.calibration_skips)
-    return f"{grad} ({len(first) - grad} more of the first {len(first)} skips follow a non-finite loss: not calibration)"
+    n = len(first) - grad
+    return (f"{grad} ({n} more of the first {len(first)} skips {'follows' if n == 1 else 'follow'} a non-finite loss: "
+            "not calibration)")
 
 
 def history(report: Any) -> Any:
