@@ -227,15 +227,8 @@ def headroom_figure(report: Report) -> bytes | None:
     ax.set_yticklabels([n for n, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=1)
-    lo, hi = min(h for _, h in rows), max(h for _, h in rows)
-    if lo < 0:  # a slightly negative bar (the cause) must not be a sliver: room on the left, a marker and its value
-        ax.set_xlim(left=min(lo * 1.3, -0.08 * max(hi, 1.0)))
-        neg = [(i, h) for i, (_, h) in enumerate(rows) if h < 0]
-        ax.scatter([h for _, h in neg], [i for i, _ in neg], marker="<", s=60, color="#d62728", edgecolor="black",
-                   linewidth=0.8, zorder=3)
-        for i, h in neg:  # the value right of 0, where a negative row has no bar: clear of the row names on the left
-            ax.annotate(f"{h:.1f} binades: overflows", (0, i), xytext=(4, 0), textcoords="offset points", ha="left",
-                        va="center", fontsize=8, color="#d62728", fontweight="bold")
+    lo = min(h for _, h in rows)
+    mark_below_zero(ax, [h for _, h in rows])
     for lab, c in zip(ax.get_yticklabels(), mine, strict=True):
         if c:
             lab.set_color(CULPRIT)
@@ -247,17 +240,39 @@ def headroom_figure(report: Report) -> bytes | None:
     return _png(fig)
 
 
+def mark_below_zero(ax: Any, hs: list[float], fontsize: float = 8) -> bool:
+    """Bars below 0 (the overflows, the cause) must not be slivers on a long axis: room on the left in proportion to
+    the axis, a marker at each bar's end and its value right of 0, where a negative row has no bar (clear of the
+    row names on the left). Whether there was one."""
+    neg = [(i, h) for i, h in enumerate(hs) if h < 0]
+    if not neg:
+        return False
+    ax.set_xlim(left=min(min(hs) * 1.3, -0.08 * max(max(hs), 1.0)))
+    ax.scatter([h for _, h in neg], [i for i, _ in neg], marker="<", s=60, color="#d62728", edgecolor="black",
+               linewidth=0.8, zorder=3)
+    for i, h in neg:
+        ax.annotate(f"{h:.1f} binades: overflows", (0, i), xytext=(4, 0), textcoords="offset points", ha="left",
+                    va="center", fontsize=fontsize, color="#d62728", fontweight="bold")
+    return True
+
+
+def below_zero_marker() -> Any:
+    """The legend's entry for ``mark_below_zero``'s marker."""
+    from matplotlib.lines import Line2D
+
+    return Line2D([], [], marker="<", linestyle="none", markerfacecolor="#d62728", markeredgecolor="black",
+                  label="end of a bar below 0")
+
+
 def _headroom_legend(ax: Any, first: bool, marked: bool = False) -> None:
     """What each bar colour means (and the verdict's own rows, the marker of a bar too short to see), for a headroom
     chart."""
-    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     items: list[Any] = [Patch(color="#d62728", label="below 0: overflows"), Patch(color="#ff7f0e", label="under 2 binades: thin"),
                         Patch(color="#2ca02c", label="2 binades or more")]
     if marked:
-        items.append(Line2D([], [], marker="<", linestyle="none", markerfacecolor="#d62728", markeredgecolor="black",
-                            label="end of a bar below 0"))
+        items.append(below_zero_marker())
     if first:
         items.append(Patch(facecolor="white", edgecolor="black", label="red label, outlined: the verdict's module"))
     ax.legend(handles=items, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
