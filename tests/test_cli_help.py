@@ -120,3 +120,20 @@ def test_doctor_when_the_kernel_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AMPDOCTOR_FUSED", "0")
     res = runner.invoke(app, ["doctor"])
     assert res.exit_code == 0 and "turned off (AMPDOCTOR_FUSED=0)" in res.output
+
+
+@pytest.mark.parametrize("cap,fp16,bf16", [((9, 0), "fp16 (tensor cores)", "bf16"), ((7, 5), "fp16 (tensor cores)", "no bf16"),
+                                           ((6, 1), "fp16", "bf16 emulated (slow)"), ((5, 0), "no fp16", "no bf16")])
+def test_doctor_reads_each_cuda_device(monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int], fp16: str, bf16: str) -> None:
+    """The CUDA lines from the devices' compute capability (no GPU here: torch.cuda's answers stand in)."""
+    from ampdoctor.engine import doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Test GPU {i}")
+    monkeypatch.setattr(doctor, "_bf16_any", lambda i: cap == (6, 1))
+    rows = {f.what: f for f in doctor.devices()}
+    assert set(rows) == {"cpu", "cuda:0", "cuda:1"}
+    assert rows["cuda:1"].found == f"Test GPU 1, sm_{cap[0]}{cap[1]}: {fp16}, {bf16}"
+    assert rows["cuda:0"].ok is (cap >= (5, 3))
