@@ -12,7 +12,8 @@ from rich.console import Console
 
 from ampdoctor._version import __version__
 from ampdoctor.cli.common import boundary, err, fail, out
-from ampdoctor.cli.options import SPEC_HELP, DataFn, Device, Force, LossFn, ModelFn, OptimizerFn
+from ampdoctor.cli.helpstyle import CODE, OUTPUT, REPLAY, RUN, SCALER, HintedCommand, default
+from ampdoctor.cli.options import DEVICE_HELP, SPEC_HELP, DataFn, Force, LossFn, ModelFn, OptimizerFn
 from ampdoctor.errors import UsageError
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.spec import Spec, SpecNames, importable, load_spec
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from ampdoctor.report.model import Report
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Tells you why mixed-precision (FP16/AMP) training goes NaN or Inf, and what to change.",
@@ -67,37 +68,39 @@ def _whole(text: str | None, flag: str) -> int | None:
         raise UsageError(f"{flag} takes a whole number such as 50 (got {text!r})") from None
 
 
-@app.command()
+@app.command(cls=HintedCommand, epilog="Details: docs/cli.md, docs/spec-format.md, docs/checkpoints.md.")
 @boundary
 def triage(
-    spec: Annotated[Optional[Path], typer.Argument(help=SPEC_HELP + "; optional with --from or --checkpoint when the run recorded its model (the spec then overrides what it defines).")] = None,
-    steps: Annotated[Optional[str], typer.Option(help="Steps per stage (a whole number). [default: 50]", metavar="INTEGER")] = None,
-    target: Annotated[Optional[str], typer.Option(help="What you train with: amp | fp16 | bf16. [default: amp]")] = None,
-    stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run (fp32 always runs): fp32,fp16,amp,bf16.")] = None,
-    device: Device = "auto",
-    seed: Annotated[Optional[int], typer.Option(help="RNG seed set before every stage. [default: 0]")] = None,
-    max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in every stage. [default: no clipping]")] = None,
-    accumulate: Annotated[Optional[int], typer.Option(help="Gradient accumulation: micro-batches per optimizer step, each loss divided by it, as your loop does. [default: 1]")] = None,
-    init_scale: Annotated[Optional[float], typer.Option(help="GradScaler init_scale. [default: 65536]")] = None,
-    growth_interval: Annotated[Optional[int], typer.Option(help="GradScaler growth_interval. [default: 2000]")] = None,
-    backoff_factor: Annotated[Optional[float], typer.Option(help="GradScaler backoff_factor. [default: 0.5]")] = None,
+    spec: Annotated[Optional[Path], typer.Argument(metavar="SPEC", help=SPEC_HELP + "; optional with --from or --checkpoint.", show_default=False)] = None,
+    steps: Annotated[Optional[str], typer.Option(metavar="N", help="Steps per stage." + default(50), rich_help_panel=RUN)] = None,
+    target: Annotated[Optional[str], typer.Option(metavar="TARGET", help="What you train with: amp, fp16 or bf16." + default("amp"), rich_help_panel=RUN,
+                                                                 autocompletion=lambda: ["amp", "fp16", "bf16"])] = None,
+    stages: Annotated[Optional[str], typer.Option(metavar="LIST", help="Stages to run, e.g. fp16,amp (fp32 always runs)." + default("fp32,fp16,amp"), rich_help_panel=RUN)] = None,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help=DEVICE_HELP, rich_help_panel=RUN)] = "auto",
+    seed: Annotated[Optional[int], typer.Option(metavar="N", help="RNG seed set before every stage." + default(0), rich_help_panel=RUN)] = None,
+    max_norm: Annotated[Optional[float], typer.Option(metavar="X", help="Clip the gradient norm to X in every stage." + default("no clipping"), rich_help_panel=RUN)] = None,
+    accumulate: Annotated[Optional[int], typer.Option(metavar="N", help="Micro-batches per optimizer step." + default(1), rich_help_panel=RUN)] = None,
+    init_scale: Annotated[Optional[float], typer.Option(metavar="X", help="GradScaler's init_scale." + default(65536), rich_help_panel=SCALER)] = None,
+    growth_interval: Annotated[Optional[int], typer.Option(metavar="N", help="GradScaler's growth_interval." + default(2000), rich_help_panel=SCALER)] = None,
+    backoff_factor: Annotated[Optional[float], typer.Option(metavar="X", help="GradScaler's backoff_factor." + default(0.5), rich_help_panel=SCALER)] = None,
     model_fn: ModelFn = "build_model",
     data_fn: DataFn = "build_dataloader",
     loss_fn: LossFn = "loss_fn",
     optimizer_fn: OptimizerFn = "build_optimizer",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON to this path ('-': to stdout, the rest of the output to stderr).")] = None,
-    report_path: Annotated[Optional[list[Path]], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots beside it), .json or .html; repeat it for several.")] = None,
-    log: Annotated[Optional[Path], typer.Option("--log", help="Write the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); read it with `ampdoctor scaler`.")] = None,
-    dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", help="Save the offending batch, weights, module input statistics, report and a repro script here.")] = None,
+    batch_keys: Annotated[Optional[str], typer.Option("--batch-keys", metavar="IN:TARGET", help="A batch's inputs and target, e.g. image:label.", rich_help_panel=CODE)] = None,
+    script: Annotated[Optional[Path], typer.Option("--script", metavar="PATH", help="Your training script: lint it into the report.", rich_help_panel=CODE)] = None,
+    from_capture: Annotated[Optional[Path], typer.Option("--from", metavar="DIR", help="Replay a run's failing step from its capture.", rich_help_panel=REPLAY)] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="PATH", help="Start every stage from a training checkpoint.", rich_help_panel=REPLAY)] = None,
+    skip_batches: Annotated[int, typer.Option("--skip-batches", metavar="N", help="Skip N batches first (where the checkpoint was).", rich_help_panel=REPLAY)] = 0,
+    attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", metavar="NAME", help="The attention of a model rebuilt from a checkpoint (eager, sdpa...).", rich_help_panel=REPLAY)] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", help="Replay a sharded capture on N CPU processes.", rich_help_panel=REPLAY)] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Write the report as JSON ('-': stdout).", rich_help_panel=OUTPUT)] = None,
+    report_path: Annotated[Optional[list[Path]], typer.Option("--report", metavar="PATH", help="Write a .md, .html or .json report (repeatable).", rich_help_panel=OUTPUT)] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", metavar="PATH", help="Write the target stage's per-step CSV.", rich_help_panel=OUTPUT)] = None,
+    dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", metavar="DIR", help="Save the failing batch, weights and a repro script.", rich_help_panel=OUTPUT)] = None,
     force: Force = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.")] = False,
-    from_capture: Annotated[Optional[Path], typer.Option("--from", help="Replay the failing step of a real run from a capture folder (Monitor(capture=...)): its weights, optimizer and scaler state and batches; build_dataloader() is then optional.")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning .ckpt, or the spec's load_checkpoint(model, optimizer, scaler, path).")] = None,
-    skip_batches: Annotated[int, typer.Option("--skip-batches", help="Skip this many batches of build_dataloader() first (where the run was when it saved the checkpoint).")] = 0,
-    attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
-    script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism), instead of reassembling them on one process.")] = None,
-    trust_capture: Annotated[bool, typer.Option("--trust-capture", help="With --from and no build_model(): rebuild the capture's model even where that needs more than importing its class from your code here (a folder outside this one on the import path). Only for a capture you trust.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.", rich_help_panel=OUTPUT)] = False,
+    trust_capture: Annotated[bool, typer.Option("--trust-capture", help="With --from: rebuild a model that needs more than your code here.", rich_help_panel=REPLAY)] = False,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
@@ -108,7 +111,7 @@ def triage(
             check_triage_outputs(json_path, report_path, log, dump_dir, force)
             given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                     "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+                     "batch_keys": batch_keys, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             if nproc is not None and from_capture is None:
                 raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")
@@ -200,21 +203,23 @@ def _show(report: Report, human: Console, json_path: Path | None, written: list[
 
 # Commands that live in their own modules (one job each) register here.
 from ampdoctor.cli.check import check as _check  # noqa: E402
+from ampdoctor.cli.doctor import doctor as _doctor  # noqa: E402
 from ampdoctor.cli.kernel import build_kernel as _build_kernel  # noqa: E402
 from ampdoctor.cli.layers import layers as _layers  # noqa: E402
 from ampdoctor.cli.lint import lint as _lint  # noqa: E402
 from ampdoctor.cli.scaler import scaler as _scaler  # noqa: E402
 
-app.command("layers")(_layers)
-app.command("scaler")(_scaler)
-app.command("lint")(_lint)
-app.command("build-kernel")(_build_kernel)
-app.command("check")(_check)
+app.command("layers", cls=HintedCommand, epilog="Details: docs/layers.md.")(_layers)
+app.command("scaler", cls=HintedCommand, epilog="Details: docs/scaler.md.")(_scaler)
+app.command("lint", cls=HintedCommand, epilog="Details: docs/lint.md.")(_lint)
+app.command("build-kernel", cls=HintedCommand)(_build_kernel)
+app.command("doctor", cls=HintedCommand)(_doctor)
+app.command("check", cls=HintedCommand, epilog="Details: docs/checkpoints.md.")(_check)
 
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="ampdoctor")  # `python -m ampdoctor` too: its usage lines and completion say ampdoctor
     except UsageError as e:  # pragma: no cover - raised outside commands
         fail(str(e))
 

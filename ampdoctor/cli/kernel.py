@@ -8,9 +8,10 @@ from ampdoctor.errors import UsageError
 
 @boundary
 def build_kernel() -> None:
-    """Build the C++ statistics kernel now (once per machine, CPU and torch version), so that the first Monitor
-    starts on it instead of on the cheap path it keeps while a background build runs. Waits for a build that
-    another process on this machine has under way."""
+    """Build the C++ statistics kernel now, ahead of the first Monitor.
+
+    Once per machine, CPU and torch version, so that the first Monitor starts on it instead of on the cheap path it keeps while a background build runs. Waits for a build that another process on this machine has under way.
+    """
     from ampdoctor.watch import fused
 
     if not fused.enabled():

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from ampdoctor.cli.common import boundary, err, out
+from ampdoctor.cli.helpstyle import OUTPUT, RUN, TABLE, default
 from ampdoctor.cli.options import SPEC_HELP, DataFn, Device, Force, LossFn, ModelFn, OptimizerFn
 from ampdoctor.errors import UsageError
 from ampdoctor.formats import BF16
@@ -77,33 +78,31 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
 
 @boundary
 def layers(
-    spec: Annotated[Path, typer.Argument(help=SPEC_HELP + ".")],
-    dtype: Annotated[str, typer.Option(help="Target format(s), comma-separated: fp16, bf16, fp8_e4m3, fp8_e5m2.")] = "fp16",
-    steps: Annotated[int, typer.Option(help="FP32 reference steps (an optimizer step between them).")] = 3,
-    scale: Annotated[str, typer.Option(help="Multiply gradients by this before the cast test (a GradScaler scale), "
-                                             "or auto: the largest power of two that overflows no gradient.")] = "1",
-    what: Annotated[str, typer.Option(help="Comma-separated: activations, grads, weights.")] = "activations,grads,weights",
-    sort: Annotated[str, typer.Option(help="risk (worst first) | order (forward order) | module | a column, e.g. "
-                                            "overflow_frac, headroom_binades.")] = "risk",
-    top: Annotated[int, typer.Option(help="Rows to show per format (0: all). Exports always hold every row.")] = 40,
-    filter: Annotated[Optional[str], typer.Option("--filter", help="Only modules whose name matches this regex (re.search).")] = None,
-    csv: Annotated[Optional[Path], typer.Option("--csv", help="Write the full table (every step) as CSV.")] = None,
-    parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write the full table as Parquet (needs pyarrow).")] = None,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Write a report to attach to a ticket: .md (PNG plots "
-                                                   "beside it), .json (schema: ampdoctor/schema/layers.schema.json) or .html.")] = None,
-    force: Force = False,
-    underflow_tolerance: Annotated[float, typer.Option(help="Underflow fraction a gradient may lose at the smallest "
-                                                             "scale of its window.")] = 0.01,
+    spec: Annotated[Path, typer.Argument(metavar="SPEC", help=SPEC_HELP + ".")],
+    dtype: Annotated[str, typer.Option(metavar="LIST", help="Formats: fp16, bf16, fp8_e4m3, fp8_e5m2 (comma-separated).", rich_help_panel=RUN)] = "fp16",
+    steps: Annotated[int, typer.Option(metavar="N", help="FP32 reference steps.", rich_help_panel=RUN)] = 3,
+    scale: Annotated[str, typer.Option(metavar="X|auto", help="Loss scale the gradients are tested at; auto: the largest that overflows none.", rich_help_panel=RUN)] = "1",
+    what: Annotated[str, typer.Option(metavar="LIST", help="Any of activations, grads, weights.", rich_help_panel=RUN)] = "activations,grads,weights",
+    underflow_tolerance: Annotated[float, typer.Option(metavar="X", help="Underflow fraction a gradient may lose.", rich_help_panel=RUN)] = 0.01,
     device: Device = "auto",
-    seed: Annotated[int, typer.Option(help="RNG seed set before the model is built and before the steps.")] = 0,
+    seed: Annotated[int, typer.Option(metavar="N", help="RNG seed set before building and stepping.", rich_help_panel=RUN)] = 0,
+    max_norm: Annotated[Optional[float], typer.Option(metavar="X", help="Clip the gradient norm to X, as triage does." + default("no clipping"), rich_help_panel=RUN)] = None,
+    sort: Annotated[str, typer.Option(metavar="KEY", help="risk, order, module or a column (overflow_frac...).", rich_help_panel=TABLE)] = "risk",
+    top: Annotated[int, typer.Option(metavar="N", help="Rows shown per format (0: all; exports hold all).", rich_help_panel=TABLE)] = 40,
+    filter: Annotated[Optional[str], typer.Option("--filter", metavar="REGEX", help="Only modules whose name matches (re.search).", rich_help_panel=TABLE)] = None,
     model_fn: ModelFn = "build_model",
     data_fn: DataFn = "build_dataloader",
     loss_fn: LossFn = "loss_fn",
     optimizer_fn: OptimizerFn = "build_optimizer",
-    max_norm: Annotated[Optional[float], typer.Option(help="Clip the global L2 gradient norm to this in the reference steps, as triage --max-norm does. [default: no clipping]")] = None,
+    csv: Annotated[Optional[Path], typer.Option("--csv", metavar="PATH", help="Write every step's table as CSV.", rich_help_panel=OUTPUT)] = None,
+    parquet: Annotated[Optional[Path], typer.Option("--parquet", metavar="PATH", help="Write it as Parquet (needs pyarrow).", rich_help_panel=OUTPUT)] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", metavar="PATH", help="Write a .md, .html or .json report.", rich_help_panel=OUTPUT)] = None,
+    force: Force = False,
 ) -> None:
-    """Per layer: how much of each activation, gradient and weight would overflow, underflow or go
-    subnormal in FP16/BF16/FP8, and the loss scale its gradients can take."""
+    """Per layer: what would overflow or underflow in FP16, BF16 or FP8, and the loss scale it takes.
+
+    How much of each activation, gradient and weight would overflow, underflow or go subnormal in each format, and the loss scale its gradients can take.
+    """
     from ampdoctor.engine.layers import parse_dtypes, parse_what
     from ampdoctor.input.spec import SpecNames
 

@@ -12,6 +12,7 @@ import typer
 from rich.text import Text
 
 from ampdoctor.cli.common import boundary, fail, out
+from ampdoctor.cli.helpstyle import default
 from ampdoctor.errors import UsageError
 from ampdoctor.lint import RULES, LintFinding
 from ampdoctor.lint.checker import Result, lint_paths
@@ -23,20 +24,17 @@ FORMATS = ("text", "concise", "github", "json")
 @boundary
 def lint(
     paths: Annotated[Optional[list[Path]], typer.Argument(
-        metavar="PATH", help="Python files or folders to check (folders are walked for *.py). [default: .]")] = None,
-    output_format: Annotated[str, typer.Option(
-        "--format", help="text (a finding per line, its fix below) | concise (the lines alone) | github (workflow "
-                         "annotations) | json.")] = "text",
-    select: Annotated[Optional[str], typer.Option(help="Only these rules: codes or prefixes, comma-separated (AMP001,AMP003).")] = None,
-    ignore: Annotated[Optional[str], typer.Option(help="Leave out these rules (comma-separated), on top of the config's ignore.")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option(help="Glob of files to skip (repeatable), on top of the config's exclude.")] = None,
-    amp: Annotated[bool, typer.Option("--amp", help="The files run under autocast + GradScaler even where they name neither "
-                                                    "(a model file): the gradient-hook rules apply.")] = False,
+        metavar="PATH", help="Python files or folders (walked for *.py)." + default("."), show_default=False)] = None,
+    output_format: Annotated[str, typer.Option("--format", metavar="FORMAT", help="text, concise, github (annotations) or json.")] = "text",
+    select: Annotated[Optional[str], typer.Option(metavar="CODES", help="Only these rules or prefixes, e.g. AMP001,AMP003.")] = None,
+    ignore: Annotated[Optional[str], typer.Option(metavar="CODES", help="Leave out these rules (besides the config's).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(metavar="GLOB", help="Skip these files (repeatable; besides the config's).")] = None,
+    amp: Annotated[bool, typer.Option("--amp", help="Treat the files as run under AMP (a model file).")] = False,
     list_rules: Annotated[bool, typer.Option("--list-rules", help="Print the rules (code and title) and exit.")] = False,
 ) -> None:
     """Find AMP mistakes in training scripts without running them: path:line:col: AMPxxx message.
 
-    Exit code 0: nothing found; 1: findings; 2: bad input. A `# noqa: AMP001` comment silences a line; the table tool.ampdoctor.lint of the nearest pyproject.toml gives select, ignore and exclude (docs/lint.md).
+    Exit code 0: nothing found; 1: findings; 2: bad input. A # noqa: AMP001 comment silences a line; the nearest pyproject.toml's \\[tool.ampdoctor.lint] gives select, ignore and exclude. --amp: the gradient-hook rules apply to a file that names neither autocast nor GradScaler.
     """
     if output_format not in FORMATS:
         fail(f"--format takes {', '.join(FORMATS)} (got {output_format!r})")

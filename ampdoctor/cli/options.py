@@ -6,13 +6,16 @@ from typing import Annotated
 
 import typer
 
-SPEC_HELP = "Python file defining build_model() and build_dataloader() (see docs/spec-format.md)"
+from ampdoctor.cli.helpstyle import CODE, OUTPUT, RUN
 
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")]
-Force = Annotated[bool, typer.Option(help="Overwrite existing output files.")]
-ModelFn = Annotated[str, typer.Option(help="Name of the model-building function in the spec.")]
-DataFn = Annotated[str, typer.Option(help="Name of the dataloader-building function.")]
-LossFn = Annotated[str, typer.Option(help="Name of the loss function (optional in the spec).")]
-OptimizerFn = Annotated[str, typer.Option(help="Name of the optimizer-building function (optional).")]
+SPEC_HELP = "Your spec: build_model() and build_dataloader() (docs/spec-format.md)"
+DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 
-__all__ = ["SPEC_HELP", "DataFn", "Device", "Force", "LossFn", "ModelFn", "OptimizerFn"]
+Device = Annotated[str, typer.Option(metavar="DEVICE", help=DEVICE_HELP, rich_help_panel=RUN)]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite existing output files.", rich_help_panel=OUTPUT)]
+ModelFn = Annotated[str, typer.Option(metavar="NAME", help="The spec's model function.", rich_help_panel=CODE)]
+DataFn = Annotated[str, typer.Option(metavar="NAME", help="The spec's dataloader function.", rich_help_panel=CODE)]
+LossFn = Annotated[str, typer.Option(metavar="NAME", help="The spec's loss function (optional).", rich_help_panel=CODE)]
+OptimizerFn = Annotated[str, typer.Option(metavar="NAME", help="The spec's optimizer function (optional).", rich_help_panel=CODE)]
+
+__all__ = ["DEVICE_HELP", "SPEC_HELP", "DataFn", "Device", "Force", "LossFn", "ModelFn", "OptimizerFn"]

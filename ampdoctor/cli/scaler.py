@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ampdoctor.cli.common import boundary, fail, out
+from ampdoctor.cli.helpstyle import OUTPUT, default
 from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.fmt import pow2
@@ -26,17 +27,19 @@ from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStre
 @boundary
 def scaler(
     csvs: Annotated[list[Path], typer.Argument(
-        metavar="CSV...",
-        help=f"Step log CSV with the columns {', '.join(COLUMNS)} (extra columns are fine). Several: one per rank "
-             "(steps.rank0.csv steps.rank1.csv ...), compared side by side.")],
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw scale (log2 axis) and loss against step, skips marked, to this PNG.")] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing plot file.")] = False,
-    window: Annotated[int, typer.Option(help="Steps in the rolling skip rate.")] = 1000,
-    alert_rate: Annotated[float, typer.Option(help="Skip rate that counts as an alert.")] = 0.05,
-    growth_interval: Annotated[Optional[int], typer.Option(help="The run's GradScaler growth_interval. [default: inferred from the log]")] = None,
-    backoff_factor: Annotated[Optional[float], typer.Option(help="The run's GradScaler backoff_factor. [default: inferred from the log]")] = None,
+        metavar="CSV",
+        help="Step logs (triage --log, Monitor(log=...)); several: one per rank, compared side by side.")],
+    window: Annotated[int, typer.Option(metavar="N", help="Steps in the rolling skip rate.")] = 1000,
+    alert_rate: Annotated[float, typer.Option(metavar="X", help="Skip rate that counts as an alert.")] = 0.05,
+    growth_interval: Annotated[Optional[int], typer.Option(metavar="N", help="The run's growth_interval." + default("from the log"))] = None,
+    backoff_factor: Annotated[Optional[float], typer.Option(metavar="X", help="The run's backoff_factor." + default("from the log"))] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="Draw scale and loss against step to this PNG.", rich_help_panel=OUTPUT)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing plot file.", rich_help_panel=OUTPUT)] = False,
 ) -> None:
-    """GradScaler forensics from a step log: scale-history pattern, skip ledger, skip rate, recommendations."""
+    """GradScaler forensics from a step log: scale history, skip ledger, skip rate, what to change.
+
+    The log's columns: %s (extra columns are fine).
+    """
     _check_options(window, alert_rate, growth_interval, backoff_factor)
     if plot is not None:
         check_writable(plot, force)
@@ -60,6 +63,9 @@ def scaler(
 
 BLOCK_BYTES = 512 << 10
 """Bytes of the log read at a time: memory stays about the same for a log of any length."""
+
+
+scaler.__doc__ = (scaler.__doc__ or "") % ", ".join(COLUMNS)  # the columns as the reader knows them
 
 
 def _digest(csv: Path, window: int, alert_rate: float, plot: bool) -> tuple[LogDigest, list[str]]:

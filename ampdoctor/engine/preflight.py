@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.errors import SpecError
+from ampdoctor.errors import BatchError, SpecError
 from ampdoctor.input.batches import Batches, describe_layout, layout, to_device
 from ampdoctor.input.spec import Spec, call_user, check_optimizer, where
 
@@ -120,6 +120,8 @@ def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, 
     try:
         with torch.set_grad_enabled(grad):
             return forward_loss(model, to_device(batch, device), spec.loss_fn)[1]
+    except BatchError as e:  # --batch-keys names a field the batch does not hold
+        raise SpecError(f"{spec.path.name}: {e}") from None
     except SystemExit as e:
         raise SpecError(f"{where(e, spec.path)}: the model or loss_fn called sys.exit({'' if e.code is None else repr(e.code)}) "
                         "on a batch; ampdoctor runs them itself, so raise an exception (or return) instead of exiting") from None
@@ -128,5 +130,26 @@ def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, 
         raise SpecError(
             f"{spec.path.name}: {which} does not run in FP32 ({type(e).__name__}: {str(e).strip()[:200]}){differs}"
             + ("; yield batches of one layout (only the first dimension, the batch size, may change)" if differs else
-               "; a batch is model(inputs) + loss_fn(output, targets) for (inputs, targets), model(**batch) for a dict")
+               _how_called(spec, model, batch))
         ) from None
+
+
+def _how_called(spec: Spec, model: nn.Module, batch: Any) -> str:
+    """What ampdoctor made of the batch and how to say otherwise: '; ampdoctor called model(batch['image']) and
+    loss_fn(output, batch['label']); name the fields with --batch-keys ...'."""
+    from ampdoctor.input.batches import KeyedLoss, describe_call
+
+    keyed = spec.loss_fn if isinstance(spec.loss_fn, KeyedLoss) else None
+    keys = keyed.keys if keyed is not None else None
+    try:
+        call = describe_call(batch, model, keys)
+    except BatchError:
+        call = ""
+    if not call:
+        return "; a batch is model(inputs) + loss_fn(output, targets) for (inputs, targets), model(**batch) for a dict"
+    if spec.loss_fn is None or (keyed is not None and keyed.loss_fn is None):
+        call = call.split(" and loss_fn(")[0] + " and took the model's own loss"
+    fields = [str(k) for k in batch] if isinstance(batch, dict) else [str(i) for i in range(len(batch))]
+    example = f"{','.join(fields[:-1])}:{fields[-1]}" if len(fields) > 1 else "image:label"
+    return (f"; ampdoctor called {call}: to choose the fields, give --batch-keys IN[,IN...]:TARGET "
+            f"(e.g. --batch-keys {example}, or \"batch_keys\" in TRIAGE_OPTIONS)")

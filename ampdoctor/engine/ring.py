@@ -390,11 +390,12 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def history_finding(ring: tuple[Any, Any], fail_step: int, culprit: str | None) -> Finding | None:
+def history_finding(ring: tuple[Any, Any], fail_step: int, culprit: str | None, cause: str = "") -> Finding | None:
     """The story of the steps before a captured failure, as one finding (code ``history``, severity info): its
-    evidence holds the figures (``judge.history.story``), its title and lines the words (``report.alerts.history_words``)."""
+    evidence holds the figures (``judge.history.story``), its title and lines the words (``report.alerts.history_words``).
+    A ``data`` verdict's story tells no overflow: the non-finite values came with the batch."""
     steps_df, layers_df = ring
-    told = story(steps_df, layers_df, fail_step, culprit)
+    told = story(steps_df, layers_df, fail_step, culprit, overflow=cause != "data")
     if told is None:
         return None
     title, lines = history_words(told)

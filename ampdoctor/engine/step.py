@@ -35,7 +35,7 @@ from torch import nn
 from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
 from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
-from ampdoctor.input.batches import UNKNOWN_TARGET, cast_floating, filter_kwargs, split
+from ampdoctor.input.batches import UNKNOWN_TARGET, KeyedLoss, cast_floating, filter_kwargs, split
 from ampdoctor.input.loss import is_loss, loss_candidate, model_loss
 from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
@@ -139,7 +139,10 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None)
     if isinstance(loss_fn, TrainingStepLoss):
         loss = loss_fn.of(model, batch)
         return loss, loss
-    args, kwargs, target = split(batch)
+    keys = None
+    if isinstance(loss_fn, KeyedLoss):  # --batch-keys: the fields the user named
+        keys, loss_fn = loss_fn.keys, loss_fn.loss_fn
+    args, kwargs, target = split(batch, model, keys)
     out = model(*args, **filter_kwargs(model, kwargs))
     return out, get_loss(out, target, loss_fn)
 

@@ -24,6 +24,8 @@ from ampdoctor.errors import CaptureError, SpecError, UsageError
 from ampdoctor.input import origin, rebuild
 from ampdoctor.input.batches import (
     Batches,
+    BatchKeys,
+    KeyedLoss,
     ModelInputs,
     as_micro,
     filter_kwargs,
@@ -170,7 +172,8 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
                     worst, worst_abs = b, math.inf if not math.isfinite(li) else abs(li)
         except Exception:
             return None
-        args, kwargs, target = split(to_device(worst, device))
+        keys = spec.loss_fn.keys if isinstance(spec.loss_fn, KeyedLoss) else None
+        args, kwargs, target = split(to_device(worst, device), model, keys)
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         model.zero_grad(set_to_none=True)
 
@@ -249,6 +252,8 @@ def triage(
     if from_capture is not None and checkpoint is not None:
         raise UsageError("--from and --checkpoint both say where to start; give one")
     spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
+    if cfg.batch_keys:  # --batch-keys: every forward and loss of the run takes the fields named
+        spec = replace(spec, loss_fn=KeyedLoss(BatchKeys.parse(cfg.batch_keys), spec.loss_fn))
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
     cap: Captured | None = None
     start: StartState | None = None
@@ -638,6 +643,8 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     fp32 = results.get("fp32")
     ratio = stall_ratio(results[cfg.target], fp32) if fp32 and cfg.target in results and results[cfg.target].records else None
     cfg_dict = asdict(cfg)
+    if cfg_dict.get("batch_keys") is None:
+        cfg_dict.pop("batch_keys", None)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
     cfg_dict["start"] = start_words
     if ratio is not None:
@@ -661,7 +668,7 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
         report.config["step0"] = step0  # the run's number of the first step (plots and tables count from it)
         shift_steps(report, step0, judged=False)
     if rp is not None and rp.ring is not None:  # the steps before the failure, from the capture's ring (run's steps)
-        told = history_finding(rp.ring, int(rp.manifest["step"]), report.verdict.first_module)
+        told = history_finding(rp.ring, int(rp.manifest["step"]), report.verdict.first_module, report.verdict.cause)
         if told is not None:
             report.findings.append(told)
     return report

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampdoctor.errors import AmpDoctorError, BatchError
+from ampdoctor.errors import AmpDoctorError, BatchError, UsageError
 
 
 @dataclass
@@ -229,23 +229,127 @@ def cast_floating(b: Any, dtype: torch.dtype) -> Any:
     return map_tensors(b, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+"""The keys a dict batch's targets go by, in the order they are looked for: the first one present is the target."""
+
+
+@dataclass(frozen=True)
+class BatchKeys:
+    """Which fields of a batch are the model's inputs and which the target (``--batch-keys IN[,IN...]:TARGET``).
+
+    A field is a dict key, or a position (``0``, ``1``...) in a tuple batch. No target (``image:``): ``loss_fn``
+    gets the whole batch."""
+
+    inputs: tuple[str, ...]
+    target: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> BatchKeys:
+        ins, sep, tgt = text.partition(":")
+        inputs = tuple(k.strip() for k in ins.split(",") if k.strip())
+        if not sep or not inputs:
+            raise UsageError(f"--batch-keys takes INPUT[,INPUT...]:TARGET, such as image:label or "
+                             f"input_ids,attention_mask:labels (got {text!r})")
+        return cls(inputs, tgt.strip() or None)
+
+    def __str__(self) -> str:
+        return f"{','.join(self.inputs)}:{self.target or ''}"
+
+
+class KeyedLoss:
+    """The spec's ``loss_fn`` (None: the model's own loss) with the ``BatchKeys`` the run was given; ``batch_loss``
+    splits each batch by them."""
+
+    def __init__(self, keys: BatchKeys, loss_fn: Any) -> None:
+        self.keys = keys
+        self.loss_fn = loss_fn
+
+    def __call__(self, output: Any, target: Any) -> Any:
+        """The spec's loss (a caller that split the batch itself), else the model's own (``input.loss``)."""
+        from ampdoctor.input.loss import loss_candidate
+
+        return self.loss_fn(output, target) if self.loss_fn is not None else loss_candidate(output)
+
+
+def split(batch: Any, model: Any = None, keys: BatchKeys | None = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """(args, kwargs, target) for one batch.
 
     - ``(inputs, targets)``: model(inputs), target targets; longer tuples pass all but the last.
-    - ``{...}``: model(**batch); target ``batch["labels"]`` when present, else the dict itself.
+    - ``{...}``: the target is the first of ``TARGET_KEYS`` present (else the whole dict). When the model's
+      forward takes some of the other keys by name (or takes ``**kwargs``): model(**batch); else the other
+      keys holding tensors, in the dict's order, by position: ``{"image", "label"}`` -> model(image).
     - a tensor: model(tensor), target the tensor itself (reconstruction).
     - ``ModelInputs``: model(*args, **kwargs) as captured; target ``UNKNOWN_TARGET``.
+    - ``keys`` (``--batch-keys``): those fields, by name when the forward takes them all by name, else by position.
     """
     if isinstance(batch, ModelInputs):
         return batch.args, batch.kwargs, UNKNOWN_TARGET
+    if keys is not None:
+        return _split_by(batch, model, keys)
     if isinstance(batch, dict):
-        return (), dict(batch), batch.get("labels", batch)
+        tkey = next((k for k in TARGET_KEYS if k in batch), None)
+        target = batch[tkey] if tkey is not None else batch
+        rest = [k for k in batch if k != tkey]
+        names, var_kw = _forward_names(model)
+        if model is None or var_kw or any(k in names for k in rest):
+            return (), dict(batch), target
+        return tuple(batch[k] for k in rest if _has_tensor(batch[k])), {}, target
     if isinstance(batch, (list, tuple)):
         if len(batch) == 1:
             return (batch[0],), {}, None
         return tuple(batch[:-1]), {}, batch[-1]
     return (batch,), {}, batch
+
+
+def _split_by(batch: Any, model: Any, keys: BatchKeys) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    def get(k: str) -> Any:
+        if isinstance(batch, dict) and k in batch:
+            return batch[k]
+        if isinstance(batch, (list, tuple)) and k.isdigit() and int(k) < len(batch):
+            return batch[int(k)]
+        have = (f"its keys are {', '.join(map(str, batch))}" if isinstance(batch, dict) else
+                f"it is a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else
+                f"it is a {type(batch).__name__}, not a dict or a tuple")
+        raise BatchError(f"--batch-keys {keys} names {k!r}, which the batch does not hold ({have})")
+
+    target = get(keys.target) if keys.target is not None else batch
+    names, var_kw = _forward_names(model)
+    if isinstance(batch, dict) and (var_kw or all(k in names for k in keys.inputs)):
+        return (), {k: get(k) for k in keys.inputs}, target
+    return tuple(get(k) for k in keys.inputs), {}, target
+
+
+def _forward_names(model: Any) -> tuple[set[str], bool]:
+    """The parameter names model.forward takes by keyword, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return set(), False
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _has_tensor(v: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) for t in _leaves(v))
+
+
+def describe_call(batch: Any, model: Any = None, keys: BatchKeys | None = None) -> str:
+    """How a batch goes to the model and the loss, in the user's words: "model(batch['image']) and
+    loss_fn(output, batch['label'])"."""
+    if isinstance(batch, Micro) and batch:
+        batch = batch[0]
+    if isinstance(batch, ModelInputs) or not isinstance(batch, (dict, list, tuple)):
+        return ""
+    args, kwargs, target = split(batch, model, keys)
+
+    def name(v: Any) -> str:
+        if v is batch:
+            return "batch"
+        items = batch.items() if isinstance(batch, dict) else enumerate(batch)
+        return next((f"batch[{k!r}]" for k, x in items if x is v), "?")
+
+    call = ", ".join([name(a) for a in args] + [f"{k}=batch[{k!r}]" for k in filter_kwargs(model, kwargs)])
+    return f"model({call}) and loss_fn(output, {name(target) if target is not None else 'None'})"
 
 
 def filter_kwargs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -257,7 +361,7 @@ def filter_kwargs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
     try:
         params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         return kwargs
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return kwargs

@@ -40,6 +40,9 @@ class TriageConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    batch_keys: str | None = None
+    """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
+    None: the rule of docs/spec-format.md."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -59,6 +62,10 @@ class TriageConfig:
             raise UsageError("--backoff-factor must be in (0, 1), e.g. 0.5")
         if self.growth_interval < 1:
             raise UsageError("--growth-interval must be at least 1")
+        if self.batch_keys is not None:
+            from ampdoctor.input.batches import BatchKeys
+
+            BatchKeys.parse(self.batch_keys)  # a malformed value is one line now, not at the first batch
         if self.max_norm is not None and self.max_norm <= 0:
             raise UsageError("--max-norm must be positive, e.g. --max-norm 1.0")
         if self.steps > MAX_STEPS:
@@ -81,9 +88,9 @@ class TriageConfig:
         return tuple(s for s in STAGES if s in want)
 
 
-_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str,
+_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str,
          "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
-_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"',
+_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 
@@ -96,7 +103,7 @@ def _check_types(cfg: TriageConfig) -> None:
                 raise UsageError(f"stages must be stage names such as \"fp32,amp\" (got {v!r})")
             continue
         kind = _KIND.get(f.name)
-        if kind is None or (v is None and f.name == "max_norm"):
+        if kind is None or (v is None and f.name in ("max_norm", "batch_keys")):
             continue
         if kind is int:
             ok = isinstance(v, int) and not isinstance(v, bool)

@@ -225,14 +225,19 @@ def _num(v: Any) -> float:
 
 
 def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fmt_max: float = 65504.0,
-          top: int = 5) -> dict[str, Any] | None:
+          top: int = 5, *, overflow: bool = True) -> dict[str, Any] | None:
     """The figures of the steps before ``fail_step`` from the ring's tables (pandas DataFrames, as
     ``input.capture_schema.read_ring`` gives them), or None when the ring holds too little.
 
     Returns: ``layer`` (the culprit: the one named, else the layer with least headroom at the failing step),
     ``crossed_step`` (its first step with no headroom left), its ``headroom`` series, ``movers`` (layers that left
     their baseline, earliest first), the step ``series`` (loss, gradient norm, scale, skipped, lr) and
-    ``changes`` (the end of a warm-up, a new input size, a batch whose inputs spiked)."""
+    ``changes`` (the end of a warm-up, a new input size, a batch whose inputs spiked).
+
+    A layer's output that held non-finite values has no headroom figure (the ring writes NaN; older captures 0).
+    ``overflow`` (the verdict is an overflow): such a step counts as no headroom left, as the overflow made it.
+    Else (a ``data`` verdict: the batch's own NaN/Inf went through) it stays non-finite: no layer is named but
+    the verdict's, nothing "crosses", and ``nonfinite_step`` and ``least_headroom`` say what the layers did."""
     if steps_df is None or len(steps_df) < 2:
         return None
     sd = steps_df[steps_df["step"] <= fail_step].sort_values("step")
@@ -245,15 +250,21 @@ def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fm
     out["series"] = series
     ld = layers_df[layers_df["step"] <= fail_step] if layers_df is not None and len(layers_df) else None
     if ld is not None and len(ld):
-        head = ld.pivot_table(index="step", columns="layer", values="headroom", aggfunc="min").sort_index()
+        head = ld.pivot_table(index="step", columns="layer", values="headroom", aggfunc="min", dropna=False).sort_index()
+        bad = ld.pivot_table(index="step", columns="layer", values="nonfinite_frac", aggfunc="max", dropna=False)
+        bad = bad.reindex(index=head.index, columns=head.columns).astype(float) > 0
+        head = head.mask(bad, 0.0) if overflow else head.mask(bad)
         head = head.dropna(axis=1, how="all")  # (no activations recorded: no headroom, the other figures still tell)
+        if not overflow:
+            out["data"] = True
+            _nonfinite_story(out, head, bad)
         layer = culprit if culprit in head.columns else None
         if layer is None and culprit:
             # the verdict may name an op inside the layer ('logits > matmul op') or a parent: the closest layer
             base = culprit.split(" > ")[0]
             cands = [c for c in head.columns if c == base or base.startswith(c + ".") or c.startswith(base + ".")]
             layer = max(cands, key=len) if cands else None
-        if layer is None and len(head) and len(head.columns):
+        if layer is None and overflow and len(head) and len(head.columns):
             last = head.iloc[-1].replace([np.inf], np.nan)
             layer = str(last.idxmin()) if last.notna().any() else None
         if layer is not None:
@@ -263,7 +274,7 @@ def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fm
             out["headroom"] = {"step": [int(s) for s in h.index], "binades": hs}
             fin = [v for v in hs if math.isfinite(v)]
             out["headroom_first"] = fin[0] if fin else math.nan
-            out["headroom_last"] = hs[-1] if hs else math.nan
+            out["headroom_last"] = (hs[-1] if overflow else fin[-1] if fin else math.nan) if hs else math.nan
             crossed = next((int(s) for s, v in zip(h.index, hs, strict=True) if v <= 0), None)
             out["crossed_step"] = crossed
             ab = ld[ld["layer"] == layer].sort_values("step")
@@ -277,6 +288,18 @@ def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fm
         out["movers"] = movers(ld, fail_step, top)
     out["changes"] = changes(sd, fail_step)
     return out
+
+
+def _nonfinite_story(out: dict[str, Any], head: Any, bad: Any) -> None:
+    """A data verdict's figures: the first step a layer's output went non-finite, and the least headroom any layer
+    had while finite (how far the values stayed from an overflow)."""
+    hit = bad.any(axis=1)
+    if hit.any():
+        out["nonfinite_step"] = int(hit[hit].index[0])
+    fin = head.replace([np.inf, -np.inf], np.nan)
+    if fin.notna().to_numpy().any():
+        low = fin.min(axis=0)
+        out["least_headroom"] = {"layer": str(low.idxmin()), "binades": float(low.min())}
 
 
 def movers(ld: Any, fail_step: int, top: int = 5) -> list[dict[str, Any]]:

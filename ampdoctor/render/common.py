@@ -64,6 +64,19 @@ def skip_reasons(skips: list[Any], module: Callable[[str], str] = str) -> str:
     return ", ".join(f"{n} × {reason_label(r, module)}" for r, n in reasons.most_common()) or "none"
 
 
+def calibration_line(sc: Any) -> str:
+    """The count of GradScaler's calibration skips, as the scaler section says it: the skips of the scale's first
+    descent that were gradient overflows. A skip that follows a non-finite loss (a forward overflow) is not
+    calibration, whatever the scale did, and the section's words count it apart: both say the same number."""
+    first = sc.skips[: sc.calibration_skips]
+    grad = sum(1 for e in first if not str(e.reason).startswith("nonfinite_loss"))
+    if grad == len(first):
+        return str(sc.calibration_skips)
+    n = len(first) - grad
+    return (f"{grad} ({n} more of the first {len(first)} skips {'follows' if n == 1 else 'follow'} a non-finite loss: "
+            "not calibration)")
+
+
 def history(report: Any) -> Any:
     """The lookback ring's story of the steps before a captured failure (the finding of code 'history'), or None."""
     return next((f for f in report.findings if f.code == "history"), None)

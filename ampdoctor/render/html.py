@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,15 @@ def e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+_TICKED = re.compile(r"`([^`\n]+)`")
+
+
+def t(x: Any) -> str:
+    """Prose (the report's words) as HTML: escaped, and what the words quote as code (`torch.autocast(...)`) set as
+    code, not printed with its backticks."""
+    return _TICKED.sub(r"<code>\1</code>", e(x))
+
+
 def _table(head: list[str] | None, rows: list[list[str]], right: set[int] | None = None,
            classes: list[str] | None = None) -> str:
     """Cells are already-escaped HTML; ``head`` None: no header row (a table of names and values)."""
@@ -70,7 +80,7 @@ def _verdict(report: Report) -> str:
              ("stage", e(v.stage or "-")), ("device", e(v.device))]
     fx = "".join(f"<span>{k}: <b>{val}</b></span>" for k, val in facts)
     return (f'<section class="verdict" style="--c:{color}"><div class="cause">{e(title)} '
-            f'<code class="muted">{e(v.cause)}</code></div><p>{e(v.summary)}</p><div class="facts">{fx}</div></section>')
+            f'<code class="muted">{e(v.cause)}</code></div><p>{t(v.summary)}</p><div class="facts">{fx}</div></section>')
 
 
 def _code(report: Report) -> str:
@@ -80,8 +90,8 @@ def _code(report: Report) -> str:
     items = []
     for c in report.lint:
         why = f' <span style="color:#cf222e">(can cause <code>{e(report.verdict.cause)}</code>)</span>' if c.explains else ""
-        items.append(f"<li><code>{e(c.path)}:{c.line}:{c.col}</code> <b>{e(c.code)}</b> {e(c.message)}{why}"
-                     f"<br><span class=\"muted\">fix: {e(c.fix)}</span></li>")
+        items.append(f"<li><code>{e(c.path)}:{c.line}:{c.col}</code> <b>{e(c.code)}</b> {t(c.message)}{why}"
+                     f"<br><span class=\"muted\">fix: {t(c.fix)}</span></li>")
     return "<h2>In the code</h2><p class=\"muted\">ampdoctor lint on the spec" + (
         " and the training script" if report.config.get("script") else "") + ":</p><ul>" + "".join(items) + "</ul>"
 
@@ -137,11 +147,11 @@ def _scaler(report: Report) -> str:
     if sc is None:
         return ""
     why = common.skip_reasons(sc.skips)
-    parts = [f"<h2>GradScaler</h2><p><b>Pattern: {e(sc.pattern)}.</b> {e(sc.explanation)}</p><ul>",
+    parts = [f"<h2>GradScaler</h2><p><b>Pattern: {e(sc.pattern)}.</b> {t(sc.explanation)}</p><ul>",
              f"<li>scale: init {e(scale(sc.init_scale))}, final {e(scale(sc.final_scale))}, min {e(scale(sc.min_scale))}, "
              f"max {e(scale(sc.max_scale))}</li>",
              f"<li>skipped steps ({len(sc.skips)}): {e(steps([x.step for x in sc.skips]))}; why: {e(why)}</li>",
-             f"<li>calibration skips: {sc.calibration_skips}</li></ul>"]
+             f"<li>calibration skips: {e(common.calibration_line(sc))}</li></ul>"]
     stage = common.scaled_stage(report)
     if stage is not None:
         parts.append(_folded(["steps", "scale", "skipped"], [[e(c) for c in r] for r in _scale_runs(stage, common.step0(report))], "scale runs", {1, 2}))
@@ -154,22 +164,22 @@ def _findings(report: Report) -> str:
     other = [f for f in common.listed(report) if f.severity != "error"]
     told = common.history(report)
     if told is not None:  # the lookback ring's story of the steps before the failure
-        out.append("<h2>Before the failure</h2><p><b>" + e(told.title) + "</b></p><ul>"
-                   + "".join(f"<li>{e(x)}</li>" for x in told.evidence.get("lines", [])) + "</ul>")
+        out.append("<h2>Before the failure</h2><p><b>" + t(told.title) + "</b></p><ul>"
+                   + "".join(f"<li>{t(x)}</li>" for x in told.evidence.get("lines", [])) + "</ul>")
     if errors:
         items = []
         for f in errors:
-            ev = (f"<br><span class=\"muted\">evidence: {e(' '.join(words.evidence(f.evidence, f.module)))}</span>"
+            ev = (f"<br><span class=\"muted\">evidence: {t(' '.join(words.evidence(f.evidence, f.module)))}</span>"
                   if f.evidence else "")
-            fx = f"<br>fix: {e(f.fix)}" if f.fix else ""
-            items.append(f"<li><b>{e(f.title)}</b>{ev}{fx}</li>")
+            fx = f"<br>fix: {t(f.fix)}" if f.fix else ""
+            items.append(f"<li><b>{t(f.title)}</b>{ev}{fx}</li>")
         out.append("<h2>Evidence</h2><ul>" + "".join(items) + "</ul>")
     if other:
         out.append("<h2>Warnings</h2><ul>" + "".join(
-            f"<li><b>{e(f.severity)}</b> <code>{e(f.code)}</code>: {e(f.title)}{(' — ' + e(f.fix)) if f.fix else ''}</li>"
+            f"<li><b>{e(f.severity)}</b> <code>{e(f.code)}</code>: {t(f.title)}{(' — ' + t(f.fix)) if f.fix else ''}</li>"
             for f in other) + "</ul>")
     if report.notes:
-        out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report.notes) + "</ul>")
+        out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{t(n)}</li>" for n in report.notes) + "</ul>")
     return "".join(out)
 
 
@@ -214,10 +224,10 @@ def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing
     title = f"ampdoctor: {common.CAUSE_TITLES.get(v.cause, v.cause)}" + (f" in {common.spec_name(report)}" if common.spec_name(report) else "")
     fixes = ""
     if report.fixes:
-        fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{e(f)}</li>" for f in report.fixes) + "</ol>"
+        fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{t(f)}</li>" for f in report.fixes) + "</ol>"
     body = "".join([
         f"<h1>{e(common.CAUSE_TITLES.get(v.cause, v.cause))} <span class=\"muted\">{e(common.spec_name(report))}</span></h1>",
-        f'<p class="muted">{e(words.what_ran(report.tool, report.config, common.ran_steps(report)))}</p>',
+        f'<p class="muted">{t(words.what_ran(report.tool, report.config, common.ran_steps(report)))}</p>',
         _verdict(report), _code(report), fixes,
         _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
         _reproduce(report), _environment(report),

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ampdoctor.render.common import scale
-from ampdoctor.render.html import CSS, _table, e, environment_section, figure, reproduce_section
+from ampdoctor.render.html import CSS, _table, e, environment_section, figure, reproduce_section, t
 from ampdoctor.render.layers_markdown import HEAD, RIGHT, SORT_WORDS, TOP_ROWS, loss_scale_text, row_cells
 from ampdoctor.report.layers_doc import is_bad, risk_order
 
@@ -39,7 +39,7 @@ def _format(fmt: Mapping[str, Any], sort: str, images: Mapping[str, bytes], titl
             missing: str | None) -> str:
     d, rec, rows = fmt["dtype"], fmt["recommendation"], fmt["rows"]
     color = COLORS.get(rec["verdict"], "#cf222e")
-    detail = f" <span class=\"muted\">{e(rec['detail'])}</span>" if rec["detail"] else ""
+    detail = f" <span class=\"muted\">{t(rec['detail'])}</span>" if rec["detail"] else ""
     items, depth = [], 0
     for a in rec["advice"]:  # nested lists for level-1 items
         lv = int(a["level"])
@@ -49,7 +49,7 @@ def _format(fmt: Mapping[str, Any], sort: str, images: Mapping[str, bytes], titl
         while depth > lv:
             items.append("</ul>")
             depth -= 1
-        items.append(f"<li>{e(a['text'])}</li>")
+        items.append(f"<li>{t(a['text'])}</li>")
     items += ["</ul>"] * depth
     advice = f"<ul>{''.join(items)}</ul>" if items else ""
     parts = [f'<h2 id="{e(d)}">{e(d)}</h2>',

@@ -17,7 +17,7 @@ from typing import Any
 
 from ampdoctor.formats import get_format
 from ampdoctor.render.common import scale
-from ampdoctor.render.plots import CULPRIT, _plt, _png
+from ampdoctor.render.plots import CULPRIT, _plt, _png, below_zero_marker, mark_below_zero
 from ampdoctor.report.layers_doc import KIND_LABEL, risk_order
 
 MAX_BARS = 30
@@ -113,15 +113,13 @@ def headroom_figure(fmt: dict[str, Any], n: int = 0) -> bytes | None:
     ax.barh(range(len(rows)), hs, color=colors, edgecolor=["black" if m else "none" for m in mine], linewidth=1.2)
     _row_labels(ax, rows, n)
     ax.axvline(0, color="black", linewidth=1)
-    lo = min(hs)
-    if lo < 0:  # a slightly negative bar must not be a sliver
-        ax.set_xlim(left=min(-2.0, lo * 1.3))
+    marked = mark_below_zero(ax, hs, fontsize=FONT)  # a slightly negative bar: a marker and its value, not a sliver
     scaled = f", gradients x {scale(fmt['grad_scale'])}" if fmt["grad_scale"] != 1.0 else ""
     ax.set_xlabel(f"headroom in binades: log2({fmt['dtype']} max / absmax){scaled}; below 0 overflows", fontsize=FONT)
     more = f" (tightest {len(rows)} of {len(fmt['rows'])})" if len(fmt["rows"]) > len(rows) else ""
     ax.set_title(f"{fmt['dtype']}: headroom per tensor{more}", fontsize=FONT + 1)
     ax.grid(axis="x", alpha=0.3)
-    items = [Patch(color=c, label=lab) for c, lab in _HEADROOM]
+    items: list[Any] = [Patch(color=c, label=lab) for c, lab in _HEADROOM] + ([below_zero_marker()] if marked else [])
     if _mark(ax, rows, culprits):
         items.append(Patch(facecolor="white", edgecolor="black", label="red label, outlined: keep in higher precision"))
     ax.legend(handles=items, fontsize=FONT, loc="upper right", framealpha=0.9)  # beside the shortest bars

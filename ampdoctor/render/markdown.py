@@ -17,6 +17,7 @@ from typing import Any
 from ampdoctor.fmt import command
 from ampdoctor.render.common import (
     CAUSE_TITLES,
+    calibration_line,
     history,
     listed,
     num,
@@ -202,7 +203,7 @@ def _scaler(report: Report) -> list[str]:
              f"- scale: init {scale(sc.init_scale)}, final {scale(sc.final_scale)}, min {scale(sc.min_scale)}, "
              f"max {scale(sc.max_scale)}",
              f"- skipped steps ({len(sc.skips)}): {steps([e.step for e in sc.skips])}; why: {why}",
-             f"- calibration skips (the scale finding its level at the start): {sc.calibration_skips}"]
+             f"- calibration skips (the scale finding its level at the start): {calibration_line(sc)}"]
     stage = scaled_stage(report)
     if stage is not None:
         lines += ["", *folded(["steps", "scale", "skipped"], _scale_runs(stage, step0(report)), "scale runs", {1, 2})]

@@ -228,29 +228,51 @@ def headroom_figure(report: Report) -> bytes | None:
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=1)
     lo = min(h for _, h in rows)
-    if lo < 0:  # a slightly negative bar (the cause) must not be a sliver: room on the left, and its value
-        ax.set_xlim(left=min(-2.0, lo * 1.3))
-        for i, (_, h) in enumerate(rows):
-            if h < 0:
-                ax.annotate(f"{h:.1f}", (h, i), xytext=(-4, 0), textcoords="offset points", ha="right", va="center",
-                            fontsize=8, color="#d62728", fontweight="bold")
+    mark_below_zero(ax, [h for _, h in rows])
     for lab, c in zip(ax.get_yticklabels(), mine, strict=True):
         if c:
             lab.set_color(CULPRIT)
             lab.set_fontweight("bold")
-    _headroom_legend(ax, first=any(mine))
+    _headroom_legend(ax, first=any(mine), marked=lo < 0)
     ax.set_xlabel("headroom in binades: log2(65504 / FP32 absmax); below 0 overflows FP16")
     ax.set_title(TITLES["headroom"])
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
 
 
-def _headroom_legend(ax: Any, first: bool) -> None:
-    """What each bar colour means (and the verdict's own rows), for a headroom chart."""
+def mark_below_zero(ax: Any, hs: list[float], fontsize: float = 8) -> bool:
+    """Bars below 0 (the overflows, the cause) must not be slivers on a long axis: room on the left in proportion to
+    the axis, a marker at each bar's end and its value right of 0, where a negative row has no bar (clear of the
+    row names on the left). Whether there was one."""
+    neg = [(i, h) for i, h in enumerate(hs) if h < 0]
+    if not neg:
+        return False
+    ax.set_xlim(left=min(min(hs) * 1.3, -0.08 * max(max(hs), 1.0)))
+    ax.scatter([h for _, h in neg], [i for i, _ in neg], marker="<", s=60, color="#d62728", edgecolor="black",
+               linewidth=0.8, zorder=3)
+    for i, h in neg:
+        ax.annotate(f"{h:.1f} binades: overflows", (0, i), xytext=(4, 0), textcoords="offset points", ha="left",
+                    va="center", fontsize=fontsize, color="#d62728", fontweight="bold")
+    return True
+
+
+def below_zero_marker() -> Any:
+    """The legend's entry for ``mark_below_zero``'s marker."""
+    from matplotlib.lines import Line2D
+
+    return Line2D([], [], marker="<", linestyle="none", markerfacecolor="#d62728", markeredgecolor="black",
+                  label="end of a bar below 0")
+
+
+def _headroom_legend(ax: Any, first: bool, marked: bool = False) -> None:
+    """What each bar colour means (and the verdict's own rows, the marker of a bar too short to see), for a headroom
+    chart."""
     from matplotlib.patches import Patch
 
-    items = [Patch(color="#d62728", label="below 0: overflows"), Patch(color="#ff7f0e", label="under 2 binades: thin"),
-             Patch(color="#2ca02c", label="2 binades or more")]
+    items: list[Any] = [Patch(color="#d62728", label="below 0: overflows"), Patch(color="#ff7f0e", label="under 2 binades: thin"),
+                        Patch(color="#2ca02c", label="2 binades or more")]
+    if marked:
+        items.append(below_zero_marker())
     if first:
         items.append(Patch(facecolor="white", edgecolor="black", label="red label, outlined: the verdict's module"))
     ax.legend(handles=items, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -277,21 +299,7 @@ def history_figure(report: Report) -> bytes | None:
     steps = [int(x) for x in s["step"]]
     plt = _plt()
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.2), sharex=True)
-    ax = axes[0]
-    hd = ev.get("headroom")
-    if hd:
-        hs = [h if math.isfinite(h) else math.nan for h in _series(hd["binades"])]
-        ax.plot(hd["step"], hs, color=_COLORS["amp"], label=f"{ev.get('layer')}: headroom (binades)")
-        ax.axhline(0, color="#d62728", linewidth=1)
-        cross = ev.get("crossed_step")
-        if isinstance(cross, int):
-            ax.axvline(cross, color="#d62728", linestyle=":", linewidth=1)
-            ax.annotate(f"crossed at step {cross}", (cross, 0), xytext=(-6, 8), textcoords="offset points", ha="right",
-                        fontsize=8, color="#d62728")
-        ax.legend(fontsize=8)
-    ax.set_ylabel("FP16 headroom")
-    ax.grid(alpha=0.3)
-    ax.set_title(TITLES["history"], fontsize=10)
+    _history_headroom(axes[0], ev)
     ax = axes[1]
     loss = _series(s["loss"])
     ax.plot(steps, [x if math.isfinite(x) else math.nan for x in loss], color="#222222", label="loss")
@@ -301,13 +309,17 @@ def history_figure(report: Report) -> bytes | None:
         ax.scatter(bad, [max(fin)] * len(bad), marker="x", color="#d62728", label="non-finite loss", zorder=3)
     ax.set_ylabel("loss")
     g = _series(s["grad_norm"])
+    handles, labels = ax.get_legend_handles_labels()
     if any(math.isfinite(x) and x > 0 for x in g):
         a2 = ax.twinx()
         a2.plot(steps, [x if math.isfinite(x) and x > 0 else math.nan for x in g], color="#ff7f0e", alpha=0.8,
-                label="gradient norm")
+                label="gradient norm (right axis)")
         a2.set_yscale("log")
         a2.set_ylabel("gradient norm (log)")
-    ax.legend(fontsize=8, loc="upper left")
+        more = a2.get_legend_handles_labels()  # every line in the one legend: the twin axis's too
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(handles), frameon=False,
+              borderaxespad=0.1)  # above the panel: off the lines, and clear of the right axis's label
     ax.grid(alpha=0.3)
     ax = axes[2]
     sc = _series(s["scale"])
@@ -325,6 +337,33 @@ def history_figure(report: Report) -> bytes | None:
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def _history_headroom(ax: Any, ev: dict[str, Any]) -> None:
+    """The history's top panel: the culprit's headroom, where it ran out (the label above the plot, off the line it
+    marks); for a ``data`` verdict, the step the batch's NaN/Inf went through and how far every layer stayed from
+    FP16's max."""
+    hd = ev.get("headroom")
+    if hd:
+        hs = [h if math.isfinite(h) else math.nan for h in _series(hd["binades"])]
+        ax.plot(hd["step"], hs, color=_COLORS["amp"], label=f"{ev.get('layer')}: headroom (binades)")
+        ax.axhline(0, color="#d62728", linewidth=1, label="0: FP16's max")
+        ax.legend(fontsize=8, loc="lower left")
+    mark, words = ev.get("crossed_step"), "headroom ran out at step {}"
+    if ev.get("data"):
+        mark, words = ev.get("nonfinite_step"), "non-finite at step {}, with the batch"
+        low = ev.get("least_headroom")
+        if low and not hd:
+            ax.text(0.02, 0.5, f"no layer came near FP16's max: least headroom {low['binades']:.1f} binades ({low['layer']})",
+                    transform=ax.transAxes, fontsize=8, va="center")
+            ax.set_yticks([])
+    if isinstance(mark, int):
+        ax.axvline(mark, color="#d62728", linestyle=":", linewidth=1)
+        ax.annotate(words.format(mark), (mark, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 3),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=8, color="#d62728")
+    ax.set_ylabel("FP16 headroom")
+    ax.grid(alpha=0.3)
+    ax.set_title(TITLES["history"], fontsize=10, pad=14)
 
 
 def figures(report: Report) -> dict[str, bytes]:

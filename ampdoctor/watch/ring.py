@@ -11,7 +11,7 @@ pass of array operations: the same figures, for a sixteenth of the calls.
 Per step (``STEP_COLUMNS``): loss, the global gradient norm, the loss scale used, skipped, the learning
 rate, and the model input's element count and largest |x| (a new sequence length, a spiking batch).
 Per layer on the steps the hooks record (``LAYER_COLUMNS``): the module output's largest finite |x|,
-its headroom in binades below the format's max (0 once it overflowed), its overflow, flush and
+its headroom in binades below the format's max (NaN when it held non-finite values), its overflow, flush and
 non-finite shares, its parameters' gradient norm and update norm, and the smallest of Adam's
 ``exp_avg_sq`` over its parameters. A layer is a module; an output that is also its parent's output
 (the model returning its last layer's output) is counted once, for the innermost module.
@@ -290,7 +290,7 @@ class Ring:
         bad = bad / numel
         with np.errstate(divide="ignore"):
             h = np.where(a > 0, self._log_max - np.log2(np.where(a > 0, a, 1.0)), np.inf)
-        h = np.where(bad > 0, np.minimum(h, 0.0), h)  # it overflowed: no headroom left
+        h = np.where(bad > 0, np.nan, h)  # a non-finite output has no headroom figure: nonfinite_frac says how much
         for col, v in ((_ABSMAX, a), (_HEADROOM, h), (_OVER, over / numel), (_FLUSH, flush / numel), (_NONFIN, bad)):
             self.layers[(*at, col)] = v
 

@@ -906,6 +906,12 @@ def history_title(ev: Mapping[str, Any]) -> str:
     """The story finding's title: the culprit's headroom over the kept steps, and where it crossed."""
     kept = f"the last {ev['steps_kept']} steps ({ev['first_step']}-{ev['fail_step']})"
     layer = ev.get("layer")
+    if ev.get("data"):  # the batch's own NaN/Inf went through: no headroom ran out, and the title says so
+        low, bad = ev.get("least_headroom"), ev.get("nonfinite_step")
+        said = ([f"no layer came near FP16's max (least headroom {fixed(float(low['binades']), 1)} binade(s), "
+                 f"{low['layer']})"] if low else []) + ([f"the values went non-finite at step {bad} with the batch, "
+                                                         "not by an overflow"] if bad is not None else [])
+        return f"Before the failure, over {kept}: " + ("; ".join(said) if said else "kept by the lookback ring")
     if not layer:
         return f"Before the failure: {kept} kept by the lookback ring"
     h0, h1 = ev.get("headroom_first", math.nan), ev.get("headroom_last", math.nan)
