@@ -130,7 +130,7 @@ def _growing(tmp: Path, nan_at: int | None, steps: int = 60, **kw: object) -> tu
 
 
 def test_plain_loop_defaults_back_offs_do_not_take_the_capture_and_the_nan_batch_is_captured(tmp_path: Path) -> None:
-    mon, recs = _growing(tmp_path, 40, capture=tmp_path / "cap")
+    mon, recs = _growing(tmp_path, 40, steps=41, capture=tmp_path / "cap")
     backoffs = [r.step for r in recs if r.skipped and r.step < 40 and r.step > 0 and r.scaler_scale < 2.0**16]
     established = [r.step for r in recs if r.skipped and any(not q.skipped and q.step < r.step for q in recs)]
     assert len([s for s in established if s < 40]) >= 2, backoffs  # two or more ordinary back-offs before step 40
@@ -178,6 +178,7 @@ def _persistent(folder: Path, steps: int = 40, at: int = 30) -> tuple[Monitor, l
     return mon, recs
 
 
+@pytest.mark.slow
 def test_a_persistent_overflow_is_reported_at_its_first_skip_and_replays_from_it(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
