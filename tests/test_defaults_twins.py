@@ -26,11 +26,12 @@ TWINS = [
      {"how": "step"}),
     ("tests.test_capture_accumulated", "test_an_accumulated_step_is_captured_with_its_micro_batches_and_replays",
      {"how": "backward"}),
-    ("tests.test_ring", "test_a_loss_spike_is_captured_and_names_the_layers_whose_updates_spiked_first", {}),
+    pytest.param("tests.test_ring", "test_a_loss_spike_is_captured_and_names_the_layers_whose_updates_spiked_first", {},
+                 marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("module", "name", "kw"), TWINS, ids=[f"{n}[{k}]" if k else n for _, n, k in TWINS])
+@pytest.mark.parametrize(("module", "name", "kw"), TWINS)
 def test_twin_with_gradscaler_untouched(module: str, name: str, kw: dict[str, Any], tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     test = getattr(importlib.import_module(module), name)

@@ -174,3 +174,35 @@ def test_trainer_defaults_fused_adamw(tmp_path: Path) -> None:
     v = _triage(tmp_path, tmp_path / "cap", BERT_SPEC)
     assert (v["cause"], v["first_step"]) == ("data", 25), v
     assert "labels" in str(v["summary"])
+
+
+def test_accelerate_defaults_a_persistent_overflow_is_reported_at_its_first_skip(tmp_path: Path) -> None:
+    # a summed-token loss: 2000 tokens a step, then 16000 from step 30: the unscaled gradients leave FP16 there
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ampdoctor.integrations.accelerate import watch
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    acc.scaler = torch.amp.GradScaler("cpu")
+    acc.native_amp = True
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-12)
+    model, opt = acc.prepare(model, opt)
+    mon = watch(acc, model, opt, log=tmp_path / "steps.csv", capture=tmp_path / "cap", quiet=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(36):
+        n = 2000 if step < 30 else 16000
+        x, y = torch.rand(n, 8, generator=g), torch.full((n, 1), 4.0)
+        acc.backward(nn.functional.mse_loss(model(x).float(), y, reduction="sum"))
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    log = read_step_log(tmp_path / "steps.csv").frame.set_index("step")
+    assert bool(log.loc[30, "skipped"]) and bool(log.loc[31, "skipped"]) and not bool(log.loc[29, "skipped"])
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert (m["first_skip"], m["snapshot_step"], m["batch_steps"][0], m["reason"]) == (30, 30, 30, "nonfinite_grad")
+    assert mon.first_failure == (30, "nonfinite_grad")  # type: ignore[attr-defined]
