@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ampdoctor.notify import say
+
 FIGURES_DOC = "figures: add the Monitor's figures (ampdoctor/headroom_min, scale, skips, steps_to_overflow) to the framework's logs"
 
 
@@ -32,7 +34,12 @@ def _handler(callback: Any) -> Any:
 def trainer_logs_first(callback: Any) -> None:
     """Call from the callback's ``on_train_begin``: our ``on_log`` first in the Trainer's callbacks (once)."""
     handler = _handler(callback)
-    if handler is None or any(getattr(c, "_ampdoctor_of", None) is callback for c in handler.callbacks):
+    if handler is None:  # a Trainer that calls its callbacks otherwise: said once, the run goes on without figures
+        say("ampdoctor: figures=True: the Trainer's callback list was not found from on_train_begin; the figures are "
+            "not added to its logs (pass Monitor(on_record=...) through AmpDoctorCallback instead)",
+            quiet=bool(callback.monitor_kwargs.get("quiet")))
+        return
+    if any(getattr(c, "_ampdoctor_of", None) is callback for c in handler.callbacks):
         return
     base = next(c for c in type(callback).__mro__ if c.__name__ == "TrainerCallback")
 
