@@ -136,6 +136,8 @@ def test_a_shape_the_machine_cannot_hold_is_refused_with_what_it_takes_and_what_
                                    "piece of shape [3, 4] runs past the shape [3, 4] in dimension 0 (2 + 3 > 3)")),
     ("offset of another rank", ("weight", "4 of 12 elements are in no rank's piece", "shards.model['weight']")),
     ("flat past the end", ("bias", "cap.rank1/manifest.json field shards.model['bias'].flat is 2")),
+    ("piece missing from state.pt", ("weight: cap.rank1's state file has no piece of it",
+                                     "field shards.model names it")),
 ])
 def test_a_damaged_sharded_capture_names_the_tensor_the_file_and_the_field(tmp_path: Path, case: str,
                                                                              words: tuple[str, ...]) -> None:
@@ -148,6 +150,10 @@ def test_a_damaged_sharded_capture_names_the_tensor_the_file_and_the_field(tmp_p
     elif case == "piece altered in state.pt":
         st = torch.load(r1 / "state.pt", weights_only=True)
         st["model"]["weight"] = torch.zeros(3, 4)
+        torch.save(st, r1 / "state.pt")
+    elif case == "piece missing from state.pt":
+        st = torch.load(r1 / "state.pt", weights_only=True)
+        del st["model"]["weight"]
         torch.save(st, r1 / "state.pt")
     elif case == "offset of another rank":
         _edit(r1, lambda m: m["shards"]["model"]["weight"].update(offset=[1, 0]))
