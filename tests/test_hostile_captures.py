@@ -292,6 +292,23 @@ def _whole_capture(folder: Path, model: nn.Module, identity: dict[str, Any]) -> 
     return folder
 
 
+def test_the_recorded_model_is_counted_on_the_meta_device_against_the_weights() -> None:
+    transformers = pytest.importorskip("transformers")
+    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.errors import SpecError
+    from ampdoctor.input import rebuild
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16,
+                                                                 n_positions=8))
+    held = sum(t.numel() for t in model.state_dict().values())
+    ident = model_identity(model)
+    rebuild.check_size(rebuild.from_identity(ident, "cap"), held, "cap")  # the run's own config: built as recorded
+    ident["transformers_config"].update(n_embd=16384, n_layer=48, vocab_size=50257)
+    with pytest.raises(SpecError, match=rf"that model has [\d,]+ parameters, and the capture's weights hold {held:,}"):
+        rebuild.check_size(rebuild.from_identity(ident, "cap"), held, "cap")
+
+
+@pytest.mark.slow
 def test_a_recorded_config_edited_to_a_huge_model_is_refused_before_it_is_built(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from ampdoctor.engine.capture import model_identity
