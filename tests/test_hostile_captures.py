@@ -136,6 +136,8 @@ def test_a_shape_the_machine_cannot_hold_is_refused_with_what_it_takes_and_what_
                                    "piece of shape [3, 4] runs past the shape [3, 4] in dimension 0 (2 + 3 > 3)")),
     ("offset of another rank", ("weight", "4 of 12 elements are in no rank's piece", "shards.model['weight']")),
     ("flat past the end", ("bias", "cap.rank1/manifest.json field shards.model['bias'].flat is 2")),
+    ("piece missing from state.pt", ("weight: cap.rank1's state file has no piece of it",
+                                     "field shards.model names it")),
 ])
 def test_a_damaged_sharded_capture_names_the_tensor_the_file_and_the_field(tmp_path: Path, case: str,
                                                                              words: tuple[str, ...]) -> None:
@@ -148,6 +150,10 @@ def test_a_damaged_sharded_capture_names_the_tensor_the_file_and_the_field(tmp_p
     elif case == "piece altered in state.pt":
         st = torch.load(r1 / "state.pt", weights_only=True)
         st["model"]["weight"] = torch.zeros(3, 4)
+        torch.save(st, r1 / "state.pt")
+    elif case == "piece missing from state.pt":
+        st = torch.load(r1 / "state.pt", weights_only=True)
+        del st["model"]["weight"]
         torch.save(st, r1 / "state.pt")
     elif case == "offset of another rank":
         _edit(r1, lambda m: m["shards"]["model"]["weight"].update(offset=[1, 0]))
@@ -286,6 +292,23 @@ def _whole_capture(folder: Path, model: nn.Module, identity: dict[str, Any]) -> 
     return folder
 
 
+def test_the_recorded_model_is_counted_on_the_meta_device_against_the_weights() -> None:
+    transformers = pytest.importorskip("transformers")
+    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.errors import SpecError
+    from ampdoctor.input import rebuild
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16,
+                                                                 n_positions=8))
+    held = sum(t.numel() for t in model.state_dict().values())
+    ident = model_identity(model)
+    rebuild.check_size(rebuild.from_identity(ident, "cap"), held, "cap")  # the run's own config: built as recorded
+    ident["transformers_config"].update(n_embd=16384, n_layer=48, vocab_size=50257)
+    with pytest.raises(SpecError, match=rf"that model has [\d,]+ parameters, and the capture's weights hold {held:,}"):
+        rebuild.check_size(rebuild.from_identity(ident, "cap"), held, "cap")
+
+
+@pytest.mark.slow
 def test_a_recorded_config_edited_to_a_huge_model_is_refused_before_it_is_built(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from ampdoctor.engine.capture import model_identity

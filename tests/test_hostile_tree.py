@@ -28,9 +28,16 @@ BAD = ("import torch\nfrom torch import nn\n\nmodel = nn.Linear(8, 1).cuda().hal
 """AMP005 (Adam on FP16 parameters) at line 5: a file with a finding beside the hostile one."""
 
 
-def _lint(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _lint(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ampdoctor lint ARGS`` in this process (the click runner), as a finished process."""
+    r = runner.invoke(app, ["lint", *args])
+    return subprocess.CompletedProcess(["ampdoctor", "lint", *args], r.exit_code, r.stdout, r.stderr)
+
+
+def _lint_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """The same in a process of its own, ended after 120 s (a read that waits for ever fails the test)."""
     return subprocess.run([sys.executable, "-m", "ampdoctor", "lint", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd or ROOT)
+                          timeout=120, cwd=ROOT)
 
 
 # 4. lint survives any text and any tree -----------------------------------------------------------------------
@@ -53,9 +60,9 @@ def test_a_file_nested_too_deep_is_skipped_with_a_note_and_the_others_checked(tm
 def test_a_named_pipe_called_py_is_never_opened(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "pipe.py")
     (tmp_path / "ok.py").write_text("x = 1\n")
-    r = _lint(str(tmp_path))  # would wait for a writer for ever (timeout=120 above)
+    r = _lint_process(str(tmp_path))  # would wait for a writer for ever
     assert r.returncode == 0 and "1 file checked" in r.stdout, r.stdout + r.stderr
-    r = _lint(str(tmp_path / "pipe.py"))
+    r = _lint_process(str(tmp_path / "pipe.py"))
     assert r.returncode == 2 and "pipe.py: not a regular file" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -220,7 +220,9 @@ def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
             pieces = []
             for c, (lay, _) in zip(caps, layouts, strict=True):
                 if n not in c.model or n not in lay:
-                    raise ValueError(f"{n}: rank {c.manifest.get('rank')}'s capture has no piece of it")
+                    where = "state file" if n not in c.model else f"{MANIFEST} field shards.model"
+                    raise ValueError(f"{n}: {c.path.name}'s {where} has no piece of it (rank "
+                                     f"{caps[lead].manifest.get('rank')}'s field shards.model names it)")
                 pieces.append((c.model[n], lay[n]))
             model[n] = assemble(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
         optimizer = _optimizer(caps, layouts)
@@ -264,7 +266,8 @@ def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[st
     for idx in keys:
         name = params[idx] if idx < len(params) else None
         if name is None or name not in layouts[0][0]:
-            raise ValueError(f"optimizer state entry {idx} names no parameter of the capture")
+            raise ValueError(f"optimizer state entry {idx}: field shards.optimizer_params of {caps[0].path.name}/{MANIFEST} "
+                             "names no parameter of the model for it")
         have = [(r, _entry(s, idx)) for r, s in enumerate(states) if _entry(s, idx) is not None]
         entry: dict[str, Any] = {}
         for k, v in have[0][1].items():  # type: ignore[union-attr]
