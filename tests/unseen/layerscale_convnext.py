@@ -52,8 +52,8 @@ def build_dataloader():
     protos = torch.randn(5, 3, 16, 16, generator=g)
     out = []
     for _ in range(8):
-        y = torch.randint(0, 5, (32,), generator=g)
-        out.append((protos[y] + 0.5 * torch.randn(32, 3, 16, 16, generator=g), y))
+        y = torch.randint(0, 5, (16,), generator=g)
+        out.append((protos[y] + 0.5 * torch.randn(16, 3, 16, 16, generator=g), y))
     return out
 
 
