@@ -177,3 +177,28 @@ def test_ddp_ranks_overflowing_in_their_own_forward_at_one_step_are_said_togethe
     assert len(lines) == 1, r.stderr[-4000:]  # one message, from one rank
     assert "went first" not in lines[0] and "ranks 0 and 1 went non-finite at this step each on its own" in lines[0]
     assert "0: forward in 0" in lines[0] and "1: forward in 0" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_trainer_ddp_a_nan_label_on_one_rank_is_its_labels_not_a_module(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from ampdoctor.engine.ranks import parse_column
+    from ampdoctor.watch.steplog import read_step_log
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "assets" / "trainer_ddp_label.py"), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    firsts = set()
+    for rank in (0, 1):
+        f = read_step_log(out / f"steps.rank{rank}.csv").frame
+        bad = f[f["ranks"].fillna("").astype(str) != ""]
+        local = [t for t in parse_column(str(bad["ranks"].iloc[0])) if t[1] != "grad"]
+        assert len(local) == 1 and local[0][1:] == ("input", LABELS), local  # no module read the labels
+        firsts.add((int(bad["step"].iloc[0]), local[0][0]))
+    assert len(firsts) == 1
+    (step, rank), = firsts
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith(f"ampdoctor: step {step} failed")]
+    assert len(said) == 1 and f"rank {rank} went first (input: the batch's labels (the loss))" in said[0], r.stderr[-3000:]
