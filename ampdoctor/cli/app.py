@@ -97,7 +97,7 @@ def triage(
     attn_implementation: Annotated[Optional[str], typer.Option("--attn-implementation", help="With --checkpoint and no build_model(): the attention the run's transformers model used (eager, sdpa, ...); a Trainer's config.json does not record it. [default: transformers' default]")] = None,
     script: Annotated[Optional[Path], typer.Option("--script", help="Your training script: `ampdoctor lint` checks it with the spec, and the report shows what it finds next to the verdict.")] = None,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="With --from a sharded capture: replay the ranks' shards on this many CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism), instead of reassembling them on one process.")] = None,
-    allow_import_outside: Annotated[bool, typer.Option("--allow-import-outside", help="With --from and no build_model(): rebuild the capture's model even where that needs more than importing its class from your code here (a folder outside this one on the import path). Only for a capture you trust.")] = False,
+    import_outside: Annotated[bool, typer.Option("--import-outside", help="With --from and no build_model(): rebuild the capture's model even where that needs more than importing its class from your code here (a folder outside this one on the import path). Only for a capture you trust.")] = False,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
@@ -121,7 +121,7 @@ def triage(
                 report, run = run_triage(sp, cfg, names=names, progress=progress, argv=["ampdoctor", *sys.argv[1:]],
                                          log_path=log, from_capture=from_capture, checkpoint=checkpoint,
                                          skip_batches=skip_batches, script=script, attn_implementation=attn_implementation,
-                                         allow_import_outside=allow_import_outside)
+                                         import_outside=import_outside)
             if ranks is not None:
                 ranks.apply(report)
             written = _write_outputs(report, run, report_path, dump_dir)

@@ -13,7 +13,7 @@ run that script, so the folder is not there. At capture time (``record``, no use
 
 At replay (``import_folder``, ``init_kwargs``): the recorded folder goes first on ``sys.path`` as the run had it,
 only when it is this folder or one inside it and not inside the capture (a capture's own files never run);
-anything else asks for ``--allow-import-outside``. The arguments are parsed with ``ast.literal_eval`` (values, never
+anything else asks for ``--import-outside``. The arguments are parsed with ``ast.literal_eval`` (values, never
 code).
 """
 
@@ -34,7 +34,7 @@ from ampdoctor.errors import SpecError
 
 MAX_LITERAL = 2000
 """The longest constructor argument a capture may hold (characters of its literal)."""
-OUTSIDE_FLAG = "--allow-import-outside"
+OUTSIDE_FLAG = "--import-outside"
 
 
 def _installed(path: Path) -> bool:
@@ -185,7 +185,7 @@ def _inside(path: Path, folder: Path) -> bool:
 def import_folder(identity: Mapping[str, Any], where: str, capture: Path | None, trust: bool) -> str:
     """Put the folder the run imported its model class from first on ``sys.path``, as the run had it; returns
     what the report says of it ('' when nothing was added). One line (``SpecError``) for a folder outside this
-    one without ``--allow-import-outside``, and for one inside the capture (never)."""
+    one without ``--import-outside``, and for one inside the capture (never)."""
     root = identity.get("import_root")
     file = identity.get("module_file")
     if not (isinstance(root, str) and isinstance(file, str)):
