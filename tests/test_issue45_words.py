@@ -269,3 +269,38 @@ def test_fsdp2_bf16_after_an_applied_nan_update_a_finite_batch_is_no_input(tmp_p
     for step in range(4, 7):  # every weight NaN now; both ranks' batches finite
         seen = parse_column(str(f.loc[step, "ranks"]))
         assert seen and all(kind != "input" for _, kind, _ in seen), (step, seen)
+
+
+def test_a_monitor_forecast_of_a_growing_block_fc2_names_it_not_the_model() -> None:
+    """late_growth's climb inside ``block.fc2``, the model returning it through its own code (``* 1.0``: the root's
+    output, a tensor of the same values and trend): the forecast warning names block.fc2."""
+    import warnings
+    from collections import OrderedDict
+
+    from ampdoctor.engine.ring import ForecastWarning
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(OrderedDict(fc1=nn.Linear(16, 64), act=nn.ReLU(), fc2=nn.Linear(64, 4)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x) * 1.0
+
+    torch.manual_seed(0)
+    model = Root()
+    model.block.fc1.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    g = torch.Generator().manual_seed(2)
+    data = [(16.0 * torch.randn(16, 16, generator=g), torch.ones(16, 4)) for _ in range(32)]
+    with warnings.catch_warnings(record=True) as seen, Monitor(model, opt, torch.amp.GradScaler("cpu")) as mon:
+        warnings.simplefilter("always")
+        for step in range(200):
+            x, y = data[step % len(data)]
+            with mon.autocast():
+                loss = (model(x).float() / 1e5 - y).pow(2).mean()
+            mon.step(loss, batch=(x, y))
+    fc = mon.lookback.warned if mon.lookback is not None else None
+    assert fc is not None and fc.layer == "block.fc2", fc
+    said = [str(w.message) for w in seen if issubclass(w.category, ForecastWarning)]
+    assert len(said) == 1 and "block.fc2" in said[0] and MODEL not in said[0]
