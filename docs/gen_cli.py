@@ -41,6 +41,7 @@ The help above is one line an option, at 80 columns; what each one does in full:
 | `--skip-batches N` | skip N batches of `build_dataloader()` first: where the run was when it saved the checkpoint |
 | `--attn-implementation NAME` | with `--checkpoint` and no `build_model()`: the attention the run's transformers model used (`eager`, `sdpa`, ...); a Trainer's `config.json` does not record it |
 | `--nproc N` | with `--from` a sharded capture: replay the ranks' shards on N CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism) instead of reassembling them on one ([scale-out.md](scale-out.md)) |
+| `--import-outside` | with `--from` and no `build_model()`: rebuild the capture's model even where that needs a folder outside this one on the import path; only for a capture you trust ([long-runs.md](long-runs.md)) |
 | `--json PATH` | the whole report as JSON; `-`: to stdout, and the rest of the output to stderr ([report-format.md](report-format.md)) |
 | `--report PATH` | a report to attach to a ticket: `.md` (PNG plots beside it), `.json` or `.html`; repeat it for several |
 | `--log PATH` | the target stage's per-step CSV (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale), for `ampdoctor scaler` |
@@ -57,7 +58,7 @@ first), `order` (forward order), `module`, or a column such as `overflow_frac` o
 def generate() -> str:
     runner = CliRunner()
     parts = ["# Command-line reference", "", "Generated from `--help` by `python docs/gen_cli.py`; do not edit by hand.", ""]
-    for args in ([], ["triage"], ["layers"], ["scaler"], ["lint"], ["build-kernel"], ["doctor"]):
+    for args in ([], ["triage"], ["layers"], ["scaler"], ["lint"], ["check"], ["build-kernel"], ["doctor"]):
         res = runner.invoke(app, [*args, "--help"], prog_name="ampdoctor", env={"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"})
         title = "ampdoctor " + " ".join(args) if args else "ampdoctor"
         text = "\n".join(line.rstrip() for line in res.output.strip("\n").splitlines())

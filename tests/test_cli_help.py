@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
 
-COMMANDS = [[], ["triage"], ["layers"], ["scaler"], ["lint"], ["build-kernel"], ["doctor"]]
+COMMANDS = [[], ["triage"], ["layers"], ["scaler"], ["lint"], ["check"], ["build-kernel"], ["doctor"]]
 runner = CliRunner()
 
 

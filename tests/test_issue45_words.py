@@ -177,3 +177,130 @@ def test_ddp_ranks_overflowing_in_their_own_forward_at_one_step_are_said_togethe
     assert len(lines) == 1, r.stderr[-4000:]  # one message, from one rank
     assert "went first" not in lines[0] and "ranks 0 and 1 went non-finite at this step each on its own" in lines[0]
     assert "0: forward in 0" in lines[0] and "1: forward in 0" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_trainer_ddp_a_nan_label_on_one_rank_is_its_labels_not_a_module(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from ampdoctor.engine.ranks import parse_column
+    from ampdoctor.watch.steplog import read_step_log
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "assets" / "trainer_ddp_label.py"), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    firsts = set()
+    for rank in (0, 1):
+        f = read_step_log(out / f"steps.rank{rank}.csv").frame
+        bad = f[f["ranks"].fillna("").astype(str) != ""]
+        local = [t for t in parse_column(str(bad["ranks"].iloc[0])) if t[1] != "grad"]
+        assert len(local) == 1 and local[0][1:] == ("input", LABELS), local  # no module read the labels
+        firsts.add((int(bad["step"].iloc[0]), local[0][0]))
+    assert len(firsts) == 1
+    (step, rank), = firsts
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith(f"ampdoctor: step {step} failed")]
+    assert len(said) == 1 and f"rank {rank} went first (input: the batch's labels (the loss))" in said[0], r.stderr[-3000:]
+
+
+FSDP2_APPLIED = '''
+import os, sys, torch, torch.distributed as dist
+from pathlib import Path
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from ampdoctor import Monitor
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.head = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(self.act(self.fc1(x)))))  # tanh: the model's own code
+
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = Net()
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for sub in (model.fc1, model.fc2, model.head):
+    fully_shard(sub, mp_policy=mp)
+fully_shard(model, mp_policy=mp)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+out = Path(sys.argv[1])
+g = torch.Generator().manual_seed(rank)
+with Monitor(model, opt, None, log=out / "steps.csv", amp_dtype=torch.bfloat16, quiet=True) as mon:
+    for step in range(7):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        if rank == 1 and step == 3:
+            x[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        mon.after_backward(loss, batch=(x, y))
+        opt.step()  # applied: the NaN update reaches every rank's weights
+        mon.after_step()
+        opt.zero_grad(set_to_none=True)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_fsdp2_bf16_after_an_applied_nan_update_a_finite_batch_is_no_input(tmp_path: Path) -> None:
+    from ampdoctor.engine.ranks import parse_column
+    from ampdoctor.watch.steplog import read_step_log
+
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_APPLIED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    f = read_step_log(tmp_path / "steps.rank0.csv").frame.set_index("step")
+    at3 = [t for t in parse_column(str(f.loc[3, "ranks"])) if t[1] != "grad"]
+    assert at3 == [(1, "input", "fc1")], at3  # rank 1's own batch, read first by fc1
+    for step in range(4, 7):  # every weight NaN now; both ranks' batches finite
+        seen = parse_column(str(f.loc[step, "ranks"]))
+        assert seen and all(kind != "input" for _, kind, _ in seen), (step, seen)
+
+
+def test_a_monitor_forecast_of_a_growing_block_fc2_names_it_not_the_model() -> None:
+    """late_growth's climb inside ``block.fc2``, the model returning it through its own code (``* 1.0``: the root's
+    output, a tensor of the same values and trend): the forecast warning names block.fc2."""
+    import warnings
+    from collections import OrderedDict
+
+    from ampdoctor.engine.ring import ForecastWarning
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(OrderedDict(fc1=nn.Linear(16, 64), act=nn.ReLU(), fc2=nn.Linear(64, 4)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x) * 1.0
+
+    torch.manual_seed(0)
+    model = Root()
+    model.block.fc1.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    g = torch.Generator().manual_seed(2)
+    data = [(16.0 * torch.randn(16, 16, generator=g), torch.ones(16, 4)) for _ in range(32)]
+    with warnings.catch_warnings(record=True) as seen, Monitor(model, opt, torch.amp.GradScaler("cpu")) as mon:
+        warnings.simplefilter("always")
+        for step in range(200):
+            x, y = data[step % len(data)]
+            with mon.autocast():
+                loss = (model(x).float() / 1e5 - y).pow(2).mean()
+            mon.step(loss, batch=(x, y))
+    fc = mon.lookback.warned if mon.lookback is not None else None
+    assert fc is not None and fc.layer == "block.fc2", fc
+    said = [str(w.message) for w in seen if issubclass(w.category, ForecastWarning)]
+    assert len(said) == 1 and "block.fc2" in said[0] and MODEL not in said[0]

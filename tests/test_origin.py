@@ -68,7 +68,7 @@ def test_the_folder_goes_on_the_import_path_only_from_here(tmp_path: Path, monke
     assert origin.import_folder(ident, "cap", here / "cap", False) == "m.py in this folder, changed since the capture"
     assert sys.path[0] == str(here.resolve())
     assert origin.import_folder({**ident, "import_root": "elsewhere"}, "cap", here / "cap", False) == ""  # not here
-    with pytest.raises(SpecError, match="--trust-capture"):
+    with pytest.raises(SpecError, match="--import-outside"):
         origin.import_folder({**ident, "import_root": ".."}, "cap", here / "cap", False)
     assert origin.import_folder({**ident, "import_root": ".."}, "cap", here / "cap", True).startswith("m.py in ../")
     with pytest.raises(SpecError, match="never runs a capture's own files"):

@@ -170,7 +170,7 @@ def test_a_capture_never_runs_its_own_files(net_run: Path, tmp_path: Path) -> No
 
 
 def test_a_folder_outside_this_one_asks_for_trust(net_run: Path, tmp_path: Path) -> None:
-    """A capture whose class came from a folder outside the one triage runs in needs --trust-capture to put it on
+    """A capture whose class came from a folder outside the one triage runs in needs --import-outside to put it on
     the import path."""
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "mymodel.py").write_text(NET)
@@ -181,8 +181,8 @@ def test_a_folder_outside_this_one_asks_for_trust(net_run: Path, tmp_path: Path)
     m["model_identity"]["import_root"] = "../code"
     mf.write_text(json.dumps(m))
     r = _triage(here, "--from", "cap", "-q")
-    assert r.returncode == 2 and "outside this folder" in r.stderr and "--trust-capture" in r.stderr, r.stderr[-1500:]
-    r = _triage(here, "--from", "cap", "--trust-capture", "--json", "-", "-q")
+    assert r.returncode == 2 and "outside this folder" in r.stderr and "--import-outside" in r.stderr, r.stderr[-1500:]
+    r = _triage(here, "--from", "cap", "--import-outside", "--json", "-", "-q")
     assert r.returncode == 1 and json.loads(r.stdout)["verdict"]["first_step"] == 20, r.stderr[-1500:]
 
 

@@ -100,7 +100,7 @@ def triage(
     dump_dir: Annotated[Optional[Path], typer.Option("--dump-dir", metavar="DIR", help="Save the failing batch, weights and a repro script.", rich_help_panel=OUTPUT)] = None,
     force: Force = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict line.", rich_help_panel=OUTPUT)] = False,
-    trust_capture: Annotated[bool, typer.Option("--trust-capture", help="With --from: rebuild a model that needs more than your code here.", rich_help_panel=REPLAY)] = False,
+    import_outside: Annotated[bool, typer.Option("--import-outside", help="With --from: import a model from outside this folder.", rich_help_panel=REPLAY)] = False,
 ) -> None:
     """Replay your batches through FP32, raw FP16 and AMP and say where the NaN/Inf comes from."""
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
@@ -124,7 +124,7 @@ def triage(
                 report, run = run_triage(sp, cfg, names=names, progress=progress, argv=["ampdoctor", *sys.argv[1:]],
                                          log_path=log, from_capture=from_capture, checkpoint=checkpoint,
                                          skip_batches=skip_batches, script=script, attn_implementation=attn_implementation,
-                                         trust_capture=trust_capture)
+                                         import_outside=import_outside)
             if ranks is not None:
                 ranks.apply(report)
             written = _write_outputs(report, run, report_path, dump_dir)

@@ -19,9 +19,9 @@ def check(
     paths: Annotated[list[Path], typer.Argument(
         metavar="PATH...", help="Checkpoints: torch.save files, .safetensors, Lightning .ckpt, Trainer checkpoint-N/ "
                                 "folders, torch.distributed.checkpoint folders, or a run folder holding checkpoint-N/.")],
-    target: Annotated[str, typer.Option(help="The format the weights must fit: fp16 | bf16 | fp8 (E4M3).")] = "fp16",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON to this path ('-': stdout).")] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing --json file.")] = False,
+    target: Annotated[str, typer.Option(metavar="FORMAT", help="The format the weights must fit: fp16, bf16, fp8.")] = "fp16",
+    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Write the result as JSON ('-': stdout).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --json file.")] = False,
 ) -> None:
     """Which checkpoints hold NaN/Inf, broken Adam moments or a collapsed GradScaler; the last good one.
 

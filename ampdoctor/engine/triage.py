@@ -227,7 +227,7 @@ def triage(
     skip_batches: int = 0,
     script: str | Path | None = None,
     attn_implementation: str | None = None,
-    trust_capture: bool = False,
+    import_outside: bool = False,
 ) -> tuple[Report, Run]:
     """Run every stage of ``config`` on the spec file and diagnose. Raises AmpDoctorError on bad input.
 
@@ -242,7 +242,7 @@ def triage(
     the dataloader's batches after ``skip_batches``; steps are numbered from the checkpoint's step.
     ``attn_implementation``: the attention a transformers model rebuilt from a checkpoint's config.json runs
     (config.json does not record the run's).
-    ``trust_capture``: rebuild a spec-free capture's model even where it needs a folder outside this one on the
+    ``import_outside``: rebuild a spec-free capture's model even where it needs a folder outside this one on the
     import path (``input.origin``).
     ``script``: the training script; ``ampdoctor lint`` checks it and the spec, and the report lists
     what it finds (``report.lint``), the findings that can cause the verdict first.
@@ -260,7 +260,7 @@ def triage(
     start_note = ""
     said: list[str] = []
     if from_capture is not None:
-        spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture, trust_capture)
+        spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture, import_outside)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
         cfg = replace(cfg, steps=len(batches.items), target=target)
         start = cap.start

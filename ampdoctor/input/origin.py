@@ -13,7 +13,7 @@ run that script, so the folder is not there. At capture time (``record``, no use
 
 At replay (``import_folder``, ``init_kwargs``): the recorded folder goes first on ``sys.path`` as the run had it,
 only when it is this folder or one inside it and not inside the capture (a capture's own files never run);
-anything else asks for ``--trust-capture``. The arguments are parsed with ``ast.literal_eval`` (values, never
+anything else asks for ``--import-outside``. The arguments are parsed with ``ast.literal_eval`` (values, never
 code).
 """
 
@@ -34,7 +34,7 @@ from ampdoctor.errors import SpecError
 
 MAX_LITERAL = 2000
 """The longest constructor argument a capture may hold (characters of its literal)."""
-TRUST_FLAG = "--trust-capture"
+OUTSIDE_FLAG = "--import-outside"
 
 
 def _installed(path: Path) -> bool:
@@ -185,7 +185,7 @@ def _inside(path: Path, folder: Path) -> bool:
 def import_folder(identity: Mapping[str, Any], where: str, capture: Path | None, trust: bool) -> str:
     """Put the folder the run imported its model class from first on ``sys.path``, as the run had it; returns
     what the report says of it ('' when nothing was added). One line (``SpecError``) for a folder outside this
-    one without ``--trust-capture``, and for one inside the capture (never)."""
+    one without ``--import-outside``, and for one inside the capture (never)."""
     root = identity.get("import_root")
     file = identity.get("module_file")
     if not (isinstance(root, str) and isinstance(file, str)):
@@ -201,7 +201,7 @@ def import_folder(identity: Mapping[str, Any], where: str, capture: Path | None,
         return ""  # not here: importing says what to do
     if not _inside(folder, here) and not trust:
         raise SpecError(f"{where}: the model class {cls} was imported from {root}, outside this folder; run from the "
-                        f"training script's folder, or give {TRUST_FLAG} to put {root} on the import path")
+                        f"training script's folder, or give {OUTSIDE_FLAG} to put {root} on the import path")
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     digest = identity.get("module_sha256")
@@ -350,4 +350,4 @@ def replay_needs(manifest: Mapping[str, Any]) -> list[str]:
     return needs
 
 
-__all__ = ["TRUST_FLAG", "replay_needs", "call_words", "import_folder", "init_kwargs", "loss_fn_of", "loss_recipe", "record", "refuse_capture_code"]
+__all__ = ["OUTSIDE_FLAG", "replay_needs", "call_words", "import_folder", "init_kwargs", "loss_fn_of", "loss_recipe", "record", "refuse_capture_code"]

@@ -156,7 +156,7 @@ def _transformers(cls: type, config: Mapping[str, Any], attn: str | None, where:
 def from_identity(identity: Mapping[str, Any] | None, where: str, by: str = "the capture", *,
                   capture: Path | None = None, trust: bool = False) -> Rebuilt:
     """The model a capture's ``model_identity`` describes (see the module docstring); ``by``: who recorded it.
-    ``capture``: the capture's folder (none of its files is ever imported); ``trust``: ``--trust-capture``."""
+    ``capture``: the capture's folder (none of its files is ever imported); ``trust``: ``--import-outside``."""
     if not identity or not isinstance(identity.get("class"), str):
         raise SpecError(f"{where}: the capture does not say which model it holds (no model_identity: captured before "
                         f"ampdoctor recorded it); {WRITE_SPEC}")
