@@ -160,7 +160,7 @@ def test_fp16_adam_state_flushes_v(tmp_path: Path) -> None:
     FP16, and v = (1-b2) g^2 below 2^-24 flushes to 0 while m = (1-b1) g does not."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten(), nn.Linear(8, 1)).half()
-    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)  # noqa: AMP005 (the damage this test makes on purpose)
     x = torch.randn(4, 2, 4).half()
     loss = m(x).float().mean() * 1e-2  # gradients of about 1e-3: g^2 (1-b2) ~ 1e-9 < 2^-24
     loss.backward()

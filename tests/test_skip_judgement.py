@@ -345,3 +345,30 @@ def test_a_forced_capture_of_a_back_off_at_an_established_scale_is_triaged_healt
     assert "collapsed" not in r.stdout
     normal = [f for f in rep["findings"] if f["code"] == "scaler_normal"]
     assert normal and normal[0]["evidence"]["phase"] == "backoff"
+
+
+def test_skipping_that_keeps_failing_after_the_capture_is_told_at_the_1st_2nd_4th_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # GradScaler() untouched; NaN losses at step 5 (the first failure), then runs of them at 10, 12, 20, 25, 30-31, 40:
+    # six later runs, told at the 1st, 2nd and 4th, from the 2nd on with the tally since step 5's failure
+    caplog.set_level(logging.WARNING, logger="ampdoctor")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    bad = {5, 10, 12, 20, 25, 30, 31, 40}
+    with Monitor(model, opt, torch.amp.GradScaler("cpu")) as mon:
+        for step in range(45):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if step in bad:
+                x[0, 0] = float("nan")
+            with mon.autocast():
+                loss = nn.functional.mse_loss(model(x), y)
+            mon.step(loss, batch=(x, y))
+    assert mon.first_failure == (5, "nonfinite_loss")
+    lines = [r.getMessage() for r in caplog.records if "in a row" in r.getMessage()]
+    assert [ln.splitlines()[0].split(" skipped")[0] for ln in lines] == ["ampdoctor: step 10", "ampdoctor: step 12",
+                                                                        "ampdoctor: step 25"], caplog.text
+    assert len(lines[0].splitlines()) == 2  # the first: the run and its reason
+    assert lines[1].splitlines()[1] == "  2 runs of skips since step 5's failure: 2 step(s) skipped, scale 65536 -> 8192"
+    assert lines[2].splitlines()[1].startswith("  4 runs of skips since step 5's failure: 4 step(s) skipped")

@@ -85,6 +85,9 @@ class SkipRun:
     reason: str
     why: str
     need: float | None
+    since: tuple[int, int, int, float | None] | None = None
+    """From the second run said on: (the first failure's step, the runs of failing skips judged since, the steps
+    skipped since, the scale at the first failure)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def failure_message(f: Failure) -> str:
 def skip_run_message(r: SkipRun) -> str:
     """'ampdoctor: steps 50-60 skipped (11 in a row); scale 32768 -> 16, 11 binade(s) down' and why, on a second line."""
     why = words.skip_cause(r.why, r.need) or words.skip_run_reason(r.reason)
-    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, why)
+    return words.skip_run(r.first, r.step, r.count, r.scale0, r.scale, why, r.since)
 
 
 def skip_rate_message(s: SkipRate) -> str:

@@ -866,7 +866,7 @@ class Monitor:
         failure = None
         if trig is not None and trig.reason != "skip_rate_alert" and self.first_failure is None:
             self.first_failure = (trig.first if trig.first is not None else rec.step, trig.reason)
-            self._episodes.first_failure(rec.step, fs.run_first if sk else None)
+            self._episodes.first_failure(rec.step, fs.run_first if sk else None, rec.scaler_scale)
             last = self.lookback.last_spike if self.lookback is not None else None
             failure = words.failure_message(alerts.failure_fact(rec, m, trig, last, fs.run_scale))
         if self.capture is not None and not self.capture.done and trig is not None:

@@ -67,27 +67,45 @@ def scaler_before(mon: Monitor, m: Measured) -> dict[str, Any] | None:
 
 
 class Episodes:
-    """The runs of skips after the run's first failure: each one judged a failure is said once."""
+    """The runs of skips after the run's first failure: the 1st, 2nd, 4th, 8th... run judged a failure is said
+    once each, from the 2nd on with the tally since the first failure (a run that keeps failing every few steps
+    is told in a handful of lines, not one a run)."""
 
     def __init__(self) -> None:
         self.said: int | None = None
-        """The first step of the last run of skips already said (the first failure's, or a later one's)."""
+        """The first step of the last run of skips judged (the first failure's, or a later one's)."""
+        self.at: int | None = None
+        """The first failure's step."""
+        self.scale: float | None = None
+        """GradScaler's scale at the first failure."""
+        self.runs = 0
+        """Runs of failing skips judged since the first failure."""
+        self.skipped = 0
+        """Steps skipped since the first failure (any reason)."""
 
-    def first_failure(self, step: int, run_first: int | None) -> None:
+    def first_failure(self, step: int, run_first: int | None, scale: float | None = None) -> None:
         self.said = run_first if run_first is not None else step
+        self.at, self.scale = step, scale
 
     def later(self, mon: Monitor, rec: MonitorRecord, trig: Trigger | None) -> None:
-        """A skip judged a failure after the first failure: say its run once (from the rank that speaks)."""
+        """A skip judged a failure after the first failure: its run counted once, and said at the 1st, 2nd, 4th...
+        run (from the rank that speaks)."""
+        if mon.first_failure is None:
+            return
+        if rec.skipped and self.at is not None and rec.step > self.at:
+            self.skipped += 1
         f = mon._failing
         first = f.run_first
-        if trig is None or not rec.skipped or first is None or first == self.said or mon.first_failure is None:
+        if trig is None or not rec.skipped or first is None or first == self.said:
             return
         self.said = first
-        if mon.rank not in (None, 0):
+        self.runs += 1
+        if mon.rank not in (None, 0) or self.runs & (self.runs - 1):
             return
         s0, s = f.run_scale, rec.scaler_scale
         after = s * mon.scaler.get_backoff_factor() if s is not None and mon.scaler is not None else s
-        fact = words.SkipRun(first, rec.step, rec.step - first + 1, s0, after, trig.reason, trig.why, trig.need)
+        since = (self.at, self.runs, self.skipped, self.scale) if self.runs > 1 and self.at is not None else None
+        fact = words.SkipRun(first, rec.step, rec.step - first + 1, s0, after, trig.reason, trig.why, trig.need, since)
         say(words.skip_run_message(fact), quiet=mon.quiet)
 
 

@@ -174,15 +174,22 @@ def skip_run_reason(reason: str) -> str:
     return {"nonfinite_loss": "the loss is non-finite", "nonfinite_grad": "a gradient went non-finite"}.get(reason, "")
 
 
-def skip_run(first: int, step: int, count: int, scale0: float | None, scale: float | None, why: str) -> str:
+def skip_run(first: int, step: int, count: int, scale0: float | None, scale: float | None, why: str,
+             since: tuple[int, int, int, float | None] | None = None) -> str:
     """A later run of skips judged a failure after the first failure was said: 'ampdoctor: steps 50-60 skipped
     (11 in a row); scale 32768 -> 16, 11 binade(s) down' (``scale``: after the last skip's back-off), and
-    why on a line of its own."""
+    why on a line of its own. ``since`` (the 2nd, 4th, 8th... run said): the tally since the first failure,
+    '  4 runs of skips since step 154's failure: 6 step(s) skipped, scale 65536 -> 1024', on a line between."""
     fell = ""
     if scale0 is not None and scale is not None and scale > 0:
         fell = f"; scale {scale0:g} -> {scale:g}, {math.log2(scale0 / scale):.0f} binade(s) down"
     steps = f"steps {first}-{step}" if first < step else f"step {step}"
-    return f"ampdoctor: {steps} skipped ({count} in a row){fell}" + (f"\n  {why}" if why else "")
+    tally = ""
+    if since is not None:
+        at, runs, skipped, s_first = since
+        down = f", scale {s_first:g} -> {scale:g}" if s_first is not None and scale is not None else ""
+        tally = f"\n  {runs} runs of skips since step {at}'s failure: {skipped} step(s) skipped{down}"
+    return f"ampdoctor: {steps} skipped ({count} in a row){fell}" + tally + (f"\n  {why}" if why else "")
 
 
 __all__ = ["capture_without_batch", "failed_at", "failure", "failure_what", "first_fault", "monitor_off", "rank_failed",
