@@ -524,6 +524,7 @@ def test_an_odd_spec_is_one_line(tmp_path: Path, case: str) -> None:
     one_line(r, words, "odd.py")
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_a_spec_that_prints_does_not_corrupt_json_on_stdout(tmp_path: Path) -> None:
     """print() at import, in build_model and in the loss, and a C-level write to descriptor 1: all on stderr."""
     p = tmp_path / "chatty.py"
@@ -649,6 +650,7 @@ def test_a_pickled_checkpoint_advises_what_exists(tmp_path: Path, spec: Path) ->
     assert "--trust" not in help_text  # the advice names no option that does not exist
 
 
+@pytest.mark.slow  # end-to-end: out of the README command (under 5 min), in CI (-m slow)
 def test_a_second_ctrl_c_exits_130(tmp_path: Path) -> None:
     mark = tmp_path / "mark"
     p = tmp_path / "slow.py"
