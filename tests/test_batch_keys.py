@@ -99,7 +99,7 @@ def loss_fn(output, target):
     ns: dict[str, object] = {}
     exec(compile(spec.read_text(), str(spec), "exec"), ns)
     x, m, y = ns["build_dataloader"]()[0]  # type: ignore[operator]
-    want = float(nn.functional.mse_loss(ns["build_model"]()(x, m), y))  # type: ignore[operator]
+    want = float(nn.functional.mse_loss(ns["build_model"]()(x, m), y).detach())  # type: ignore[operator]
     assert report.verdict.cause == "healthy"
     assert run.results["fp32"].records[0].loss == pytest.approx(want, rel=1e-5)
 
@@ -181,7 +181,7 @@ def test_batch_keys_says_otherwise(tmp_path: Path, how: str) -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
     torch.manual_seed(0)
-    want = float(nn.functional.mse_loss(nn.Linear(4, 1)(x), y))
+    want = float(nn.functional.mse_loss(nn.Linear(4, 1)(x), y).detach())
     assert rep["stages"][0]["losses"][0] == pytest.approx(want, rel=1e-5)
 
 
@@ -191,3 +191,22 @@ def test_bad_batch_keys_are_one_line(tmp_path: Path) -> None:
                                                                                         "does not hold (its keys are features, price)")]:
         res = CliRunner().invoke(app, ["triage", str(spec), "--steps", "3", "--device", "cpu", "--batch-keys", keys])
         assert res.exit_code == 2 and words in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_layers_takes_the_same_batches(tmp_path: Path) -> None:
+    """`ampdoctor layers` splits batches by the same rule and takes --batch-keys (or TRIAGE_OPTIONS') too."""
+    spec = write_spec(tmp_path, _NO_TARGET_KEY)
+    res = CliRunner().invoke(app, ["layers", str(spec), "--steps", "1", "--device", "cpu"])
+    assert res.exit_code == 2 and "--batch-keys features:price" in res.output
+    res = CliRunner().invoke(app, ["layers", str(spec), "--steps", "1", "--device", "cpu", "--batch-keys", "features:price",
+                                   "--csv", str(tmp_path / "t.csv")])
+    assert res.exit_code == 0, res.output
+    import pandas as pd
+
+    rows = pd.read_csv(tmp_path / "t.csv")
+    out = rows[(rows["module"] == "<model>") & (rows["kind"] == "act") & (rows["step"] == 0) & (rows["dtype"] == "fp16")]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    torch.manual_seed(0)
+    want = float(nn.Linear(4, 1)(x).detach().abs().max())  # the model's output on the features, not on the price
+    assert float(out["absmax"].iloc[0]) == pytest.approx(want, rel=1e-5)

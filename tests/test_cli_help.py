@@ -72,6 +72,9 @@ def test_near_miss_options_get_a_hint(given: str, hint: str) -> None:
 def test_a_hint_names_only_options_the_command_has() -> None:
     res = runner.invoke(app, ["scaler", "log.csv", "--dtype", "fp16"], env={"COLUMNS": "200"})
     assert res.exit_code == 2 and "--target" not in res.output
+    for given in ("--target", "--precision"):  # layers says formats with --dtype
+        res = runner.invoke(app, ["layers", "spec.py", given, "fp16"], env={"COLUMNS": "200"})
+        assert res.exit_code == 2 and "did you mean --dtype" in res.output, res.output
 
 
 def test_shell_completion() -> None:

@@ -20,9 +20,10 @@ def default(value: object) -> str:
 
 # Options of other tools (and of ampdoctor's other commands) that people type for one of triage's: the hint names
 # the option that does it. ``difflib``'s near-miss spelling (``--step``: ``--steps``) comes from click itself.
-ALIASES = {
+ALIASES: dict[str, str | tuple[str, ...]] = {
     "--dtype": "--target (amp, fp16 or bf16)",
-    "--precision": "--target (amp, fp16 or bf16)",
+    "--precision": ("--target (amp, fp16 or bf16)", "--dtype LIST (fp16, bf16, fp8_e4m3, fp8_e5m2)"),
+    "--target": "--dtype LIST (fp16, bf16, fp8_e4m3, fp8_e5m2)", "--format": "--dtype LIST",
     "--amp": "--target amp", "--fp16": "--target fp16", "--bf16": "--target bf16", "--half": "--target fp16",
     "--max-steps": "--steps N", "--num-steps": "--steps N", "--iters": "--steps N", "--iterations": "--steps N",
     "--clip": "--max-norm X", "--grad-clip": "--max-norm X", "--max-grad-norm": "--max-norm X",
@@ -36,26 +37,26 @@ ALIASES = {
 
 
 class HintedCommand(typer.core.TyperCommand):
-    """A command whose "No such option" names the option meant (``ALIASES``) when it is one of ours."""
+    """A command whose "No such option" names the option meant (``ALIASES``) when it is one of ours; else click's
+    near-miss spellings (``--step``: ``--steps``) stand."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
             return super().parse_args(ctx, args)  # type: ignore[no-any-return]
         except Exception as e:
             name = getattr(e, "option_name", None)
-            if type(e).__name__ == "NoSuchOption" and not getattr(e, "possibilities", None) and name:
+            if type(e).__name__ == "NoSuchOption" and name:
                 hint = _hint(self, name)
-                if hint:
+                if hint:  # ours knows the meaning; click's spelling matches (--target: --parquet, --report) do not
                     e.message = f"No such option: {name}; did you mean {hint}?"  # type: ignore[attr-defined]
+                    e.possibilities = None  # type: ignore[attr-defined]
             raise
 
 
 def _hint(cmd: Any, name: str) -> str | None:
-    hint = ALIASES.get(name.split("=", 1)[0])
-    if hint is None:
-        return None
+    hints = ALIASES.get(name.split("=", 1)[0], ())
     ours = {o for p in cmd.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
-    return hint if hint.split()[0] in ours else None
+    return next((h for h in ((hints,) if isinstance(hints, str) else hints) if h.split()[0] in ours), None)
 
 
 def _no_python_types() -> None:

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from ampdoctor.cli.common import boundary, err, out
-from ampdoctor.cli.helpstyle import OUTPUT, RUN, TABLE, default
+from ampdoctor.cli.helpstyle import CODE, OUTPUT, RUN, TABLE, default
 from ampdoctor.cli.options import SPEC_HELP, DataFn, Device, Force, LossFn, ModelFn, OptimizerFn
 from ampdoctor.errors import UsageError
 from ampdoctor.formats import BF16
@@ -94,6 +94,7 @@ def layers(
     data_fn: DataFn = "build_dataloader",
     loss_fn: LossFn = "loss_fn",
     optimizer_fn: OptimizerFn = "build_optimizer",
+    batch_keys: Annotated[Optional[str], typer.Option("--batch-keys", metavar="IN:TARGET", help="A batch's inputs and target, e.g. image:label.", rich_help_panel=CODE)] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", metavar="PATH", help="Write every step's table as CSV.", rich_help_panel=OUTPUT)] = None,
     parquet: Annotated[Optional[Path], typer.Option("--parquet", metavar="PATH", help="Write it as Parquet (needs pyarrow).", rich_help_panel=OUTPUT)] = None,
     report: Annotated[Optional[Path], typer.Option("--report", metavar="PATH", help="Write a .md, .html or .json report.", rich_help_panel=OUTPUT)] = None,
@@ -112,7 +113,7 @@ def layers(
     _check_inputs(sort, top, filter, underflow_tolerance, csv, parquet, force, report)
     df, dev = _reference_steps(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn), wanted, steps=steps, device=device,
                                seed=seed, scale=scale_v, what=what_t, underflow_tolerance=underflow_tolerance,
-                               max_norm=max_norm, pattern=filter)
+                               max_norm=max_norm, pattern=filter, batch_keys=batch_keys)
     _export(df[df["dtype"].isin(wanted)], filter, csv, parquet)
     from ampdoctor.judge.ranges import format_table, sort_summary
     from ampdoctor.render.layers_terminal import print_advice, print_tables
@@ -144,7 +145,7 @@ def layers(
 
 def _reference_steps(spec: Path, names: SpecNames, wanted: list[str], *, steps: int, device: str, seed: int,
                      scale: float | str, what: tuple[str, ...], underflow_tolerance: float, max_norm: float | None,
-                     pattern: str | None) -> tuple[pd.DataFrame, torch.device]:
+                     pattern: str | None, batch_keys: str | None = None) -> tuple[pd.DataFrame, torch.device]:
     """Build the spec's model and batches, run the FP32 reference steps, and return every tensor's rows in each
     format (bf16 as well, not shown: it says whether bf16 removes the problem) and the device they ran on."""
     from ampdoctor.cli.progress import progress_display
@@ -158,6 +159,15 @@ def _reference_steps(spec: Path, names: SpecNames, wanted: list[str], *, steps: 
     cfg = TriageConfig(steps=steps, device=device, seed=seed)
     dev = resolve_device(device)
     sp = load_spec(spec, names)
+    keys = batch_keys if batch_keys is not None else sp.options.get("batch_keys")  # (TRIAGE_OPTIONS: the same batches)
+    if keys is not None:
+        from dataclasses import replace
+
+        from ampdoctor.input.batches import BatchKeys, KeyedLoss
+
+        if not isinstance(keys, str):
+            raise UsageError(f"batch_keys must be a string such as \"image:label\" (got {keys!r})")
+        sp = replace(sp, loss_fn=KeyedLoss(BatchKeys.parse(keys), sp.loss_fn))
     with importable(spec), progress_display(err, steps) as progress:
         model, batches = prepare(sp, cfg, dev, progress)
         _check_filter(model, pattern)
