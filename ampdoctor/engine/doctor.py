@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 EXTRAS = (("transformers", "transformers"), ("accelerate", "transformers"), ("diffusers", "diffusers"),
-          ("lightning", "lightning"), ("deepspeed", "deepspeed"))
+          ("lightning", "lightning"), ("deepspeed", "deepspeed"), ("tensorboard", "tensorboard"))
 """(package, the ampdoctor extra that installs it)."""
 
 
