@@ -91,9 +91,10 @@ def no_recheck(stage: str, step: int) -> Recheck | None:
 
 def ctx(results: dict[str, StageResult], *, target: str = "amp", data: Batches | None = None,
         recheck: Callable[[str, int], Recheck | None] = no_recheck, hooks: list[str] | None = None,
-        hook_list: list[UserHook] | None = None, hook_check: rules.HookCheckFn | None = None) -> Ctx:
+        hook_list: list[UserHook] | None = None, hook_check: rules.HookCheckFn | None = None,
+        captured: tuple[str, int] | None = None) -> Ctx:
     return Ctx(results, data or batches(), TriageConfig(steps=N, target=target), recheck, "cpu", hooks,
-               hook_list=hook_list, hook_check=hook_check)
+               hook_list=hook_list, hook_check=hook_check, captured=captured)
 
 
 def three(amp: StageResult | None = None, fp16: StageResult | None = None, fp32: StageResult | None = None) -> dict[str, StageResult]:
@@ -138,6 +139,16 @@ def _fp32_diverged() -> Scenario:
     fp32 = stage("fp32", FALLING[:6] + [NAN, NAN], stats_at={6: stats(6, bwd="head")})
     c = ctx(three(fp32=fp32), recheck=lambda s, k: Recheck(2.0, True, "initial"))
     return rules.fp32_model_bug, c, ("model_bug", "head", 6, "fp32"), {"variant": "fp32_diverged", "steps_before": 6}
+
+
+def _fp32_exploded() -> Scenario:
+    # a replayed exploding_update (captured at step 9): FP32's applied norm at 8 is 1000x the median of the 8 before it
+    losses = [10.0 - i for i in range(8)] + [50.0, 1e6]
+    fp32, fp16, amp = (stage(n, losses) for n in ("fp32", "fp16", "amp"))
+    fp32.records[8] = rec(8, 50.0, grad=1000.0)
+    c = ctx({"fp32": fp32, "fp16": fp16, "amp": amp}, data=batches(10), captured=("exploding_update", 9))
+    return (rules.fp32_exploded, c, ("model_bug", None, 8, "fp32"),
+            {"variant": "fp32_exploded", "typical": 1.0, "history": 8, "captured_step": 9, "max_loss": 1e6})
 
 
 def _no_target() -> Scenario:
@@ -317,7 +328,7 @@ def _healthy() -> Scenario:
 
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__[1:]: f for f in (
-        _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _no_target, _custom_function,
+        _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _fp32_exploded, _no_target, _custom_function,
         _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
         _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _hook_hid_overflow,
         _hook_hid_overflow_replay, _stall, _stall_underflow,
@@ -366,7 +377,8 @@ def test_words_of_every_scenario() -> None:
     seen_causes, seen_variants, seen_fixes = set(), set(), set()
     for name, make in SCENARIOS.items():
         _, c, *_ = make()
-        d = diagnose(c.results, c.batches, c.cfg, c.recheck, "cpu", c.hooks, hook_list=c.hook_list, hook_check=c.hook_check)
+        d = diagnose(c.results, c.batches, c.cfg, c.recheck, "cpu", c.hooks, hook_list=c.hook_list, hook_check=c.hook_check,
+                     captured=c.captured)
         seen_causes.add(d.outcome.cause)
         seen_variants.add(d.outcome.facts["variant"])
         seen_fixes |= {f.code for f in d.outcome.fixes}
@@ -484,3 +496,14 @@ def test_a_batch_beyond_range_is_not_the_data_when_it_never_reaches_a_module_or_
     _, c, _, _ = _beyond_range_batch()
     c.fp32.stats[1].act[1] = row(overflow=1, absmax=7e4)  # a module reads such values on an in-range batch too
     assert rules.beyond_range_batch(c) is None
+
+
+def test_fp32_exploded_needs_the_captured_reason_and_fp32s_own_explosion_in_time() -> None:
+    _, c, *_ = _fp32_exploded()
+    for captured in (None, ("nonfinite_grad", 9), ("exploding_update", 7)):  # no capture, another reason, before FP32's
+        c.captured = captured
+        assert rules.fp32_exploded(c) is None, captured
+    c.captured = ("exploding_update", 8)  # at the captured step itself
+    assert rules.fp32_exploded(c) is not None
+    c.fp32.records[8] = rec(8, 50.0, grad=999.0)  # FP32 does not explode (999x): not this rule, whatever the target did
+    assert rules.fp32_exploded(c) is None

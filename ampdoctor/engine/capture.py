@@ -67,7 +67,7 @@ from ampdoctor.input.capture_schema import (
     validate_manifest,
     validate_state,
 )
-from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_HISTORY, EXPLODE_RATIO
+from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
 from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
@@ -373,7 +373,7 @@ class FailingStep:
     _peak_applied: float = 0.0
     _prev_scale: float | None = None
     _last_isolated: int | None = None
-    _norms: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    _norms: deque[float] = field(default_factory=lambda: deque(maxlen=EXPLODE_WINDOW))
     _grad: Any = None
     """The last applied step's largest unscaled gradient: a float, or a callable that works it out (on a skip)."""
     run_first: int | None = None
@@ -458,10 +458,7 @@ class FailingStep:
         return float(statistics.median(self._norms))  # (as np.median: the mean of the middle two of an even count)
 
     def _exploded(self, norm: float) -> bool:
-        if len(self._norms) < EXPLODE_HISTORY:
-            return False
-        typical = self._typical()
-        return typical > 0 and norm >= EXPLODE_RATIO * typical
+        return explodes(norm, self._norms)  # (the definition triage applies to FP32's steps: judge.scaler)
 
     def _skip_phase(self, scale: float | None, grew: bool) -> tuple[str, str]:
         """(the normal phase, '') of a skip the scale explains, else ('', why)."""

@@ -688,7 +688,8 @@ def _diagnosis(run: Run, start_words: str) -> Diagnosis:
                     hook_list=run.hook_list, hook_check=hcheck,
                     scaler_phase=phase if isinstance(phase, str) else None,
                     step0=step0,  # the story in the run's steps
-                    resumed=run.start_kind != "init")
+                    resumed=run.start_kind != "init",
+                    captured=(str(rp.manifest.get("reason")), int(rp.manifest["step"]) - rp.step0) if rp is not None else None)
     if rp is not None:
         transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
         if transient is not None:

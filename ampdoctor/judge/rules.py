@@ -25,7 +25,7 @@ from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
-from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale
+from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale, first_explosion
 from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import (
     Col,
@@ -271,8 +271,10 @@ class Ctx:
     def __init__(self, results: dict[str, StageResult], batches: Batches, cfg: TriageConfig, recheck: RecheckFn,
                  device: str = "cpu", hooks: list[str] | None = None, scaler_phase: str | None = None,
                  step0: int = 0, resumed: bool = False, hook_list: list[UserHook] | None = None,
-                 hook_check: HookCheckFn | None = None) -> None:
+                 hook_check: HookCheckFn | None = None, captured: tuple[str, int] | None = None) -> None:
         self.results, self.batches, self.cfg, self.recheck = results, batches, cfg, recheck
+        self.captured = captured
+        """A replayed capture: the run's reason for it and its step, replay-relative (None for a plain triage)."""
         self.device, self.hooks = device, list(hooks or [])
         self.hook_list = list(hook_list or [])
         """The user's gradient hooks as data (``watch.userhooks.found``); ``hooks`` is them in words."""
@@ -529,6 +531,30 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
             fix = Fix("guard_op", {"module": module})
     return Outcome("model_bug", module, s, "fp32", facts,
                    [Finding("model_bug", "error", stage="fp32", module=module, step=s, evidence=ev)], [fix])
+
+
+def fp32_exploded(c: Ctx) -> Outcome | None:
+    """A captured ``exploding_update`` that FP32 shares: FP32's own applied steps explode by the Monitor's definition
+    (``judge.scaler.explodes``) at or before the captured step, so the failure does not depend on the precision: the
+    training itself diverges (a model bug, however finite its numbers stay)."""
+    if c.captured is None or c.captured[0] != "exploding_update" or c.fp32.error is not None:
+        return None
+    captured = c.captured[1]
+    ex = first_explosion([(r.step, r.grad_l2_pre_clip, r.skipped) for r in c.fp32.records if r.step <= captured])
+    if ex is None:
+        return None
+    losses = [r.loss for r in c.fp32.records if math.isfinite(r.loss)]
+    top = max(losses) if losses else float("nan")
+    ratio = ex.norm / ex.typical
+    facts: dict[str, Any] = {"variant": "fp32_exploded", "step": ex.step, "captured_step": captured, "grad_l2": ex.norm,
+                             "typical": ex.typical, "history": ex.history, "ratio": ratio, "max_loss": top,
+                             "first_loss": c.fp32.records[0].loss if c.fp32.records else float("nan"),
+                             "clipped": c.cfg.max_norm is not None}
+    ev = {"grad_l2": ex.norm, "median_grad_l2_before": ex.typical, "applied_steps_before": ex.history,
+          "ratio": ratio, "fp32_max_loss": top}
+    fixes = [Fix("tame_schedule", {"step": ex.step}), Fix("clip_update", {"clipped": facts["clipped"]}), Fix("loss_scale_objective")]
+    return Outcome("model_bug", None, ex.step, "fp32", facts,
+                   [Finding("model_bug", "error", stage="fp32", step=ex.step, evidence=ev)], fixes)
 
 
 # 2. the target stage ----------------------------------------------------------------------------
@@ -896,7 +922,7 @@ def healthy(c: Ctx) -> Outcome:
 
 
 RULES: tuple[Rule, ...] = (
-    fp32_raised, fp32_nonfinite_data, fp32_outlier, hook_hid_overflow, fp32_model_bug,
+    fp32_raised, fp32_nonfinite_data, fp32_outlier, hook_hid_overflow, fp32_model_bug, fp32_exploded,
     no_target, custom_function, target_raised, outlier_at_event, beyond_range_batch,
     damaged_weights, forward_in_root, loss_in_fp16, forward_overflow, grad_overflow, nonfinite_weights,
     masked_overflow, stall, optimizer_underflow, frozen, flushed_in_fp16,
@@ -925,11 +951,13 @@ def diagnose(
     resumed: bool = False,
     hook_list: list[UserHook] | None = None,
     hook_check: HookCheckFn | None = None,
+    captured: tuple[str, int] | None = None,
 ) -> Diagnosis:
     """Apply the rules in order (FP32 → target stage, with probes and the FP32 re-check → healthy),
     then add what every verdict carries: the layer table led by the verdict's module, the bf16
     stage's word on switching, and the data scan's findings."""
-    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check)
+    c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check,
+            captured)
     out = _not_the_root(judge(c))
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}

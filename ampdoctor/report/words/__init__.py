@@ -70,6 +70,16 @@ FIXES: dict[str, Callable[[Facts], str]] = {
     "outlier_batch": lambda f: (
         f"Fix batch {f['batch']}: {f['field']} samples {f['samples'][:10]} are {_g3(f['ratio'])}x larger than a typical batch"),
     "lower_lr": lambda f: "Lower the learning rate or clip gradients (--max-norm 1.0 to check), then rerun triage.",
+    "tame_schedule": lambda f: (
+        f"Lower the learning rate the schedule reaches by step {f['step']}, or lengthen its warm-up so the peak comes "
+        "later and lower; print the schedule's value at that step to check it."),
+    "clip_update": lambda f: (
+        "Clipping was on (--max-norm) and FP32 still exploded: lower the threshold or the learning rate." if f.get("clipped")
+        else "Clip the gradient norm (torch.nn.utils.clip_grad_norm_ after scaler.unscale_(optimizer)); check it with "
+             "triage --max-norm 1.0."),
+    "loss_scale_objective": lambda f: (
+        "Check the scale of the objective: a sum where a mean was meant, or a large loss weight, multiplies every "
+        "gradient and so the step the learning rate takes."),
     "guard_op": lambda f: (
         f"Guard the operation in {f.get('module') or 'the loss'}: clamp before log/sqrt (x.clamp_min(eps)), "
         "add eps to denominators; check it with FP32 before touching precision."),
@@ -350,6 +360,11 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
         f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite and trains {_from_start(f)}, "
         f"so the weights diverged over {f['steps_before']} steps (largest gradient norm before: {_g4(f['max_grad_l2'])})."),
     "fp32_bug": _fp32_bug,
+    "fp32_exploded": lambda f: (
+        f"FP32 diverges too: its update at step {f['step']} has a gradient norm of {_g4(f['grad_l2'])}, "
+        f"{_g3(f['ratio'])}x the median of the {f['history']} applied steps before it (the Monitor's exploding update; "
+        f"the run's failure was captured at step {f['captured_step']}), and its loss goes from {_g4(f['first_loss'])} "
+        f"to {_g4(f['max_loss'])} with every value finite. The training diverges whatever the precision."),
     "no_target": lambda f: "FP32 trains cleanly; no target stage was run.",
     "custom_function": lambda f: (
         f"The backward of {_custom_where(f)} raises {f['type']} at step {f['step']} ({f['message'][:120]}): under autocast it "
@@ -396,6 +411,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "fp32_data_outlier": lambda f: f"batch {f['batch']} is an outlier ({f['field']} {_g3(f['ratio'])}x the median)",
     "fp32_diverged": lambda f: f"FP32 fails at step {f['step']} on finite data",
     "fp32_bug": lambda f: f"FP32 fails at step {f['step']} on finite data",
+    "fp32_exploded": lambda f: f"FP32's update explodes at step {f['step']} ({_g3(f['ratio'])}x the recent gradient norm)",
     "custom_function": lambda f: f"{_custom_where(f)} raises {f['type']} in backward under autocast",
     "target_raised": lambda f: f"{f['stage']} stage raised {f['type']} in {f.get('module') or 'user code'} at step {f['step']}",
     "target_outlier": lambda f: f"batch {f['batch']} is an outlier: {f['field']} is {_g3(f['ratio'])}x the median batch",
