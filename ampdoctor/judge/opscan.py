@@ -53,12 +53,13 @@ class _Scan(TorchFunctionMode):
         return out
 
 
-def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> list[OpRecord]:
-    """Run ``run()`` (a forward of ``model``) and return the ops executed inside ``module_name``."""
+def _run_inside(model: nn.Module, module_name: str, scan: Any, run: Callable[[], Any]) -> bool:
+    """Run ``run()`` (a forward of ``model``) under the dispatch mode ``scan``, whose ``depth`` counts the calls of
+    ``module_name`` in progress (its hooks removed after); False when the model has no such module. An exception of the
+    forward ends the run: what ``scan`` saw before it stands."""
     target = dict(model.named_modules()).get(module_name)
     if target is None:
-        return []
-    scan = _Scan()
+        return False
 
     def enter(*_: Any) -> None:
         scan.depth += 1
@@ -72,10 +73,17 @@ def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> l
         with torch.no_grad(), scan:
             run()
     except Exception:
-        return scan.ops
+        pass
     finally:
         h1.remove()
         h2.remove()
+    return True
+
+
+def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> list[OpRecord]:
+    """Run ``run()`` (a forward of ``model``) and return the ops executed inside ``module_name``."""
+    scan = _Scan()
+    _run_inside(model, module_name, scan, run)
     return scan.ops
 
 
@@ -128,28 +136,8 @@ class _Masked(TorchFunctionMode):
 def masked_rows(model: nn.Module, module_name: str, run: Callable[[], Any]) -> MaskedRows | None:
     """Run ``run()`` (a forward of ``model``) and return the first softmax inside ``module_name`` with a row that is
     masked throughout (all -inf; for SDPA, a mask row that allows no key), or None."""
-    target = dict(model.named_modules()).get(module_name)
-    if target is None:
-        return None
     scan = _Masked()
-
-    def enter(*_: Any) -> None:
-        scan.depth += 1
-
-    def leave(*_: Any) -> None:
-        scan.depth -= 1
-
-    h1 = target.register_forward_pre_hook(enter)
-    h2 = target.register_forward_hook(leave)
-    try:
-        with torch.no_grad(), scan:
-            run()
-    except Exception:
-        pass
-    finally:
-        h1.remove()
-        h2.remove()
-    return scan.found
+    return scan.found if _run_inside(model, module_name, scan, run) else None
 
 
 def first_overflowing_op(ops: list[OpRecord], fmt: Format = FP16) -> OpRecord | None:
