@@ -10,6 +10,7 @@ import ast
 from collections.abc import Callable, Iterator
 from functools import cached_property
 
+from ampdoctor.lint.bounds import direct_hook, exponent_fits, product_constants
 from ampdoctor.lint.flow import (
     CLIP_FUNCS,
     EPS_OPTIMIZERS,
@@ -214,6 +215,10 @@ def hook_clamps(ctx: Ctx) -> Iterator[Hit]:
             name = last(call_name(n)) or (method(n) or (None, ""))[1]
             if name in CLAMPS or name in CLIP_FUNCS:
                 yield n, f"gradient hook calls {name}() on scaled gradients"
+    for c in ctx.f.calls:  # p.register_hook(partial(torch.clamp, min=-1, max=1))
+        name = direct_hook(c) if (method(c) or (None, ""))[1] in HOOK_METHODS else None
+        if name in CLAMPS:
+            yield c.args[0], f"gradient hook calls {name}() on scaled gradients"
 
 
 def _is_nan_to_num(n: ast.Call) -> bool:
@@ -236,6 +241,9 @@ def nan_to_num_grads(ctx: Ctx) -> Iterator[Hit]:
             if _is_nan_to_num(n) and id(n) not in seen:
                 seen.add(id(n))
                 yield n, "gradient hook hides inf/NaN from GradScaler"
+    for c in ctx.f.calls:  # p.register_hook(torch.nan_to_num): the function itself, not a lambda
+        if (method(c) or (None, ""))[1] in HOOK_METHODS and direct_hook(c) in ("nan_to_num", "nan_to_num_"):
+            yield c.args[0], "gradient hook hides inf/NaN from GradScaler"
     for items in ctx.scope_events():
         for e in (x for x in items if x.kind == "nan_grad"):
             steps = [s for s in items if s.kind == "step" and s.order > e.order and e.loops[: len(s.loops)] == s.loops
@@ -378,6 +386,8 @@ def _mask_uses(ctx: Ctx) -> Iterator[tuple[ast.AST, float, str]]:
             for val, node in _mult_constants(n.value):
                 if val < 0:
                     yield node, val, "added"  # mask = (1 - m) * -10000.0, added to the scores later
+    for node, val in product_constants(ctx.f):  # return (1.0 - mask) * -1e9: added where it is used
+        yield node, val, "added"
 
 
 def _dtype_guarded(ctx: Ctx, node: ast.AST) -> bool:
@@ -536,7 +546,7 @@ def hand_softmax(ctx: Ctx) -> Iterator[Hit]:
         if num_x is None and num_name is not None:
             for v in ctx.f.assigned(num_name, ctx.f.scope_of(n)):
                 num_x = _exp_arg(v) or num_x
-        if num_x is None or _stable(num_x):
+        if num_x is None or _stable(num_x) or exponent_fits(ctx.f, ctx.f.scope_of(n), num_x):
             continue
         key = ast.dump(num_x)
         for d in ast.walk(n.right):
