@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ampdoctor.engine.growth import applied
 from ampdoctor.formats import Format
 from ampdoctor.judge.history import DEFAULT_HORIZON, Forecast, Spike, forecast, robust_z, spiking_layers, story
 from ampdoctor.notify import alert
@@ -325,8 +326,8 @@ class Lookback:
         self.ring.push(step, loss=loss, grad_norm=grad_norm, scale=scale, skipped=skipped, lr=lr, stats=stats)
         if stats is not None:
             self._recorded += 1
-        if (stats is not None and self.horizon is not None and self.warned is None
-                and self._recorded % FORECAST_EVERY == 0):
+        if (stats is not None and self.horizon is not None and self.warned is None and not skipped
+                and self._recorded % FORECAST_EVERY == 0):  # (no warning while the updates are skipped: a failure's)
             fcs = self.forecast()
             if fcs:
                 self._warn(fcs)
@@ -338,7 +339,8 @@ class Lookback:
         """The layers on course to leave the format's range within the horizon, soonest first (now)."""
         steps, a = self.ring.layer_series("absmax")
         _, bad = self.ring.layer_series("nonfinite_frac")
-        return forecast(steps, a, bad, self.ring.names, self.fmt.max, self.horizon or DEFAULT_HORIZON)
+        keep = applied(self.ring, steps)  # a trend is fitted over steps that applied an update (growth.applied)
+        return forecast(steps[keep], a[keep], bad[keep], self.ring.names, self.fmt.max, self.horizon or DEFAULT_HORIZON)
 
     def _warn(self, fcs: list[Forecast]) -> None:
         self.warned = fcs[0]

@@ -216,9 +216,9 @@ def hook_clamps(ctx: Ctx) -> Iterator[Hit]:
             if name in CLAMPS or name in CLIP_FUNCS:
                 yield n, f"gradient hook calls {name}() on scaled gradients"
     for c in ctx.f.calls:  # p.register_hook(partial(torch.clamp, min=-1, max=1))
-        name = direct_hook(c) if (method(c) or (None, ""))[1] in HOOK_METHODS else None
-        if name in CLAMPS:
-            yield c.args[0], f"gradient hook calls {name}() on scaled gradients"
+        hooked = direct_hook(c) if (method(c) or (None, ""))[1] in HOOK_METHODS else None
+        if hooked in CLAMPS:
+            yield c.args[0], f"gradient hook calls {hooked}() on scaled gradients"
 
 
 def _is_nan_to_num(n: ast.Call) -> bool:

@@ -16,6 +16,7 @@ from ampdoctor.judge.rules import forward_overflow_fixes
 from ampdoctor.report.words import deepspeed as ds_words
 from ampdoctor.report.words import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words import monitor as words
+from ampdoctor.report.words.growth import growth_message
 from ampdoctor.report.words.monitor import (
     capture_without_batch,
     first_fault,
@@ -170,6 +171,11 @@ def forecast_alert(forecasts: list[Forecast], device: str) -> str:
     return forecast_message(fc, forward_overflow_fixes(fc.layer, device), more=len(forecasts) - 1)
 
 
+def growth_alert(kind: str, fc: Forecast, device: str, fmt_name: str = "FP16", fmt_max: float = 65504.0) -> str:
+    """The growth forecast's warning (``engine.growth``): an op, a gradient or the loss on course to pass the max."""
+    return growth_message(kind, fc, fmt_name, fmt_max)
+
+
 def deepspeed_replay_hint(where: object, spec: str) -> str:
     """Where a DeepSpeed rank's capture went and how to replay every rank's pieces (``DeepSpeedMonitor.replay_hint``)."""
     return ds_words.replay_hint(where, spec)
@@ -187,5 +193,5 @@ def history_words(told: Mapping[str, Any]) -> tuple[str, list[str]]:
 
 __all__ = ["Failure", "FirstRank", "Off", "SkipRate", "SkipRun", "skip_run_message", "capture_without_batch", "deepspeed_no_backward",
            "deepspeed_replay_hint", "failure_message", "first_fault",
-           "forecast_alert", "history_words", "monitor_off", "off_reason", "rank_alone", "sharded_no_exchange", "sharded_plain_scaler",
+           "forecast_alert", "growth_alert", "history_words", "monitor_off", "off_reason", "rank_alone", "sharded_no_exchange", "sharded_plain_scaler",
            "skip_rate_error", "skip_rate_message"]

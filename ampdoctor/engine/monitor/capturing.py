@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ampdoctor.engine import growth
 from ampdoctor.engine.capture import Capture, CaptureWarning, Trigger
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import MonitorRecord
@@ -60,6 +61,7 @@ def seen_loss(mon: Monitor, loss: Any) -> None:
     """The first loss the loop hands over: how it was computed from the model's output (``input.origin.loss_recipe``,
     read from its autograd graph), so a spec-free replay of a plain model computes the run's loss; nothing when the
     model's own output is the loss. Reads the graph only; never raises."""
+    growth.note_loss(mon.lookback, loss)  # (the loss's dtype, for the growth forecast)
     if mon.capture is None or mon.capture.done or mon._loss_seen:
         return
     mon._loss_seen = True
