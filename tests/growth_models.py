@@ -8,7 +8,7 @@ AMP loop (autocast, GradScaler's defaults, a Monitor) until the Monitor's first 
   ``q @ k^T`` passes 65504 inside the module (an ``inf`` logit, a NaN softmax, a NaN loss) while the module's
   output, a softmax-weighted mean of ``v``, stays near 1.
 - ``head_seq_warmup``: a head trained on frozen features (a pretrained projection of inputs in raw units, spread
-  40) with a cross-entropy summed over the tokens, under a sequence-length warm-up (64 more tokens each step) and
+  430) with a cross-entropy summed over the tokens, under a sequence-length warm-up (64 more tokens each step) and
   noisy labels. The head's weight gradient is a sum over the tokens of feature x (p - y): it grows with the length
   (as its square root: the terms do not share a sign) until, unscaled, it passes 65504, and GradScaler skips at a
   scale of 1 or less.
@@ -75,6 +75,8 @@ class FrozenBodyHead(nn.Module):
         self.body = nn.Linear(d, h)
         self.body.requires_grad_(False)
         self.head = nn.Linear(h, classes)
+        nn.init.zeros_(self.head.weight)  # a new head starts from zero (uniform predictions)
+        nn.init.zeros_(self.head.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
@@ -87,13 +89,13 @@ def head_seq_warmup() -> tuple[Any, ...]:
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(step)
         n = 64 * (step + 1)  # the warm-up: 64 more tokens each step
-        x = 40.0 * torch.randn(1, n, 8, generator=g)  # raw units: zero mean, a spread of 40
+        x = 430.0 * torch.randn(1, n, 8, generator=g)  # raw units: zero mean, a spread of 430
         return x, torch.randint(0, 4, (1, n), generator=g)
 
     def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(o.float().reshape(-1, o.shape[-1]), y.reshape(-1), reduction="sum")
 
-    return model, batch, loss, lambda p: torch.optim.AdamW([q for q in p if q.requires_grad], lr=1e-3)
+    return model, batch, loss, lambda p: torch.optim.AdamW([q for q in p if q.requires_grad], lr=1e-6)
 
 
 def _doubling(every: float) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:

@@ -95,7 +95,7 @@ def test_an_unclosed_monitor_does_not_keep_the_model_alive() -> None:
     model, x, y = tiny()
     mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.01))
     recs = run(mon, model, x, y, 2)  # stats records stay with the caller; they hold only numpy rows
-    assert watchers() == 1  # recording the next step
+    assert watchers() == 2  # recording the next step: the hooks, and the forecast's op watch (watch.opwatch)
     ref = weakref.ref(model)
     del model, mon  # a notebook cell run again: the old monitor is dropped without close()
     gc.collect()

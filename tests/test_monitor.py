@@ -222,7 +222,7 @@ def test_hooks_removed_on_close() -> None:
     model, _, _ = tiny()
 
     with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1)):
-        assert watchers() == 1  # one process-wide watch on module calls, nothing on the model
+        assert watchers() == 2  # the hooks' and the forecast's op watch (watch.opwatch) on module calls, nothing on the model
         assert not any(m._forward_hooks for m in model.modules())
     assert watchers() == 0 and not is_wrapped()
 
