@@ -79,6 +79,9 @@ class Variant:
                                    alert_min_steps=10**9)
         elif name == "ampdoctor full no ring":  # full statistics without the lookback ring (engine.ring)
             self.monitor = Monitor(self.model, self.opt, self.scaler, every=1, keep_stats=False, alert_min_steps=10**9, ring=0)
+        elif name == "ampdoctor full no forecast":  # full statistics, the ring, no forecast (nor its op watch: engine.growth)
+            self.monitor = Monitor(self.model, self.opt, self.scaler, every=1, keep_stats=False, alert_min_steps=10**9,
+                                   forecast_horizon=None)
         elif name.startswith("ampdoctor"):
             every = 10 if name.endswith("every 10") else 1
             self.monitor = Monitor(self.model, self.opt, self.scaler, every=every, keep_stats=False, alert_min_steps=10**9)

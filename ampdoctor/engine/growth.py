@@ -11,7 +11,7 @@ shows elsewhere first, where no module output sees it:
   where the module runs in FP16, so it grows with the sequence length of a warm-up;
 - **the loss**, where the loss itself is a tensor in the format's dtype.
 
-Each is a series per culprit, over the recorded steps, judged by the same rule as a module's output
+Each is a series per culprit, over every ``SAMPLE_EVERY``-th recorded step (steps that applied an update), judged by the same rule as a module's output
 (``judge.history.forecast``: Theil-Sen slope, Mann-Kendall z, the format's max within the horizon). The gradients
 are unscaled first: the gradient at a module's output is recorded as the backward carries it (times the loss
 scale), so it is divided by the scale the step used; GradScaler's failure is the unscaled gradient's (a skip at a
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ampdoctor.formats import Format
-from ampdoctor.judge.history import DEFAULT_HORIZON, WINDOW, Forecast, forecast
+from ampdoctor.judge.history import DEFAULT_HORIZON, MIN_POINTS, WINDOW, Forecast, forecast
 from ampdoctor.notify import alert
 from ampdoctor.records import MODEL, Col, StepStats
 from ampdoctor.report.alerts import growth_alert
@@ -43,8 +43,14 @@ KINDS = ("op", "grad", "pgrad", "loss")
 MAX_SERIES = 2048
 """Culprits kept at most (a model of thousands of modules: the first seen)."""
 
-JUDGE_EVERY = 16
-"""The culprits are judged on every this-many-th recorded step (as the module forecast)."""
+SAMPLE_EVERY = 2
+"""The ops and gradients are read on every this-many-th recorded step (the op watch's mode, a Python call per op, and
+the figures of a step cost about as much as the step's statistics on a model of many small modules: half of it)."""
+JUDGE_EVERY = 16 // SAMPLE_EVERY
+"""The culprits are judged on every this-many-th sampled step (every 16th recorded step, as the module forecast)."""
+G_WINDOW = WINDOW // SAMPLE_EVERY
+G_MIN_POINTS = MIN_POINTS // SAMPLE_EVERY
+"""The fit's window and least points, in sampled steps: the module forecast's span of recorded steps."""
 
 
 def _calls(st: StepStats) -> Any:
@@ -106,7 +112,7 @@ class Growth:
         self.horizon, self.quiet, self.speaks, self.device = horizon, quiet, speaks, device
         self.params_reduced = params_reduced
         """Parameters held in the format's dtype themselves (a model in ``.half()``)."""
-        self.steps: deque[int] = deque(maxlen=WINDOW)
+        self.steps: deque[int] = deque(maxlen=G_WINDOW)
         """The recorded steps that applied an update (a skipped step's figures are not kept: ``applied``)."""
         self.series: dict[str, tuple[str, deque[float]]] = {}
         """culprit -> (kind, its figures over the kept steps; NaN where it was not seen)."""
@@ -114,6 +120,8 @@ class Growth:
         self.warned: dict[str, Forecast] = {}
         """The culprits warned of (once each), and the forecast said."""
         self._recorded = 0
+        self._seen = 0
+        """Recorded steps seen (the sampled ones: every ``SAMPLE_EVERY``-th)."""
         self.category: type[Warning] = UserWarning
         """The warning's class (the Monitor's ``ForecastWarning``)."""
 
@@ -124,7 +132,13 @@ class Growth:
     def push(self, step: int, stats: StepStats | None, loss: float, scale: float | None, skipped: bool = False) -> None:
         if self.ops is not None:
             self.ops.end_step()
-        if stats is None or skipped:
+        if stats is None:
+            return
+        sampled = self._seen % SAMPLE_EVERY == 0
+        self._seen += 1
+        if self.ops is not None:  # (the op watch runs in the next step's forward when that step is sampled)
+            self.ops.sample = self._seen % SAMPLE_EVERY == 0
+        if not sampled or skipped:
             return
         figs = self.figures(stats, loss, scale)
         self.steps.append(step)
@@ -135,7 +149,7 @@ class Growth:
         for name, (kind, v) in figs.items():
             if len(self.series) >= MAX_SERIES:
                 break
-            col = deque([math.nan] * (n - 1), maxlen=WINDOW)
+            col = deque([math.nan] * (n - 1), maxlen=G_WINDOW)
             col.append(v)
             self.series[name] = (kind, col)
         self._recorded += 1
@@ -179,7 +193,8 @@ class Growth:
         a = np.array([list(self.series[k][1]) for k in names], dtype=np.float64).T
         bad = ~np.isfinite(a)
         a = np.where(bad, np.nan, a)
-        fcs = forecast(steps, a, bad.astype(np.float64), names, self.fmt.max, self.horizon or DEFAULT_HORIZON)
+        fcs = forecast(steps, a, bad.astype(np.float64), names, self.fmt.max, self.horizon or DEFAULT_HORIZON,
+                       window=G_WINDOW, min_points=G_MIN_POINTS)
         return [(self.series[f.layer][0], f) for f in fcs]
 
     def judge(self) -> None:

@@ -104,12 +104,12 @@ def mann_kendall_z(y: np.ndarray) -> float:
 
 
 def forecast(steps: np.ndarray, absmax: np.ndarray, nonfinite: np.ndarray, names: list[str], fmt_max: float,
-             horizon: int = DEFAULT_HORIZON, window: int = WINDOW) -> list[Forecast]:
+             horizon: int = DEFAULT_HORIZON, window: int = WINDOW, min_points: int = MIN_POINTS) -> list[Forecast]:
     """The layers on course to pass ``fmt_max`` within ``horizon`` steps, soonest first.
 
     ``steps`` [n] (recorded steps, oldest first), ``absmax`` and ``nonfinite`` [n, layers] (the ring's
     columns; NaN where a layer was not seen)."""
-    if len(steps) < MIN_POINTS:
+    if len(steps) < min_points:
         return []
     steps = steps[-window:].astype(np.float64)
     a = absmax[-window:].astype(np.float64)
@@ -129,7 +129,7 @@ def forecast(steps: np.ndarray, absmax: np.ndarray, nonfinite: np.ndarray, names
     out: list[Forecast] = []
     for m in cand:
         keep = ok[:, m]
-        if keep.sum() < MIN_POINTS:
+        if keep.sum() < min_points:
             continue
         x, y = steps[keep], a[keep, m]
         slope, icpt = theil_sen(x, y)

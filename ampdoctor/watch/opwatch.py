@@ -90,6 +90,8 @@ class OpWatch:
         self.reduced: set[str] = set()
         """Modules seen returning a tensor in the format's dtype."""
         self.failed = False
+        self.sample = True
+        """Read the ops in the next recorded forward (``engine.growth`` samples the steps)."""
 
     def attach(self) -> None:
         """Watch module calls (the hooks' ``tracker``: attached and detached with them)."""
@@ -114,7 +116,7 @@ class OpWatch:
         if name is None or self.failed:
             return False
         if id(module) == self._root_id and not self.stack:
-            if not (self.hooks.recording and torch.is_grad_enabled() and module.training):
+            if not (self.sample and self.hooks.recording and torch.is_grad_enabled() and module.training):
                 return False
             self._start_mode()
         elif not self.on:
