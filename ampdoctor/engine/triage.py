@@ -41,17 +41,10 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
+from ampdoctor.judge.context import HookCheck, HookCheckFn, Recheck
+from ampdoctor.judge.measures import stall_ratio
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
-from ampdoctor.judge.rules import (
-    Diagnosis,
-    HookCheck,
-    HookCheckFn,
-    Recheck,
-    diagnose,
-    not_reproduced,
-    shift_diagnosis,
-    stall_ratio,
-)
+from ampdoctor.judge.rules import Diagnosis, diagnose, not_reproduced, shift_diagnosis
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report

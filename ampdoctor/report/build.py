@@ -189,7 +189,7 @@ def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
     for row in report.layers:
         if row.first_nonfinite_step is not None:
             row.first_nonfinite_step += offset
-    if judged and report.scaler is not None:  # else the story was told in the run's steps (rules.scaler_story)
+    if judged and report.scaler is not None:  # else the story was told in the run's steps (context.scaler_story)
         for e in report.scaler.skips:
             e.step += offset
     for ls in report.layer_steps:

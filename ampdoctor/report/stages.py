@@ -13,7 +13,7 @@ from ampdoctor.report.words import stages as words
 
 
 def error_hint(kind: str | None) -> str:
-    """The hint a stage's ``StageError`` carries: by the kernel the device lacks (``judge.rules.kernel_limit``'s
+    """The hint a stage's ``StageError`` carries: by the kernel the device lacks (``judge.detectors.kernel_limit``'s
     code), None for any other exception."""
     return words.error_hint(kind)
 
