@@ -10,7 +10,7 @@ from typing import Any, get_args
 import pytest
 
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge import context, detectors, rules, rules_silent, rules_target
+from ampdoctor.judge import context, detectors, rules, rules_silent, rules_target, scale_facts
 from ampdoctor.judge import scaler as judge
 from ampdoctor.records import StageError, StageResult
 from ampdoctor.report import scaler as worded
@@ -48,7 +48,7 @@ def test_the_judge_returns_codes_and_figures_and_the_words_are_written_from_them
     scales, skipped = HISTORIES[name]
     facts = judge.diagnose_scale(scales, skipped)
     assert facts.pattern == name
-    codes = set(get_args(judge.Pattern)) | set(get_args(judge.AdviceCode)) | {"init_scale", "growth_interval", "backoff_factor"}
+    codes = set(get_args(scale_facts.Pattern)) | set(get_args(scale_facts.AdviceCode)) | {"init_scale", "growth_interval", "backoff_factor"}
     assert set(_strings(facts)) <= codes, "no sentence in the judge's facts"
     d = worded.diagnose_scale(scales, skipped)
     assert d.explanation == scaler_words.explain(facts.finding) and d.explanation
@@ -57,8 +57,8 @@ def test_the_judge_returns_codes_and_figures_and_the_words_are_written_from_them
 
 
 def test_every_advice_code_has_words() -> None:
-    for code in get_args(judge.AdviceCode):
-        s = scaler_words.advise(judge.Advice(code, 4096.0, current=0.5, count=3, step=7, steps=(1, 2)))
+    for code in get_args(scale_facts.AdviceCode):
+        s = scaler_words.advise(scale_facts.Advice(code, 4096.0, current=0.5, count=3, step=7, steps=(1, 2)))
         assert s and "{" not in s, code
     assert worded.no_scale_history().explanation == "no GradScaler: no scale history"
     assert worded.diagnose_scale([], []).explanation == "no steps were recorded"

@@ -17,7 +17,7 @@ from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.fmt import pow2
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.judge.log_digest import LogDigest
 from ampdoctor.render.scaler_plot import scaler_png
 from ampdoctor.render.scaler_text import MAX_LEDGER_ROWS, indent, print_digest
 from ampdoctor.report.scaler import worded

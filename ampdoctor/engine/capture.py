@@ -67,7 +67,8 @@ from ampdoctor.input.capture_schema import (
     validate_manifest,
     validate_state,
 )
-from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
+from ampdoctor.judge.explosion import EXPLODE_RATIO, EXPLODE_WINDOW, explodes
+from ampdoctor.judge.scale_facts import DEFAULT_GROWTH_INTERVAL
 from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks

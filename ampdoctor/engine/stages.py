@@ -26,7 +26,7 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
 from ampdoctor.judge.detectors import kernel_limit
-from ampdoctor.judge.scaler import EXPLODE_RATIO
+from ampdoctor.judge.explosion import EXPLODE_RATIO
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.report.stages import error_hint
 from ampdoctor.watch import userhooks

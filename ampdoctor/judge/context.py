@@ -14,7 +14,8 @@ from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge.measures import calibration_steps, first_bad_step, mean_swallowed, stall_ratio, underflowing_params
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord
-from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale
+from ampdoctor.judge.scale_facts import Advice, ScaleFacts
+from ampdoctor.judge.scaler import diagnose_scale
 from ampdoctor.judge.thresholds import SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import Finding, Fix, Outcome, ScaleEvent, ScalerStory, StageResult, StepStats, UserHook
 from ampdoctor.records import stats_at as _stats_at

@@ -49,7 +49,7 @@ from ampdoctor.judge.rules_target import (
     outlier_at_event,
     target_raised,
 )
-from ampdoctor.judge.scaler import ScaleFacts
+from ampdoctor.judge.scale_facts import ScaleFacts
 from ampdoctor.judge.thresholds import MIN_STALL_STEPS
 from ampdoctor.records import Finding, Fix, LayerRow, Outcome, ScalerStory, StageResult, UserHook
 

@@ -9,8 +9,8 @@ from typing import Any
 from ampdoctor.input.batches import check_batch
 from ampdoctor.judge import locate
 from ampdoctor.judge.context import Ctx
+from ampdoctor.judge.explosion import first_explosion
 from ampdoctor.judge.measures import first_bad_step, outlier_field
-from ampdoctor.judge.scaler import first_explosion
 from ampdoctor.records import Finding, Fix, Outcome, UserHook, nonfinite
 from ampdoctor.records import stats_at as _stats_at
 
