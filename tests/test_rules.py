@@ -19,8 +19,11 @@ from ampdoctor.judge.context import Ctx, Recheck
 from ampdoctor.judge.opscan import NonfiniteOp
 from ampdoctor.judge.rules import diagnose, shift_diagnosis
 from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats, UserHook
-from ampdoctor.report import words
 from ampdoctor.report.model import CAUSES
+from ampdoctor.report.words import diagnosis as diagnosis_words
+from ampdoctor.report.words import findings as findings_words
+from ampdoctor.report.words import fixes as fixes_words
+from ampdoctor.report.words import verdicts as verdicts_words
 
 NAN, INF = float("nan"), float("inf")
 N = 8
@@ -383,13 +386,13 @@ def test_words_of_every_scenario() -> None:
         seen_causes.add(d.outcome.cause)
         seen_variants.add(d.outcome.facts["variant"])
         seen_fixes |= {f.code for f in d.outcome.fixes}
-        verdict, findings, fixes, _ = words.write(d)
+        verdict, findings, fixes, _ = diagnosis_words.write(d)
         texts = [verdict.summary, *(f.title for f in findings), *fixes] + [f.fix for f in findings if f.fix]
         for t in texts:
-            assert t and "{" not in t and t not in words.FIXES and t not in words.SUMMARIES, (name, t)
+            assert t and "{" not in t and t not in fixes_words.FIXES and t not in verdicts_words.SUMMARIES, (name, t)
         assert not any(k.startswith("_") for f in findings for k in f.evidence), name
     assert seen_causes == set(CAUSES) - {"not_reproduced"}
-    assert seen_variants == set(words.SUMMARIES) - {"not_reproduced"}
+    assert seen_variants == set(verdicts_words.SUMMARIES) - {"not_reproduced"}
 
 
 def _codes_written(module: Any) -> dict[str, set[str]]:
@@ -420,15 +423,15 @@ def test_every_code_the_rules_write_has_words() -> None:
     for module in (rules, context, rules_fp32, rules_target, rules_silent):  # the verdict, and the rules by group
         for kind, codes in _codes_written(module).items():
             written[kind] |= codes
-    assert written["Fix"] and written["Fix"] <= set(words.FIXES), written["Fix"] - set(words.FIXES)
+    assert written["Fix"] and written["Fix"] <= set(fixes_words.FIXES), written["Fix"] - set(fixes_words.FIXES)
     variants = written["variant"]
     assert {"healthy", "frozen", "fp32_bug"} <= variants
-    assert variants <= set(words.SUMMARIES), variants - set(words.SUMMARIES)
-    assert set(words.SUMMARIES) - {"healthy", "no_target"} <= set(words.RULE_TITLES)
+    assert variants <= set(verdicts_words.SUMMARIES), variants - set(verdicts_words.SUMMARIES)
+    assert set(verdicts_words.SUMMARIES) - {"healthy", "no_target"} <= set(verdicts_words.RULE_TITLES)
     codes = written["Finding"] - set(CAUSES) - {"data"}
-    assert codes <= set(words.FINDINGS), codes - set(words.FINDINGS)
+    assert codes <= set(findings_words.FINDINGS), codes - set(findings_words.FINDINGS)
     for kind in ("nonfinite", "sentinel", "outlier", "beyond_fp16"):
-        assert f"data_{kind}" in words.FINDINGS
+        assert f"data_{kind}" in findings_words.FINDINGS
 
 
 def test_data_scan_findings_are_worded_from_their_evidence() -> None:
@@ -437,7 +440,7 @@ def test_data_scan_findings_are_worded_from_their_evidence() -> None:
     items[6][0][0, 0] = NAN
     c = ctx(three(), data=Batches(items, cycled=False))
     d = diagnose(c.results, c.batches, c.cfg, c.recheck)
-    _, findings, _, _ = words.write(d)
+    _, findings, _, _ = diagnosis_words.write(d)
     by = {f.code: f for f in findings}
     assert by["data_nonfinite"].title == "batch 6 holds 1 NaN/Inf value(s) in inputs (samples [0])"
     assert by["data_nonfinite"].step == 6
@@ -453,7 +456,7 @@ def test_a_replay_numbers_every_step_as_the_run() -> None:
     s = shift_diagnosis(d, 1000)
     assert (s.outcome.step, s.outcome.facts["step"], s.outcome.findings[0].step) == (1004, 1004, 1004)
     assert d.outcome.step == 4, "a copy: the diagnosis itself is unchanged"
-    verdict, findings, fixes, _ = words.write(s)
+    verdict, findings, fixes, _ = diagnosis_words.write(s)
     assert "at step 1004" in verdict.summary and "step 4 " not in verdict.summary
     assert "(step 1003)" in fixes[-1]  # the bf16 stage's own failing step, as a fix fact
 
@@ -466,7 +469,7 @@ def test_counts_are_not_steps() -> None:
     d = shift_diagnosis(rules.Diagnosis(out, [], None), 10)
     assert d.outcome.facts == {"variant": "fp32_diverged", "step": 16, "steps_before": 6, "first_step": 12, "batch": 16,
                                "max_grad_l2": 3.0}
-    assert words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 16 is finite and trains from the "
+    assert verdicts_words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 16 is finite and trains from the "
                                               "initial weights, so the weights diverged over 6 steps (largest gradient "
                                               "norm before: 3).")
 
@@ -475,7 +478,7 @@ def test_not_reproduced_is_replay_relative_until_shifted() -> None:
     manifest = {"step": 1234, "reason": "nonfinite_loss", "module": "logits"}
     d = rules.not_reproduced(manifest, 0, 2, [{"loss": 0.5}, {"loss": None}], "amp", 1230, "cpu")
     assert d is not None and (d.outcome.cause, d.outcome.module, d.outcome.step) == ("not_reproduced", "logits", 4)
-    verdict, findings, fixes, _ = words.write(shift_diagnosis(d, 1230))
+    verdict, findings, fixes, _ = diagnosis_words.write(shift_diagnosis(d, 1230))
     assert verdict.first_step == 1234 and verdict.summary.startswith("The run failed at step 1234 (nonfinite_loss)")
     assert "(loss 0.5, no step)" in verdict.summary
     assert findings[0].title == "the amp replay of step 1234 from the captured state finished cleanly 2 of 2 times"
@@ -484,7 +487,7 @@ def test_not_reproduced_is_replay_relative_until_shifted() -> None:
 
 def test_a_finding_without_prose_until_written() -> None:
     f = Finding("thin_headroom", "warning", stage="amp", module="enc", evidence={"absmax": 60000.0, "headroom_binades": 0.127})
-    title, fix = words.FINDINGS[f.code](f, None)
+    title, fix = findings_words.FINDINGS[f.code](f, None)
     assert title == "enc reaches 6e+04, 0.13 binades below FP16's max"
     assert fix == "Fine now; if it keeps growing, keep enc in FP32 or use bf16."
 

@@ -14,8 +14,8 @@ from ampdoctor.judge import context, detectors, rules, rules_silent, rules_targe
 from ampdoctor.judge import scaler as judge
 from ampdoctor.records import StageError, StageResult
 from ampdoctor.report import scaler as worded
-from ampdoctor.report import words
 from ampdoctor.report.build import stage_summary
+from ampdoctor.report.words import diagnosis as diagnosis_words
 from ampdoctor.report.words import scaler as scaler_words
 
 from .test_rules import FALLING, FLAT, N, batches, ctx, no_recheck, rec, row, stage, stats, three
@@ -73,7 +73,7 @@ def test_the_scaler_story_is_told_in_the_run_steps_at_a_replay() -> None:
     assert c.scale is not None and c.scale.later_skips == [5003] and c.story is not None
     assert c.story.explanation == "", "the judge writes no words"
     d = rules.diagnose(res, batches(), TriageConfig(steps=N), no_recheck, step0=5000)
-    _, _, _, story = words.write(rules.shift_diagnosis(d, 5000))
+    _, _, _, story = diagnosis_words.write(rules.shift_diagnosis(d, 5000))
     assert story is not None and story.explanation == (
         "The scale stayed at 2^10 with 1 isolated skip(s). Isolated skips at steps 5003: check those batches.")
 
