@@ -19,7 +19,7 @@ from ampdoctor.engine.step import Measured
 from ampdoctor.errors import UsageError
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def dist_rank() -> tuple[int, int]:

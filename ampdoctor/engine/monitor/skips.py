@@ -21,7 +21,7 @@ from ampdoctor.report import alerts as words
 
 if TYPE_CHECKING:
     from ampdoctor.engine.capture import Trigger
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
     from ampdoctor.engine.monitor.records import MonitorRecord
     from ampdoctor.engine.step import Measured
 
