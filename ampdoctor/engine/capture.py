@@ -72,7 +72,7 @@ from ampdoctor.judge.scale_facts import DEFAULT_GROWTH_INTERVAL
 from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
-from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import local, named_parameters, unwrap, user_name
 
 log = logging.getLogger("ampdoctor")
 
@@ -158,7 +158,7 @@ def local_state(model: nn.Module) -> dict[str, Any]:
     inner = unwrap(model)
     if sharded_engine(inner) is None:
         return dict(inner.state_dict())
-    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.hooks.user_name``)
+    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.model_view.user_name``)
     for n, p in [*inner.named_parameters(), *inner.named_buffers()]:
         out[user_name(n)] = local(p).detach()
     return out

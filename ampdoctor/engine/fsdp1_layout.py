@@ -18,7 +18,7 @@ from torch import nn
 
 from ampdoctor.engine.shards import _dtype_name
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 STRATEGIES = ("FULL_SHARD",)
 """The sharding strategies a replay rebuilds."""

@@ -32,7 +32,7 @@ from ampdoctor.input.capture_schema import (
     validate_state,
 )
 from ampdoctor.input.resume import StartState
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 
 @dataclass

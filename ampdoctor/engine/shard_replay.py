@@ -295,7 +295,7 @@ class _Rank:
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
         from ampdoctor.engine import fsdp1_layout, tp_layout
         from ampdoctor.engine.shards import Shards, dtensor_piece
-        from ampdoctor.watch.hooks import local, user_name
+        from ampdoctor.watch.model_view import local, user_name
 
         torch.manual_seed(0)
         model = self.spec.build_model()
@@ -339,7 +339,7 @@ class _Rank:
         from torch.distributed.tensor import DTensor
 
         from ampdoctor.engine.step import make_optimizer
-        from ampdoctor.watch.hooks import local, user_name
+        from ampdoctor.watch.model_view import local, user_name
 
         opt = make_optimizer(self.build_optimizer, model)
         st = self.cap.start.optimizer

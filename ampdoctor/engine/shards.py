@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ampdoctor.records import NCOLS, Col, StepStats
-from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
 ENGINES = ("fsdp1", "fsdp2", "tensor_parallel")
 """The sharding engines whose pieces this module reads."""

@@ -31,8 +31,9 @@ from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.report.stages import error_hint
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.blame import GraphRecorder
-from ampdoctor.watch.hooks import Hooks, ModuleTracker
+from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.steplog import StepLogWriter
+from ampdoctor.watch.tracker import ModuleTracker
 
 ProgressFn = Callable[[str, int], None]
 

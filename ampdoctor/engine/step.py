@@ -42,7 +42,8 @@ from ampdoctor.judge import locate
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.fused import fused_norms
-from ampdoctor.watch.hooks import Hooks, local, named_modules, named_parameters, unwrap
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.model_view import local, named_modules, named_parameters, unwrap
 
 
 @dataclass(frozen=True)

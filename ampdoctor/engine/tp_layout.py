@@ -26,7 +26,7 @@ from torch import nn
 
 from ampdoctor.engine.shards import _is_dtensor
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 STYLES = ("ColwiseParallel", "RowwiseParallel")
 """The parallelize styles a replay rebuilds."""

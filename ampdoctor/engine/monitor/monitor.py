@@ -44,7 +44,8 @@ from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
 from ampdoctor.report.scaler import ScaleDiagnosis
-from ampdoctor.watch.hooks import Hooks, unwrap
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.model_view import unwrap
 from ampdoctor.watch.ring import DEFAULT_STEPS
 from ampdoctor.watch.steplog import Mode, StepLogWriter
 from ampdoctor.watch.tap import ForwardTap
