@@ -21,7 +21,8 @@ from ampdoctor.judge.log_digest import LogDigest
 from ampdoctor.render.scaler_plot import scaler_png
 from ampdoctor.render.scaler_text import MAX_LEDGER_ROWS, indent, print_digest
 from ampdoctor.report.scaler import worded
-from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStream, read_step_log
+from ampdoctor.watch.steplog import COLUMNS
+from ampdoctor.watch.steplog_read import NotStreamable, StepLog, StepLogStream, read_step_log
 
 
 @boundary
