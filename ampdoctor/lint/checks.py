@@ -10,25 +10,21 @@ import ast
 from collections.abc import Callable, Iterator
 from functools import cached_property
 
-from ampdoctor.lint.flow import (
+from ampdoctor.lint.events import Event, Events, exclusive, reachable
+from ampdoctor.lint.flow import FileFacts, Func
+from ampdoctor.lint.syntax import (
     CLIP_FUNCS,
     EPS_OPTIMIZERS,
-    Event,
-    Events,
-    FileFacts,
-    Func,
     arg,
     call_name,
     casts_to_float,
     device_literal,
     dotted,
-    exclusive,
     fp16_dtype,
     last,
     method,
     names_in,
     number,
-    reachable,
     root_of,
 )
 
