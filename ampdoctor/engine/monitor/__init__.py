@@ -88,12 +88,13 @@ from ampdoctor.engine.monitor.sentinel import Sentinel
 from ampdoctor.engine.ranks import RankExchange, rank_path
 from ampdoctor.engine.ring import SPIKE_WINDOW, Lookback
 from ampdoctor.engine.shards import Shards
-from ampdoctor.engine.step import Measured, Precision, TrainStep
+from ampdoctor.engine.step import Measured, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.input.batches import Micro, as_micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
+from ampdoctor.ladder import Rung
 from ampdoctor.notify import alert, say
 from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
@@ -381,7 +382,7 @@ class Monitor:
         self.hooks = Hooks(self.model, BF16 if amp == torch.bfloat16 else FP16, activations=cfg.activations,
                            params=cfg.weights, every=cfg.every)
         self.recipe = TrainStep(self.model, self.optimizer, self.scaler, hooks=self.hooks, max_norm=cfg.max_norm,
-                                precision=Precision.for_autocast(amp, self.scaler is not None),
+                                precision=Rung.for_autocast(amp, self.scaler is not None),
                                 sentinel=self.hooks.fmt.max if cfg.mode == "sentinel" else None)
         """The step recipe the monitor runs (the same one ``ampdoctor triage`` runs)."""
         self.driver = Driver(self.recipe)
