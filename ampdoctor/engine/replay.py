@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
-from ampdoctor.engine.step import Precision
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.capture_schema import (
@@ -32,6 +31,7 @@ from ampdoctor.input.capture_schema import (
     validate_state,
 )
 from ampdoctor.input.resume import StartState
+from ampdoctor.ladder import registered, rung
 from ampdoctor.watch.model_view import unwrap, user_name
 
 
@@ -78,10 +78,10 @@ class Captured:
 
     @property
     def precision(self) -> str:
-        """The run's own precision as the triage stage that replays it (``Precision.for_stage``): amp | bf16 | fp32,
+        """The run's own precision as the triage stage that replays it (``ladder.rung``): amp | bf16 | fp32,
         what the Monitor saw (an FP16 autocast without a GradScaler, ``fp16_autocast``, replays as amp)."""
         p = str(self.manifest.get("precision", "amp"))
-        return p if p in Precision.STAGES and Precision.for_stage(p).weights == torch.float32 else "amp"
+        return p if p in registered() and not rung(p).low_weights else "amp"
 
 
 def _load(path: Path, name: str) -> Any:

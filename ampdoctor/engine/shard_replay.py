@@ -338,7 +338,7 @@ class _Rank:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.tensor import DTensor
 
-        from ampdoctor.engine.step import make_optimizer
+        from ampdoctor.engine.forward import make_optimizer
         from ampdoctor.watch.model_view import local, user_name
 
         opt = make_optimizer(self.build_optimizer, model)
@@ -365,8 +365,8 @@ class _Rank:
         exchange's first fault."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+        from ampdoctor.engine.forward import batch_loss
         from ampdoctor.engine.monitor import Monitor
-        from ampdoctor.engine.step import batch_loss
         from ampdoctor.input.batches import micro_batches, to_device
 
         model = self.model(stage)

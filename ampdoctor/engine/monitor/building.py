@@ -17,8 +17,9 @@ from ampdoctor.engine.monitor.records import CAPTURE_COLUMNS, EXTRA_COLUMNS, RAN
 from ampdoctor.engine.monitor.sentinel import Sentinel
 from ampdoctor.engine.ranks import rank_path
 from ampdoctor.engine.shards import Shards
-from ampdoctor.engine.step import Precision, TrainStep
+from ampdoctor.engine.step import TrainStep
 from ampdoctor.formats import BF16, FP16
+from ampdoctor.ladder import Rung
 from ampdoctor.notify import alert, say
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.fused import start_build
@@ -72,7 +73,7 @@ def build_recipe(mon: Monitor) -> None:
     mon.hooks = Hooks(mon.model, BF16 if amp == torch.bfloat16 else FP16, activations=cfg.activations,
                       params=cfg.weights, every=cfg.every)
     mon.recipe = TrainStep(mon.model, mon.optimizer, mon.scaler, hooks=mon.hooks, max_norm=cfg.max_norm,
-                           precision=Precision.for_autocast(amp, mon.scaler is not None),
+                           precision=Rung.for_autocast(amp, mon.scaler is not None),
                            sentinel=mon.hooks.fmt.max if cfg.mode == "sentinel" else None)
     mon.driver = Driver(mon.recipe)
     mon._params = mon.recipe.params
