@@ -4,15 +4,15 @@ step's exchange, recorded in a capture, reassembled on one process and rebuilt o
 An *engine* is one way a model's state is spread over ranks: DDP (whole replicas), FSDP2 (``fully_shard``),
 FSDP1 (``FullyShardedDataParallel``), tensor parallelism (DTensor placements from ``parallelize_module``),
 DeepSpeed ZeRO, and the 2-D meshes (FSDP2 x tensor parallelism, HSDP). Each is one module of
-``ampdoctor.parallel`` holding one object that satisfies ``Engine``; the registry (``ampdoctor.parallel``'s
+``ampdoctor.parallel`` holding one object that satisfies ``Engine``; the registry (``parallel.registry``:
 ``engines()``, ``engine_of(model)``, ``named(name)``) finds it. Adding an engine is adding one module.
 
 The five verbs, in the order a run meets them:
 
-1. **read** (every step, no collective): ``holds`` says the engine holds a model; ``problem`` why its layout
-   cannot be reduced correctly (the Monitor then turns off with one line); ``counts`` whether this rank's piece
-   of a parameter counts in the sums (a replica counts on one rank only, so replicated parameters count once);
-   ``piece`` where this rank's piece of a tensor sits in the whole one.
+1. **read** (once, no collective): ``holds`` says the engine holds a model; ``read`` gives this rank's
+   ``Reader``: ``problem``, why its layout cannot be reduced correctly (the Monitor then turns off with one
+   line); ``counts``, whether this rank's piece of a parameter counts in the sums (a replica counts on one rank
+   only, so replicated parameters count once); ``piece``, where this rank's piece of a tensor sits in the whole.
 2. **reduce** in the exchange: what the ranks add up is generic (``parallel.pieces.Shards``: each parameter's
    sum of squares, the recorded rows' counts by SUM, absmax and smallest non-zero by MAX, in the collective the
    ranks' exchange, ``parallel.exchange.RankExchange``, runs anyway); the engine says which pieces count
@@ -26,8 +26,8 @@ The five verbs, in the order a run meets them:
    layout entry (``parallel.pieces.assemble`` for blocks and flat slices; an engine with other pieces has its
    own).
 5. **rebuild** on N processes (``triage --from CAP --nproc N``): ``refusal`` says why a recorded layout cannot
-   be rebuilt (one line's fragment), ``rebuild`` lays the spec's model out as recorded on a device mesh, and
-   ``grad_scaler`` is the scaler class a replay of its mixed precision uses.
+   be rebuilt (one line's fragment), ``device_mesh`` builds the recorded mesh, ``rebuild`` lays the spec's model
+   out as recorded on it, and ``grad_scaler`` is the scaler class a replay of its mixed precision uses.
 
 Everything here reads what the engine already built; nothing writes to a parameter, a gradient, the optimizer
 or the scaler (``docs/do-no-harm.md``).
@@ -35,6 +35,7 @@ or the scaler (``docs/do-no-harm.md``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,6 +43,27 @@ from torch import nn
 
 Piece = tuple[torch.Tensor, dict[str, Any]]
 """One rank's piece of a tensor and its layout entry (``Engine.piece``)."""
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """One rank's pieces of one model under one engine (``Engine.read``): what the exchange reduces and what a
+    capture records. Read off the model once; no collective."""
+
+    problem: str | None
+    """Why this layout cannot be reduced correctly (a fragment: "a 2-D device mesh (2, 2) (...)"), or None. The
+    Monitor turns off with one line naming it."""
+
+    def counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank's piece of ``p`` counts in the SUM of the exchange: True for a shard, True on exactly
+        one rank for a replica (``Replicate`` placement, a plain parameter, FSDP1's ``NO_SHARD``)."""
+        ...
+
+    def piece(self, t: torch.Tensor) -> dict[str, Any]:
+        """Where this rank's piece of ``t`` (a parameter or buffer) sits in the whole tensor, plain JSON:
+        ``{"shape": [...], "offset": [...]}`` (a block; a replica is the whole tensor at offset 0) or
+        ``{"shape": [...], "flat": k}`` (elements ``k..`` of the flattened tensor)."""
+        ...
 
 
 @runtime_checkable
@@ -72,20 +94,9 @@ class Engine(Protocol):
         off its module classes and parameter types: no collective."""
         ...
 
-    def problem(self, model: nn.Module, params: list[torch.Tensor], rank: int, world: int) -> str | None:
-        """Why this layout cannot be reduced correctly across ``world`` ranks (a fragment: "a 2-D device mesh
-        (2, 2) (...)"), or None. The Monitor turns off with one line naming it."""
-        ...
-
-    def counts(self, p: torch.Tensor, rank: int, world: int) -> bool:
-        """Whether this rank's piece of ``p`` counts in the SUM of the exchange: True for a shard, True on exactly
-        one rank for a replica (``Replicate`` placement, a plain parameter, FSDP1's ``NO_SHARD``)."""
-        ...
-
-    def piece(self, t: torch.Tensor) -> dict[str, Any]:
-        """Where this rank's piece of ``t`` (a parameter or buffer) sits in the whole tensor, plain JSON:
-        ``{"shape": [...], "offset": [...]}`` (a block; a replica is the whole tensor at offset 0) or
-        ``{"shape": [...], "flat": k}`` (elements ``k..`` of the flattened tensor)."""
+    def read(self, model: nn.Module, params: Sequence[torch.Tensor], rank: int, world: int) -> Reader:
+        """This rank's pieces of ``model`` (``params``: the optimizer's parameters), read once when the Monitor
+        starts: no collective."""
         ...
 
     # 3. record -------------------------------------------------------------------------------------------
@@ -107,6 +118,11 @@ class Engine(Protocol):
         """Why a replay cannot rebuild this recorded ``recipe`` (a fragment of one line), or None when it can."""
         ...
 
+    def device_mesh(self, rec: dict[str, Any]) -> Any:
+        """The DeviceMesh of the recorded shape (``rec["mesh"]``, with its dimension names) on the CPU, built by every
+        rank of a replay (its process groups are collectives: every rank calls it, first)."""
+        ...
+
     def rebuild(self, model: nn.Module, rec: dict[str, Any], mesh: Any, low: bool) -> nn.Module:
         """The spec's fresh ``model`` laid out as ``rec`` records, on ``mesh`` (a DeviceMesh of the recorded
         shape); ``low``: with the run's mixed-precision policy (the run's precision), else none (FP32). Returns
@@ -120,4 +136,4 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine", "Piece"]
+__all__ = ["Engine", "Piece", "Reader"]
