@@ -226,7 +226,7 @@ class StepRecord:
     """Under torch.distributed: this process's rank."""
     ranks: Any = None
     """Under torch.distributed: the ranks that saw a non-finite value at this step, the same on every rank
-    (an ``engine.ranks.RankView``)."""
+    (an ``parallel.exchange.RankView``)."""
     capture_held: int | None = None
     """With a capture armed: the host bytes it holds after this step."""
     step_convention: str | None = None

@@ -19,8 +19,8 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
-from ampdoctor.engine.ranks import RankExchange, RankView, parse_column, rank_path
 from ampdoctor.engine.replay import read_capture
+from ampdoctor.parallel.exchange import RankExchange, RankView, parse_column, rank_path
 from ampdoctor.watch.steplog import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -69,6 +69,8 @@ from ampdoctor.input.capture_schema import (
 )
 from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
 from ampdoctor.notify import say, shown_path, warn_user
+from ampdoctor.parallel.pieces import _is_dtensor
+from ampdoctor.parallel.registry import engine_of, sharded_engine
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
@@ -129,25 +131,6 @@ def nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(nbytes(v) for v in obj)
     return 0
-
-
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def sharded_engine(model: nn.Module) -> str | None:
-    """Which sharding engine holds the model's parameters: ``"fsdp1"`` (``FullyShardedDataParallel``
-    modules), ``"fsdp2"`` (``fully_shard``: DTensor parameters on an ``FSDPModule``), ``"tensor_parallel"``
-    (DTensor parameters otherwise), ``"deepspeed"`` (a ``DeepSpeedEngine``), or None (one process's
-    whole model, DDP included)."""
-    kinds = {type(m).__name__ for m in model.modules()}
-    if "DeepSpeedEngine" in kinds:
-        return "deepspeed"
-    if "FullyShardedDataParallel" in kinds:
-        return "fsdp1"
-    if any(_is_dtensor(p) for p in model.parameters()):
-        return "fsdp2" if any(k.startswith("FSDP") for k in kinds) else "tensor_parallel"
-    return None
 
 
 def local_state(model: nn.Module) -> dict[str, Any]:
@@ -502,10 +485,10 @@ class Capture:
     quiet: bool = False
     """``Monitor(quiet=True)``: nothing on the default stderr handler (see ``ampdoctor.notify``)."""
     sharded: str | None = None
-    """The sharding engine of the model (``sharded_engine``): the capture then holds this rank's shard."""
+    """The sharding engine of the model (``parallel.registry.sharded_engine``): the capture then holds this rank's shard."""
     layout: dict[str, Any] | None = None
     """Under a sharding engine: where each tensor of this rank's state sits in the whole one
-    (``engine.shards.Shards.layout``), written to the manifest so the ranks' captures are reassembled."""
+    (``parallel.pieces.Shards.layout``), written to the manifest so the ranks' captures are reassembled."""
     hold_bytes: int = 0
     """What the capture may hold on the host between snapshots (the snapshot and the batches since): 0 means
     ``default_hold_bytes(max_bytes)``. Past it a snapshot is taken early, so the held batches restart."""
@@ -866,15 +849,11 @@ def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> lis
 
 
 def _recipe(model: nn.Module) -> dict[str, Any] | None:
-    """How the engine sharded the model (FSDP2: ``engine.shards.recipe``; tensor parallelism:
-    ``engine.tp_layout.recipe``; FSDP1: ``engine.fsdp1_layout.recipe``), for a replay under the same layout; None
-    when it is not known (the capture is written all the same, and reassembles on one process)."""
-    from ampdoctor.engine import fsdp1_layout, tp_layout
-    from ampdoctor.engine.shards import recipe
-
-    other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
+    """How the engine sharded the model (its ``parallel.protocol.Engine.recipe``), for a replay under the same
+    layout; None when it is not known (the capture is written all the same, and reassembles on one process)."""
     try:
-        return recipe(model) or (other(model) if other is not None else None)
+        eng = engine_of(unwrap(model))
+        return eng.recipe(model) if eng is not None else None
     except Exception:
         return None
 

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from ampdoctor.engine.replay import Captured, StartState, read_rank
-from ampdoctor.engine.shards import assemble, claimed_shape
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.capture_schema import SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
+from ampdoctor.parallel.pieces import assemble, claimed_shape
 
 MANIFEST = "manifest.json"
 _RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")

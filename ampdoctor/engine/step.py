@@ -32,13 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
-from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import UNKNOWN_TARGET, KeyedLoss, cast_floating, filter_kwargs, split
 from ampdoctor.input.loss import is_loss, loss_candidate, model_loss
 from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
+from ampdoctor.parallel.exchange import SLOTS, RankExchange, RankView
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.fused import fused_norms
@@ -225,7 +225,7 @@ class Measured:
     tripped: bool = False
     """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
     ranks: RankView | None = None
-    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``engine.ranks``)."""
+    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``parallel.exchange``)."""
     will_skip: bool | None = None
     """What the step will do: with a GradScaler where the caller steps, GradScaler's own verdict (its
     found-inf flags: a non-finite loss with finite gradients is applied); else ``skip``."""

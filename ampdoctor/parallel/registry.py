@@ -35,9 +35,16 @@ def engine_of(model: nn.Module) -> Engine | None:
     return next((e for e in engines() if e.holds(model)), None)
 
 
+def sharded_engine(model: nn.Module) -> str | None:
+    """The name of the engine holding ``model``'s parameters in pieces (``"fsdp1"``, ``"fsdp2"``,
+    ``"tensor_parallel"``, ``"deepspeed"``...), or None (one process's whole model, DDP included)."""
+    eng = engine_of(model)
+    return eng.name if eng is not None and eng.sharded else None
+
+
 def named(name: str) -> Engine | None:
     """The engine a manifest names (``shards.recipe["engine"]``), or None for a name no module defines."""
     return next((e for e in engines() if e.name == name), None)
 
 
-__all__ = ["engine_of", "engines", "named"]
+__all__ = ["engine_of", "engines", "named", "sharded_engine"]

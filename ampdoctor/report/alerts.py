@@ -29,11 +29,11 @@ from ampdoctor.report.words.monitor import (
 
 @dataclass(frozen=True)
 class FirstRank:
-    """The rank that went non-finite first at a step (``engine.ranks.RankView.first``), and what the others did."""
+    """The rank that went non-finite first at a step (``parallel.exchange.RankView.first``), and what the others did."""
 
     rank: int
     kind: str
-    """input | forward | loss | backward | grad (``engine.ranks.KINDS``)."""
+    """input | forward | loss | backward | grad (``parallel.exchange.KINDS``)."""
     module: str | None
     others_clean: bool
     spread: bool = False

@@ -60,7 +60,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger, sharded_engine
+from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger
 from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
 from ampdoctor.engine.monitor import alerts, capturing, exchange, figures, history, lookback, saving, skips
 from ampdoctor.engine.monitor.alerts import Rates
@@ -85,9 +85,7 @@ from ampdoctor.engine.monitor.records import (
     _Unreadable,
 )
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.engine.ranks import RankExchange, rank_path
 from ampdoctor.engine.ring import SPIKE_WINDOW, Lookback
-from ampdoctor.engine.shards import Shards
 from ampdoctor.engine.step import Measured, Precision, TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.formats import BF16, FP16
@@ -95,6 +93,9 @@ from ampdoctor.input.batches import Micro, as_micro
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
 from ampdoctor.notify import alert, say
+from ampdoctor.parallel.exchange import RankExchange, rank_path
+from ampdoctor.parallel.pieces import Shards
+from ampdoctor.parallel.registry import sharded_engine
 from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
 from ampdoctor.report.scaler import ScaleDiagnosis
@@ -334,7 +335,7 @@ class Monitor:
         self.history = History()
         """Every skip and every change of scale (``history.History``)."""
         self.engine = sharded_engine(unwrap(model))
-        """The sharding engine holding the model (``engine.capture.sharded_engine``), None for a whole model."""
+        """The sharding engine holding the model (``parallel.registry.sharded_engine``), None for a whole model."""
         self.figures, self.saves, self._on_record_failed = figures.Figures(self), saving.Saves(), False
         """The tracker figures (``figures``), the save-time check's record (``saving``)."""
 
@@ -391,7 +392,7 @@ class Monitor:
         self.sentinel = Sentinel(cfg, self.hooks, self.recipe)
 
     def _build_shards(self) -> None:
-        """A sharding engine's pieces (``engine.shards``): norms and rows reduced across the ranks."""
+        """A sharding engine's pieces (``parallel.pieces``): norms and rows reduced across the ranks."""
         assert self.engine is not None
         rx = self.ranks
         rank, world = (rx.rank, rx.world) if rx is not None else exchange.dist_rank()
