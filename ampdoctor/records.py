@@ -221,7 +221,7 @@ class StepRecord:
     """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
     ``full_after`` steps are recorded in full)."""
     capture: str = ""
-    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
+    """The capture folder written at this step ('' if none; see ``ampdoctor.capture``)."""
     rank: int | None = None
     """Under torch.distributed: this process's rank."""
     ranks: Any = None

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.engine.shard_capture import reassemble
+from ampdoctor.capture.read import read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.parallel.exchange import parse_column
 from ampdoctor.watch.steplog import read_step_log
 

@@ -81,8 +81,8 @@ class RankReplay:
 
 # the checks, before any process starts ----------------------------------------------------------------
 def _manifest(cap: Path) -> tuple[dict[str, Any], dict[int, Path]]:
-    from ampdoctor.engine.replay import rank_captures
-    from ampdoctor.input.capture_schema import read_manifest
+    from ampdoctor.capture.rank_folders import rank_captures
+    from ampdoctor.capture.schema import read_manifest
 
     group = rank_captures(cap)
     first = group.get(0) or next(iter(group.values()), None)
@@ -123,7 +123,7 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         missing = sorted(set(range(world)) - set(group))
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
-    from ampdoctor.engine.shard_capture import check_pieces
+    from ampdoctor.capture.reassemble import check_pieces
 
     check_pieces(cap, group)  # one run, every piece where its manifest says: one line now, not a rank's later
     return m, group
@@ -282,7 +282,8 @@ class _Rank:
     """One rank's replay: its capture, the spec, and the recorded recipe."""
 
     def __init__(self, rank: int, spec_path: str, names: tuple[str, ...] | None, folder: Path, mesh: Any) -> None:
-        from ampdoctor.engine.replay import layout_optimizer, read_rank
+        from ampdoctor.capture.folder import read_rank
+        from ampdoctor.capture.read import layout_optimizer
         from ampdoctor.input.spec import SpecNames, importable, load_spec
 
         self.rank = rank

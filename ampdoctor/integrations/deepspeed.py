@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import Capture, host_copy
+from ampdoctor.capture.state import host_copy
+from ampdoctor.capture.write import Capture
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating
@@ -195,7 +196,7 @@ class _RankCapture(Capture):
         return super().write(trig, extra=extra, **kw)
 
     def replay_hint(self) -> str:
-        from ampdoctor.engine.capture import spec_hint
+        from ampdoctor.capture.state import spec_hint
 
         return deepspeed_replay_hint(self.written, spec_hint() or "SPEC.py")
 

@@ -44,7 +44,7 @@ since PyTorch 1.6.
 The monitor is this package's core (this module: the ``Monitor`` class and its public methods) and one
 module per job: ``config`` (``MonitorConfig``: the keyword arguments, validated), ``records`` (the step's
 record, its log columns, the warnings and errors), ``alerts`` (the skip rate, the first failure), ``injection``,
-``sentinel`` (sentinel mode, the warm-up), ``capturing`` (the calls into ``engine.capture``), ``exchange`` (the
+``sentinel`` (sentinel mode, the warm-up), ``capturing`` (the calls into ``capture.write``), ``exchange`` (the
 distributed first fault), ``lookback`` (the ring) and ``history`` (skips, scales, ``state_dict``).
 """
 
@@ -60,7 +60,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger
+from ampdoctor.capture.trigger import FailingStep, Trigger
+from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
 from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
 from ampdoctor.engine.monitor import alerts, capturing, exchange, figures, history, lookback, saving, skips
 from ampdoctor.engine.monitor.alerts import Rates
@@ -193,7 +194,7 @@ class Monitor:
             rank saw it locally); ``"all"``: every rank writes its own.
         capture_on: ``"failure"``: the capture, the first-failure message and the skip-rate alert leave
             out GradScaler's normal skips (calibration, growth probes, back-offs the scale explains; see
-            ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
+            ``capture.trigger.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
         step_convention: what the step numbers count (``STEP_CONVENTIONS``; the framework integrations set
@@ -307,7 +308,7 @@ class Monitor:
         self.first_fault: FirstFault | None = None
         """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         self.first_failure: tuple[int, str] | None = None
-        """(step, reason) of the run's first failing step (see ``engine.capture.FailingStep``)."""
+        """(step, reason) of the run's first failing step (see ``capture.trigger.FailingStep``)."""
         self.last: MonitorRecord | None = None
         self._pending: _Pending | None = None
         self._closed = False
@@ -464,7 +465,7 @@ class Monitor:
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
         steps skipped, GradScaler's calibration not counted (its back-offs are: skips that waste a share of the
-        steps are a failure however the scale explains them; see ``engine.capture.FailingStep``)."""
+        steps are a failure however the scale explains them; see ``capture.trigger.FailingStep``)."""
         return self.rates.counted_rate
 
     @property
@@ -842,7 +843,7 @@ class Monitor:
                            step_convention=self.step_convention)
 
     def _judge_failure(self, rec: MonitorRecord, pend: _Pending, spike: Any) -> None:
-        """Whether the step failed (``engine.capture.FailingStep``: a skip judged by what the gradients did): the run's
+        """Whether the step failed (``capture.trigger.FailingStep``: a skip judged by what the gradients did): the run's
         first failure is said once, with the folder its capture went to; the capture is written at the first trigger
         (a provisional one leaves it armed); a later run of skips judged a failure is said once (``skips``)."""
         m = pend.m
