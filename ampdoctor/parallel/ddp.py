@@ -18,13 +18,16 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, assemble, module_kinds, world_mesh
+from ampdoctor.parallel.protocol import Engine
 
 
 class Ddp:
     """DDP, the engine (``parallel.protocol.Engine``)."""
 
     name = "ddp"
+    label = "DDP (DistributedDataParallel)"
     sharded = False
+    monitored = True
     priority = 0
     shares_batch = False
     casts_inputs = False
@@ -54,6 +57,6 @@ class Ddp:
         return torch.amp.GradScaler  # DDP's ranks' gradients agree after its all-reduce
 
 
-ENGINE = Ddp()
+ENGINE: Engine = Ddp()
 
 __all__ = ["ENGINE", "Ddp"]

@@ -20,6 +20,7 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, assemble, module_kinds, world_mesh
+from ampdoctor.parallel.protocol import Engine
 
 
 def torch_class(inner: Any) -> type[torch.optim.Optimizer]:
@@ -153,7 +154,9 @@ class DeepSpeed:
     """DeepSpeed ZeRO, the engine (``parallel.protocol.Engine``)."""
 
     name = "deepspeed"
+    label = "DeepSpeed"
     sharded = True
+    monitored = False
     priority = 40
     shares_batch = False
     casts_inputs = False
@@ -183,6 +186,6 @@ class DeepSpeed:
         return torch.amp.GradScaler
 
 
-ENGINE = DeepSpeed()
+ENGINE: Engine = DeepSpeed()
 
 __all__ = ["ENGINE", "DeepSpeed", "Layout", "Reader", "fragment", "layout_optimizer", "torch_class"]

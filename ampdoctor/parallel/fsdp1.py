@@ -21,6 +21,7 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, _dtype_name, assemble, module_kinds, world_mesh
+from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import unwrap, user_name
 
 STRATEGIES = ("FULL_SHARD",)
@@ -132,7 +133,9 @@ class Fsdp1:
     """FSDP1 (``FullyShardedDataParallel`` modules), the engine (``parallel.protocol.Engine``)."""
 
     name = "fsdp1"
+    label = "FSDP1 (FullyShardedDataParallel)"
     sharded = True
+    monitored = True
     priority = 30
     shares_batch = False
     casts_inputs = True
@@ -158,6 +161,6 @@ class Fsdp1:
         return ShardedGradScaler
 
 
-ENGINE = Fsdp1()
+ENGINE: Engine = Fsdp1()
 
 __all__ = ["ENGINE", "STRATEGIES", "Fsdp1", "Reader", "rebuild", "recipe", "refusal"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, _dtype_name, _is_dtensor, assemble, dtensor_holds, module_kinds, world_mesh
+from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
 
 
@@ -67,7 +68,9 @@ class Fsdp2:
     """FSDP2, the engine (``parallel.protocol.Engine``)."""
 
     name = "fsdp2"
+    label = "FSDP2 (fully_shard)"
     sharded = True
+    monitored = True
     priority = 20
     shares_batch = False
     casts_inputs = True
@@ -95,6 +98,6 @@ class Fsdp2:
         return ShardedGradScaler
 
 
-ENGINE = Fsdp2()
+ENGINE: Engine = Fsdp2()
 
 __all__ = ["ENGINE", "Fsdp2", "rebuild", "recipe"]

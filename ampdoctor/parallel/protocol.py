@@ -73,9 +73,14 @@ class Engine(Protocol):
     name: str
     """The engine's name in the manifest (``sharded``, ``shards.recipe["engine"]``) and in the Monitor:
     ``"ddp"``, ``"fsdp2"``, ``"fsdp1"``, ``"tensor_parallel"``, ``"deepspeed"``..."""
+    label: str
+    """The engine in a message's words: ``"FSDP2 (fully_shard)"``."""
     sharded: bool
     """True when a rank holds pieces of the model (its capture holds its pieces, reassembled on one process);
     False for whole replicas (DDP: each rank's capture is a whole one)."""
+    monitored: bool
+    """The Monitor reduces this engine's pieces itself (``parallel.pieces.Shards``); False: a plain Monitor turns off
+    on it with one warning (DeepSpeed: its own integration, ``integrations.deepspeed``, reads it)."""
     priority: int
     """The registry asks engines with a higher priority first (a 2-D mesh engine before FSDP2 and tensor
     parallelism, which would otherwise claim its parameters)."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, _is_dtensor, assemble, dtensor_holds, world_mesh
+from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
 
 STYLES = ("ColwiseParallel", "RowwiseParallel")
@@ -160,7 +161,9 @@ class TensorParallel:
     """Tensor parallelism, the engine (``parallel.protocol.Engine``)."""
 
     name = "tensor_parallel"
+    label = "tensor parallelism (DTensor parameters)"
     sharded = True
+    monitored = True
     priority = 10
     shares_batch = True
     casts_inputs = False
@@ -184,7 +187,7 @@ class TensorParallel:
         return torch.amp.GradScaler  # the ranks' gradients agree: a plain GradScaler
 
 
-ENGINE = TensorParallel()
+ENGINE: Engine = TensorParallel()
 
 
 __all__ = ["ENGINE", "STYLES", "TensorParallel", "placement", "placement_code", "rebuild", "recipe", "refusal"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ampdoctor.engine.step import Measured
 from ampdoctor.errors import AmpDoctorError
+from ampdoctor.parallel.registry import engines
 from ampdoctor.records import StepRecord
 from ampdoctor.report.alerts import first_fault
 
@@ -49,16 +50,11 @@ class MonitorOffWarning(UserWarning):
     itself off and the training goes on without it."""
 
 
-UNSUPPORTED = {
-    "deepspeed": "DeepSpeed",
-}
-"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning."""
-SHARDED = {
-    "fsdp1": "FSDP1 (FullyShardedDataParallel)",
-    "fsdp2": "FSDP2 (fully_shard)",
-    "tensor_parallel": "tensor parallelism (DTensor parameters)",
-}
-"""Sharding engines read through their pieces (``parallel.pieces``): norms and rows reduced across the ranks."""
+UNSUPPORTED = {e.name: e.label for e in engines() if e.sharded and not e.monitored}
+"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning (DeepSpeed)."""
+SHARDED = {e.name: e.label for e in engines() if e.sharded and e.monitored}
+"""Sharding engines read through their pieces (``parallel.pieces``): norms and rows reduced across the ranks (every
+engine module of ``ampdoctor.parallel`` that says so: ``parallel.protocol.Engine.monitored``)."""
 
 
 class _Unreadable(Exception):
