@@ -4,6 +4,7 @@ behind one protocol; the capture's own list of replayable precisions equal to th
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import grimp
 import pytest
@@ -87,6 +88,49 @@ def test_every_engine_module_is_found_and_implements_the_protocol() -> None:
         assert registry.named(e.name) is e
         assert isinstance(e.read(nn.Linear(2, 2), [], 0, 2), Reader)
     assert registry.named("pipeline") is None
+
+
+ONE_MODULE = '''
+from torch import nn
+
+from ampdoctor.parallel import ddp
+
+
+class Pipeline(ddp.Ddp):
+    name = "pipeline_test"
+    label = "a pipeline (a test's engine)"
+    sharded = True
+    priority = 99
+
+    def holds(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "Stage"
+
+
+ENGINE = Pipeline()
+'''
+
+
+def test_adding_an_engine_is_adding_one_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ampdoctor.parallel as pkg
+
+    (tmp_path / "pipeline_test.py").write_text(ONE_MODULE)
+    monkeypatch.setattr(pkg, "__path__", [*pkg.__path__, str(tmp_path)])
+    registry.engines.cache_clear()
+    try:
+        found = registry.engines()
+        assert found[0].name == "pipeline_test" and isinstance(found[0], Engine)  # the highest priority asks first
+
+        class Stage(nn.Linear):
+            pass
+
+        assert registry.sharded_engine(Stage(2, 2)) == "pipeline_test"
+        assert registry.sharded_engine(nn.Linear(2, 2)) is None
+        assert registry.named("pipeline_test") is found[0]
+    finally:
+        monkeypatch.undo()
+        registry.engines.cache_clear()
+        sys.modules.pop("ampdoctor.parallel.pipeline_test", None)
+    assert registry.named("pipeline_test") is None
 
 
 def test_a_plain_model_has_no_engine_and_a_replica_counts_once() -> None:

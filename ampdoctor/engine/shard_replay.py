@@ -38,6 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.capture.folder import read_rank
+from ampdoctor.capture.rank_folders import rank_captures
+from ampdoctor.capture.read import layout_optimizer
+from ampdoctor.capture.reassemble import check_pieces
+from ampdoctor.capture.schema import MANIFEST, read_manifest
 from ampdoctor.errors import CaptureError, UsageError
 from ampdoctor.parallel.protocol import Engine
 from ampdoctor.parallel.registry import named
@@ -81,9 +86,6 @@ class RankReplay:
 
 # the checks, before any process starts ----------------------------------------------------------------
 def _manifest(cap: Path) -> tuple[dict[str, Any], dict[int, Path]]:
-    from ampdoctor.capture.rank_folders import rank_captures
-    from ampdoctor.capture.schema import read_manifest
-
     group = rank_captures(cap)
     first = group.get(0) or next(iter(group.values()), None)
     if first is None:
@@ -123,8 +125,6 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         missing = sorted(set(range(world)) - set(group))
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
-    from ampdoctor.capture.reassemble import check_pieces
-
     check_pieces(cap, group)  # one run, every piece where its manifest says: one line now, not a rank's later
     return m, group
 
@@ -181,7 +181,7 @@ def replay_ranks(spec_path: str | Path | None, capture: str | Path, nproc: int, 
     out = Path(tempfile.mkdtemp(prefix="ampdoctor-ranks-"))
     try:  # the ranks' results folder goes on every way out: an error, a rank's failure, Ctrl-C
         args = (nproc, _free_port(), str(spec_path), astuple(names) if names is not None else None,
-                [str(group[r]) for r in range(nproc)], str(out), json.dumps(m["shards"]["recipe"]))
+                [str(group[r]) for r in range(nproc)], str(out))
         ctx = mp.start_processes(_worker, args=args, nprocs=nproc, join=False, start_method="spawn")
         failed = _wait(ctx, timeout_s)
         results = {r: json.loads(f.read_text()) for r in range(nproc) if (f := out / f"rank{r}.json").is_file()}
@@ -229,7 +229,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, ...] | None, folders: list[str],
-            out: str, recipe: str) -> None:
+            out: str) -> None:
     """One rank (a spawned process): set up, agree with the others, replay, write ``OUT/rank<r>.json``."""
     import torch.distributed as dist
 
@@ -240,7 +240,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
     res: dict[str, Any] = {}
     try:
         try:  # every rank, first: the mesh (its process groups are collectives)
-            rec = json.loads(recipe)
+            rec = read_manifest(Path(folders[rank]) / MANIFEST)["shards"]["recipe"]  # (check: every rank's is the run's)
             mesh = _engine(rec).device_mesh(rec)
         except Exception as e:
             res["error"] = _line(e)
@@ -282,8 +282,6 @@ class _Rank:
     """One rank's replay: its capture, the spec, and the recorded recipe."""
 
     def __init__(self, rank: int, spec_path: str, names: tuple[str, ...] | None, folder: Path, mesh: Any) -> None:
-        from ampdoctor.capture.folder import read_rank
-        from ampdoctor.capture.read import layout_optimizer
         from ampdoctor.input.spec import SpecNames, importable, load_spec
 
         self.rank = rank
