@@ -13,7 +13,7 @@ from typing import Any
 from ampdoctor.capture.schema import MANIFEST, read_manifest
 from ampdoctor.errors import CaptureError
 
-_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")
+RANK_FOLDER = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")
 """``<base>.rank<N>``, or ``<base>.rank<N>-<k>``: the numbered name a capture takes when its own is taken (a second
 job capturing under the same name into the same folder, ``capture.write.free_path``)."""
 
@@ -22,7 +22,7 @@ def _candidates(folder: Path, base: str) -> dict[int, list[Path]]:
     """Every rank's capture folders named ``<base>.rank<N>[-<k>]`` in ``folder``, by rank (unnumbered first)."""
     out: dict[int, list[Path]] = {}
     for q in sorted(folder.glob(f"{glob.escape(base)}.rank*"), key=lambda q: (len(q.name), q.name)):
-        mm = _RANK.match(q.name)
+        mm = RANK_FOLDER.match(q.name)
         if mm is not None and mm.group("base") == base and (q / MANIFEST).is_file():
             out.setdefault(int(mm.group("rank")), []).append(q)
     return out
@@ -35,7 +35,7 @@ def identity(m: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
 
 def _suffix(q: Path) -> str:
-    mm = _RANK.match(q.name)
+    mm = RANK_FOLDER.match(q.name)
     return (mm.group("n") or "") if mm else ""
 
 
@@ -57,7 +57,7 @@ def group_of(p: Path) -> dict[int, Path]:
     """The per-rank folders of the step ``p`` names (``p`` one of them, or the ``capture=`` name the run was given):
     by rank, the folder of the same run and step (its manifest's ``run_id``), a second job's numbered folders
     (``cap.rank0-1``, ``cap.rank1-1``) grouped together."""
-    m = _RANK.match(p.name)
+    m = RANK_FOLDER.match(p.name)
     base = m.group("base") if m else p.name
     suffix = (m.group("n") or "") if m else ""
     found = _candidates(p.parent, base)
@@ -72,7 +72,7 @@ def group_of(p: Path) -> dict[int, Path]:
 def rank_folders(p: Path) -> dict[int, Path]:
     """The per-rank capture folders of one sharded step (``group_of``), when ``p`` names a sharded capture with a
     layout; else empty (a whole model's capture, or one rank's of DDP, is read alone)."""
-    m = _RANK.match(p.name)
+    m = RANK_FOLDER.match(p.name)
     if m and not (p / MANIFEST).is_file():
         return {}
     if not m and p.is_dir():

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ampdoctor.capture.folder import Captured, read_rank
-from ampdoctor.capture.rank_folders import _RANK, group_of
+from ampdoctor.capture.rank_folders import RANK_FOLDER, group_of
 from ampdoctor.capture.schema import MANIFEST, SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.resume import StartState
@@ -99,7 +99,7 @@ def check_pieces(p: Path, group: dict[int, Path]) -> None:
 def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captured]:
     """Every rank's capture, rank 0 first, checked to be the same step of the same run."""
     world = int(m.get("world_size") or 1)
-    named = _RANK.match(p.name)
+    named = RANK_FOLDER.match(p.name)
     base = named.group("base") if named else p.name
     caps: list[Captured] = []
     for r in range(world):
@@ -132,12 +132,12 @@ def _same_run(q: Path, cm: dict[str, Any], p: Path, m: dict[str, Any]) -> None:
 
 def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
     """One process's view of a sharded step (see the module): raises ``CaptureError`` (one line)."""
-    given = group.get(int(_RANK.match(p.name).group("rank"))) if _RANK.match(p.name) else None  # type: ignore[union-attr]
+    given = group.get(int(RANK_FOLDER.match(p.name).group("rank"))) if RANK_FOLDER.match(p.name) else None  # type: ignore[union-attr]
     m = read_manifest((given or group.get(0) or next(iter(group.values()))) / MANIFEST)
     caps = _read_all(p, group, m)
     layouts = [_layout(c) for c in caps]
     want = caps[0].manifest.get("first_rank")
-    named = _RANK.match(p.name)
+    named = RANK_FOLDER.match(p.name)
     lead = int(want) if isinstance(want, int) and 0 <= want < len(caps) else (int(named.group("rank")) if named else 0)
     lead = lead if lead < len(caps) else 0
     model: dict[str, torch.Tensor] = {}
@@ -168,7 +168,7 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
     done in words). A capture ``read_capture`` already reassembled is returned as it is."""
     if cap.assembled is not None:
         return cap, cap.assembled
-    named = _RANK.match(cap.path.name)
+    named = RANK_FOLDER.match(cap.path.name)
     if named is None or int(named.group("rank")) != int(cap.manifest.get("rank") or 0):
         raise CaptureError(f"{cap.path}: a {cap.manifest.get('sharded')} capture of rank {cap.manifest.get('rank')} of "
                            f"{cap.manifest.get('world_size')}, but its folder is not named <name>.rank<N>, so the other "

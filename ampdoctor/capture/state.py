@@ -19,7 +19,7 @@ from ampdoctor.capture.schema import MODEL_INPUTS_KEY
 from ampdoctor.input import origin
 from ampdoctor.input.batches import ModelInputs
 from ampdoctor.notify import shown_path
-from ampdoctor.parallel.pieces import _is_dtensor
+from ampdoctor.parallel.pieces import is_dtensor
 from ampdoctor.parallel.registry import engine_of, sharded_engine
 from ampdoctor.records import StepStats
 from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
@@ -33,7 +33,7 @@ def host_copy(obj: Any) -> Any:
         return {MODEL_INPUTS_KEY: {"args": [host_copy(v) for v in obj.args],
                                    "kwargs": {str(k): host_copy(v) for k, v in obj.kwargs.items()}}}
     if isinstance(obj, torch.Tensor):
-        if _is_dtensor(obj):
+        if is_dtensor(obj):
             obj = obj.to_local()  # type: ignore[attr-defined]  # this rank's shard: no collective
         t = obj.detach()
         if t.device.type == "cpu":
@@ -206,7 +206,7 @@ def optimizer_layout(optimizer: torch.optim.Optimizer | None, model: nn.Module) 
     return {"class": type(optimizer).__name__, "module": type(optimizer).__module__, "groups": groups}
 
 
-def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> list[str | None]:
+def optimizer_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> list[str | None]:
     """The user's name of each optimizer parameter, in the order of its state's indices."""
     if optimizer is None:
         return []
@@ -214,7 +214,7 @@ def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> lis
     return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
 
 
-def _recipe(model: nn.Module) -> dict[str, Any] | None:
+def engine_recipe(model: nn.Module) -> dict[str, Any] | None:
     """How the engine sharded the model (its ``parallel.protocol.Engine.recipe``), for a replay under the same
     layout; None when it is not known (the capture is written all the same, and reassembles on one process)."""
     try:
@@ -224,14 +224,14 @@ def _recipe(model: nn.Module) -> dict[str, Any] | None:
         return None
 
 
-def _fingerprint(model: nn.Module, layout: dict[str, Any] | None) -> str | None:
+def model_fingerprint(model: nn.Module, layout: dict[str, Any] | None) -> str | None:
     try:
         return fingerprint(model, layout)
     except Exception:
         return None
 
 
-def _rank() -> tuple[int, int]:
+def process_rank() -> tuple[int, int]:
     try:
         import torch.distributed as dist
 
@@ -242,4 +242,5 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
-__all__ = ["_fingerprint", "_opt_names", "_rank", "_recipe", "host_copy", "local_state", "model_identity", "nbytes", "optimizer_layout", "raw_rng", "rng_states", "spec_hint", "stats_json"]
+__all__ = ["engine_recipe", "host_copy", "local_state", "model_fingerprint", "model_identity", "nbytes",
+           "optimizer_layout", "optimizer_names", "process_rank", "raw_rng", "rng_states", "spec_hint", "stats_json"]

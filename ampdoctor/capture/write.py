@@ -64,15 +64,15 @@ from ampdoctor.capture.schema import (
     validate_state,
 )
 from ampdoctor.capture.state import (
-    _fingerprint,
-    _opt_names,
-    _rank,
-    _recipe,
+    engine_recipe,
     host_copy,
     local_state,
+    model_fingerprint,
     model_identity,
     nbytes,
     optimizer_layout,
+    optimizer_names,
+    process_rank,
     raw_rng,
     rng_states,
     spec_hint,
@@ -286,7 +286,7 @@ class Capture:
     def _shards(self) -> dict[str, Any]:
         """The manifest's ``shards`` (``capture.reassemble`` describes it): where this rank's pieces sit, the
         optimizer state's parameter names, and how the engine sharded the model."""
-        return {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model), "recipe": _recipe(self.model)}
+        return {"model": self.layout, "optimizer_params": optimizer_names(self.optimizer, self.model), "recipe": engine_recipe(self.model)}
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
@@ -397,7 +397,7 @@ class Capture:
     def _manifest(self, trig: Trigger, step: int, skipped: bool, record: dict[str, Any],
                   scaler_before: dict[str, Any] | None) -> dict[str, Any]:
         """The manifest's fields that say what failed and what ran: the step, its figures, the versions, the ranks."""
-        rank, world = _rank()
+        rank, world = process_rank()
         return {
             "schema_version": CAPTURE_VERSION,
             "tool": "ampdoctor capture",
@@ -422,7 +422,7 @@ class Capture:
             "world_size": world,
             "sharded": self.sharded,
             "run_id": self.run_id,
-            "model_fingerprint": _fingerprint(self.model, self.layout),
+            "model_fingerprint": model_fingerprint(self.model, self.layout),
             **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
         }
 

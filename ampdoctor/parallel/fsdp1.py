@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import CaptureError
-from ampdoctor.parallel.pieces import BlockReader, _dtype_name, assemble, module_kinds, world_mesh
+from ampdoctor.parallel.pieces import BlockReader, assemble, dtype_name, module_kinds, world_mesh
 from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import unwrap, user_name
 
@@ -93,7 +93,7 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     strat = getattr(first, "sharding_strategy", None)
     pg = getattr(first, "process_group", None)
     return {"engine": "fsdp1", "wrapped": wrapped[::-1], "mesh": [int(pg.size())] if pg is not None else None,
-            "mixed_precision": None if mp is None else {k: _dtype_name(getattr(mp, k, None))
+            "mixed_precision": None if mp is None else {k: dtype_name(getattr(mp, k, None))
                                                         for k in ("param_dtype", "reduce_dtype", "buffer_dtype")},
             "sharding_strategy": str(getattr(strat, "name", strat)),
             "use_orig_params": bool(getattr(first, "_use_orig_params", False))}

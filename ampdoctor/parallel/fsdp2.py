@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import CaptureError
-from ampdoctor.parallel.pieces import BlockReader, _dtype_name, _is_dtensor, assemble, dtensor_holds, module_kinds, world_mesh
+from ampdoctor.parallel.pieces import BlockReader, assemble, dtensor_holds, dtype_name, is_dtensor, module_kinds, world_mesh
 from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
 
@@ -37,10 +37,10 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
         group = getattr(get(), "_fsdp_param_group", None)
         pol = getattr(group, "mp_policy", None)
         if pol is not None and mp is None:
-            mp = {k: _dtype_name(getattr(pol, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+            mp = {k: dtype_name(getattr(pol, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
             mp["cast_forward_inputs"] = bool(getattr(pol, "cast_forward_inputs", True))
     for p in inner.parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             mesh = [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
             break
     if not mods or mesh is None:

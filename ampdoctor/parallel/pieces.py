@@ -40,7 +40,7 @@ NSUM = Col.NAN + 2
 """Columns of a row reduced by SUM: the counts (``Col.NUMEL`` .. ``Col.NAN``) and one for 'a rank holds it'."""
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
@@ -214,7 +214,7 @@ def trip_stats(hooks: Any, step: int, inv_scale: float | None, shards: Shards | 
 def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
     """Where this rank's piece of ``t`` sits in the whole tensor: a DTensor's shard at its global offset, or a
     plain tensor whole (``{"shape": [...], "offset": [...]}``)."""
-    if _is_dtensor(t):
+    if is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
@@ -222,7 +222,7 @@ def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
 
 
-def _dtype_name(dt: Any) -> str | None:
+def dtype_name(dt: Any) -> str | None:
     return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else None
 
 
@@ -242,7 +242,7 @@ class BlockReader:
 
     def mesh_problem(self, p: torch.Tensor) -> str | None:
         """Why ``p``'s mesh cannot be reduced over the world (a fragment), or None."""
-        if not _is_dtensor(p):
+        if not is_dtensor(p):
             return None
         mesh = p.device_mesh  # type: ignore[attr-defined]
         if mesh.ndim != 1:
@@ -254,7 +254,7 @@ class BlockReader:
         return None
 
     def counts(self, p: torch.Tensor) -> bool:
-        if _is_dtensor(p):
+        if is_dtensor(p):
             coord = p.device_mesh.get_coordinate() or []  # type: ignore[attr-defined]
             return all(c == 0 for c, pl in zip(coord, p.placements, strict=False)  # type: ignore[attr-defined]
                        if not pl.is_shard())
@@ -266,7 +266,7 @@ class BlockReader:
 
 def dtensor_holds(model: nn.Module) -> bool:
     """Whether any of ``model``'s parameters is a DTensor."""
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def world_mesh(rec: dict[str, Any]) -> Any:
@@ -357,5 +357,6 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where
     return full
 
 
-__all__ = ["NSUM", "BlockReader", "Shards", "assemble", "claimed_shape", "dtensor_holds", "dtensor_piece", "module_kinds",
+__all__ = ["NSUM", "BlockReader", "Shards", "assemble", "claimed_shape", "dtensor_holds", "dtensor_piece", "dtype_name", "is_dtensor",
+           "module_kinds",
            "trip_stats", "world_mesh"]

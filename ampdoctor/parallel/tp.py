@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import CaptureError
-from ampdoctor.parallel.pieces import BlockReader, _is_dtensor, assemble, dtensor_holds, world_mesh
+from ampdoctor.parallel.pieces import BlockReader, assemble, dtensor_holds, is_dtensor, world_mesh
 from ampdoctor.parallel.protocol import Engine
 from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
 
@@ -93,7 +93,7 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     placements: dict[str, list[str]] = {}
     mesh: list[int] | None = None
     for n, p in inner.named_parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             placements[user_name(n)] = [placement_code(x) for x in p.placements]  # type: ignore[attr-defined]
             mesh = mesh or [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
     if mesh is None:
@@ -146,7 +146,7 @@ def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any, low: bool = True) 
         if p is None:
             raise CaptureError(f"the run's parameter {name!r} is not in the spec's model")
         want = [placement(c) for c in codes]
-        if not _is_dtensor(p):
+        if not is_dtensor(p):
             owner, _, leaf = name.rpartition(".")
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, want), requires_grad=p.requires_grad)
             mods[owner].register_parameter(leaf, new)
