@@ -29,6 +29,7 @@ are not installed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ampdoctor.capture.schema import MANIFEST, SNAPSHOT_FILE, STATE_FILE, read_m
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.resume import StartState
 from ampdoctor.parallel.pieces import assemble, claimed_shape
+from ampdoctor.parallel.registry import named as engine_named
 
 
 def _layout(cap: Captured) -> tuple[dict[str, Any], list[str | None]]:
@@ -141,6 +143,8 @@ def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
     lead = int(want) if isinstance(want, int) and 0 <= want < len(caps) else (int(named.group("rank")) if named else 0)
     lead = lead if lead < len(caps) else 0
     model: dict[str, torch.Tensor] = {}
+    eng = engine_named(str(m.get("sharded")))
+    join = eng.assemble if eng is not None else assemble  # (the engine's own, where it has other pieces)
     try:
         for n in layouts[lead][0]:
             pieces = []
@@ -150,8 +154,8 @@ def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
                     raise ValueError(f"{n}: {c.path.name}'s {where} has no piece of it (rank "
                                      f"{caps[lead].manifest.get('rank')}'s field shards.model names it)")
                 pieces.append((c.model[n], lay[n]))
-            model[n] = assemble(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
-        optimizer = _optimizer(caps, layouts)
+            model[n] = join(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
+        optimizer = _optimizer(caps, layouts, join)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CaptureError(f"{p}: the ranks' pieces do not make the whole model ({e}); the captures are damaged or "
                            "from different runs (capture again)") from None
@@ -178,9 +182,10 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
     return whole, whole.assembled
 
 
-def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str | None]]]) -> dict[str, Any] | None:
+def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str | None]]],
+               join: Callable[..., torch.Tensor] = assemble) -> dict[str, Any] | None:
     """The whole optimizer state: each entry's tensors shaped like the rank's piece of its parameter assembled like
-    it; the rest (a step count) from the first rank that has the entry."""
+    it (``join``: the engine's ``assemble``); the rest (a step count) from the first rank that has the entry."""
     states = [c.start.optimizer for c in caps]
     if any(s is None for s in states):
         return None
@@ -199,8 +204,8 @@ def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[st
         for k, v in have[0][1].items():  # type: ignore[union-attr]
             r0 = have[0][0]
             if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(caps[r0].model[name].shape):
-                entry[k] = assemble([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}",  # type: ignore[index]
-                                    [f"{caps[r].path.name}/{MANIFEST}" for r, _ in have], key=name)
+                entry[k] = join([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}",  # type: ignore[index]
+                                [f"{caps[r].path.name}/{MANIFEST}" for r, _ in have], key=name)
             else:
                 entry[k] = v
         out[idx] = entry
