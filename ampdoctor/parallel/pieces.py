@@ -237,6 +237,7 @@ class BlockReader:
         self.world = world
         self.plain_shards = plain_shards
         self.problem: str | None = None
+        self.groups: list[int] | None = None  # a 1-D layout: the engine's shares_batch decides
         for t in tensors:
             self.problem = self.problem or self.mesh_problem(t)
 

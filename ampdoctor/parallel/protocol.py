@@ -53,6 +53,10 @@ class Reader(Protocol):
     problem: str | None
     """Why this layout cannot be reduced correctly (a fragment: "a 2-D device mesh (2, 2) (...)"), or None. The
     Monitor turns off with one line naming it."""
+    groups: list[int] | None
+    """Which ranks run one batch: per rank of the world the number of its batch group (ranks with the same number
+    share a batch, e.g. the tensor-parallel ranks of one data-parallel coordinate of a 2-D mesh), or None: decided
+    by ``Engine.shares_batch`` for the whole world (one group, or one group per rank)."""
 
     def counts(self, p: torch.Tensor) -> bool:
         """Whether this rank's piece of ``p`` counts in the SUM of the exchange: True for a shard, True on exactly
