@@ -10,13 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.capture.folder import Captured
+from ampdoctor.capture.read import layout_optimizer, read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.engine import preflight
 from ampdoctor.engine.forward import forward_loss, make_optimizer
 from ampdoctor.engine.recheck import hook_check, recheck_fn
-from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
-from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.starts import build_model, prepare, prepare_checkpoint, skipping
 from ampdoctor.errors import CaptureError, UsageError

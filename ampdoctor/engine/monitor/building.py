@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampdoctor.engine.capture import FailingStep
+from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.engine.driver import Driver
 from ampdoctor.engine.monitor import capturing, exchange, lookback, skips
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import CAPTURE_COLUMNS, EXTRA_COLUMNS, RANK_COLUMNS, SHARDED, STEP_COLUMNS, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.engine.ranks import rank_path
-from ampdoctor.engine.shards import Shards
+from ampdoctor.parallel.exchange import rank_path
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.engine.step import TrainStep
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.ladder import Rung
@@ -82,7 +82,7 @@ def build_recipe(mon: Monitor) -> None:
 
 
 def build_shards(mon: Monitor) -> None:
-    """A sharding engine's pieces (``engine.shards``): norms and rows reduced across the ranks."""
+    """A sharding engine's pieces (``parallel.pieces``): norms and rows reduced across the ranks."""
     assert mon.engine is not None
     rx = mon.ranks
     rank, world = (rx.rank, rx.world) if rx is not None else exchange.dist_rank()
