@@ -15,12 +15,12 @@ from ampdoctor.engine.monitor import capturing, exchange, lookback, skips
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import CAPTURE_COLUMNS, EXTRA_COLUMNS, RANK_COLUMNS, SHARDED, STEP_COLUMNS, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.parallel.exchange import rank_path
-from ampdoctor.parallel.pieces import Shards
 from ampdoctor.engine.step import TrainStep
 from ampdoctor.formats import BF16, FP16
 from ampdoctor.ladder import Rung
 from ampdoctor.notify import alert, say
+from ampdoctor.parallel.exchange import rank_path
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks

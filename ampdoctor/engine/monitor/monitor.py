@@ -17,7 +17,6 @@ from torch import nn
 
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
-from ampdoctor.parallel.registry import sharded_engine
 from ampdoctor.engine.driver import Driver, blank_record
 from ampdoctor.engine.monitor import (
     building,
@@ -37,12 +36,13 @@ from ampdoctor.engine.monitor.history import History
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import UNSUPPORTED, FirstFault, MonitorRecord, _Pending, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.parallel.exchange import RankExchange
 from ampdoctor.engine.ring import SPIKE_WINDOW, Lookback
 from ampdoctor.engine.step import TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
+from ampdoctor.parallel.exchange import RankExchange
+from ampdoctor.parallel.registry import sharded_engine
 from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
 from ampdoctor.report.scaler import ScaleDiagnosis
