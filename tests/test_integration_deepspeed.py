@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampdoctor.engine.ranks import parse_column
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.engine.shard_capture import reassemble
+from ampdoctor.capture.read import read_capture
+from ampdoctor.capture.reassemble import reassemble
+from ampdoctor.parallel.exchange import parse_column
 from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent

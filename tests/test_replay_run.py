@@ -84,7 +84,7 @@ def test_trainer_decay_groups_are_rebuilt_by_name_from_the_optimizer_state() -> 
 # item 2: RNG and epochs ---------------------------------------------------------------------------
 
 def test_rng_states_of_a_capture_and_of_a_trainer_checkpoint_are_restored() -> None:
-    from ampdoctor.engine.capture import rng_states
+    from ampdoctor.capture.state import rng_states
 
     for take in (rng_states, lambda: {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}):
         saved = take()

@@ -13,11 +13,11 @@ from rich.table import Table
 
 from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.cli.helpstyle import OUTPUT, default
-from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.fmt import pow2
 from ampdoctor.io import check_writable, write_atomic
 from ampdoctor.judge.log_digest import LogDigest
+from ampdoctor.parallel.exchange import LOCAL_KINDS, parse_column
 from ampdoctor.render.scaler_plot import scaler_png
 from ampdoctor.render.scaler_text import MAX_LEDGER_ROWS, indent, print_digest
 from ampdoctor.report.scaler import worded

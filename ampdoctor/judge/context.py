@@ -108,7 +108,7 @@ class Ctx:
         self.hook_check = hook_check
         self.scaler_phase = scaler_phase or ""
         """A replayed capture: what GradScaler was doing at the captured skip in the run (calibration |
-        growth_probe | isolated: its normal working; see engine.capture.FailingStep)."""
+        growth_probe | isolated: its normal working; see capture.trigger.FailingStep)."""
         self.fp32 = results["fp32"]
         self.tgt_name = "amp" if cfg.target == "amp" else cfg.target
         self.tgt = results.get(self.tgt_name)

@@ -45,7 +45,7 @@ The monitor is this package's core (``monitor``: the ``Monitor`` class, its publ
 and one module per job: ``building`` (what a Monitor builds once its setup is known), ``failure`` (whether a step
 failed, said once, captured), ``failsafe`` (turning off, the plain step once off), ``config`` (``MonitorConfig``: the keyword arguments, validated), ``records`` (the step's
 record, its log columns, the warnings and errors), ``alerts`` (the skip rate, the first failure), ``injection``,
-``sentinel`` (sentinel mode, the warm-up), ``capturing`` (the calls into ``engine.capture``), ``exchange`` (the
+``sentinel`` (sentinel mode, the warm-up), ``capturing`` (the calls into ``capture.write``), ``exchange`` (the
 distributed first fault), ``lookback`` (the ring) and ``history`` (skips, scales, ``state_dict``).
 """
 

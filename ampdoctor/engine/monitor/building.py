@@ -9,17 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampdoctor.engine.capture import FailingStep
+from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.engine.driver import Driver
 from ampdoctor.engine.monitor import capturing, exchange, lookback, skips
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import CAPTURE_COLUMNS, EXTRA_COLUMNS, RANK_COLUMNS, SHARDED, STEP_COLUMNS, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.engine.ranks import rank_path
-from ampdoctor.engine.shards import Shards
-from ampdoctor.engine.step import Precision, TrainStep
+from ampdoctor.engine.step import TrainStep
 from ampdoctor.formats import BF16, FP16
+from ampdoctor.ladder import Rung
 from ampdoctor.notify import alert, say
+from ampdoctor.parallel.exchange import rank_path
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks
@@ -72,7 +73,7 @@ def build_recipe(mon: Monitor) -> None:
     mon.hooks = Hooks(mon.model, BF16 if amp == torch.bfloat16 else FP16, activations=cfg.activations,
                       params=cfg.weights, every=cfg.every)
     mon.recipe = TrainStep(mon.model, mon.optimizer, mon.scaler, hooks=mon.hooks, max_norm=cfg.max_norm,
-                           precision=Precision.for_autocast(amp, mon.scaler is not None),
+                           precision=Rung.for_autocast(amp, mon.scaler is not None),
                            sentinel=mon.hooks.fmt.max if cfg.mode == "sentinel" else None)
     mon.driver = Driver(mon.recipe)
     mon._params = mon.recipe.params
@@ -81,7 +82,7 @@ def build_recipe(mon: Monitor) -> None:
 
 
 def build_shards(mon: Monitor) -> None:
-    """A sharding engine's pieces (``engine.shards``): norms and rows reduced across the ranks."""
+    """A sharding engine's pieces (``parallel.pieces``): norms and rows reduced across the ranks."""
     assert mon.engine is not None
     rx = mon.ranks
     rank, world = (rx.rank, rx.world) if rx is not None else exchange.dist_rank()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES
+from ampdoctor.capture.write import DEFAULT_MAX_BYTES
 from ampdoctor.engine.monitor.records import STEP_CONVENTIONS
 from ampdoctor.engine.ring import SPIKE_WINDOW
 from ampdoctor.errors import UsageError

@@ -1,4 +1,4 @@
-"""Whether a Monitor's step failed (``engine.capture.FailingStep``: a skip judged by what the gradients did), and
+"""Whether a Monitor's step failed (``capture.trigger.FailingStep``: a skip judged by what the gradients did), and
 what follows: the run's first failure said once, with the folder its capture went to; the capture written at the
 first trigger; a later run of skips judged a failure said once (``skips``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.engine.capture import Trigger
+from ampdoctor.capture.trigger import Trigger
 from ampdoctor.engine.monitor import alerts, capturing, skips
 from ampdoctor.engine.monitor.records import MonitorRecord, _Pending
 from ampdoctor.engine.step import Measured
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def judge(mon: Monitor, rec: MonitorRecord, pend: _Pending, spike: Any) -> None:
-    """Whether the step failed (``engine.capture.FailingStep``: a skip judged by what the gradients did): the run's
+    """Whether the step failed (``capture.trigger.FailingStep``: a skip judged by what the gradients did): the run's
     first failure is said once, with the folder its capture went to; the capture is written at the first trigger
     (a provisional one leaves it armed); a later run of skips judged a failure is said once (``skips``)."""
     m = pend.m

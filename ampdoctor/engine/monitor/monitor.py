@@ -15,7 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, sharded_engine
+from ampdoctor.capture.trigger import FailingStep
+from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
 from ampdoctor.engine.driver import Driver
 from ampdoctor.engine.monitor import (
     building,
@@ -35,12 +36,13 @@ from ampdoctor.engine.monitor.history import History
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import UNSUPPORTED, FirstFault, MonitorRecord, _Pending, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
-from ampdoctor.engine.ranks import RankExchange
 from ampdoctor.engine.ring import SPIKE_WINDOW, Lookback
 from ampdoctor.engine.step import TrainStep
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.judge.history import DEFAULT_HORIZON
 from ampdoctor.judge.scaler import SkipLedger
+from ampdoctor.parallel.exchange import RankExchange
+from ampdoctor.parallel.registry import sharded_engine
 from ampdoctor.records import StepStats
 from ampdoctor.report import alerts as words
 from ampdoctor.report.scaler import ScaleDiagnosis
@@ -122,7 +124,7 @@ class Monitor:
             rank saw it locally); ``"all"``: every rank writes its own.
         capture_on: ``"failure"``: the capture, the first-failure message and the skip-rate alert leave
             out GradScaler's normal skips (calibration, growth probes, back-offs the scale explains; see
-            ``engine.capture.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
+            ``capture.trigger.FailingStep``); ``"skip"``: every skip of non-finite gradients is a failure.
         quiet: keep this monitor's events (the first failure, the capture, the alert, turning off) off
             the terminal; they still go to the ``ampdoctor`` logger (see ``ampdoctor.notify``).
         step_convention: what the step numbers count (``STEP_CONVENTIONS``; the framework integrations set
@@ -257,7 +259,7 @@ class Monitor:
         self.first_fault: FirstFault | None = None
         """Under torch.distributed: the first step at which any rank saw a non-finite value (see ``FirstFault``)."""
         self.first_failure: tuple[int, str] | None = None
-        """(step, reason) of the run's first failing step (see ``engine.capture.FailingStep``)."""
+        """(step, reason) of the run's first failing step (see ``capture.trigger.FailingStep``)."""
         self.last: MonitorRecord | None = None
         self._pending: _Pending | None = None
         self._closed = False
@@ -285,7 +287,7 @@ class Monitor:
         self.history = History()
         """Every skip and every change of scale (``history.History``)."""
         self.engine = sharded_engine(unwrap(model))
-        """The sharding engine holding the model (``engine.capture.sharded_engine``), None for a whole model."""
+        """The sharding engine holding the model (``parallel.registry.sharded_engine``), None for a whole model."""
         self.figures, self.saves, self._on_record_failed = figures.Figures(self), saving.Saves(), False
         """The tracker figures (``figures``), the save-time check's record (``saving``)."""
 
@@ -337,7 +339,7 @@ class Monitor:
     def alert_rate_now(self) -> float:
         """The rate the skip-rate alert and ``max_skip_rate`` judge: the rolling share of the last ``window``
         steps skipped, GradScaler's calibration not counted (its back-offs are: skips that waste a share of the
-        steps are a failure however the scale explains them; see ``engine.capture.FailingStep``)."""
+        steps are a failure however the scale explains them; see ``capture.trigger.FailingStep``)."""
         return self.rates.counted_rate
 
     @property
