@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from ampdoctor.capture.read import read_capture
 from ampdoctor.cli.app import app
 from ampdoctor.parallel.exchange import RankExchange, RankView, parse_column, rank_path
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_models" / "ddp_bad_batch.py"

@@ -19,7 +19,7 @@ import torch
 from ampdoctor import Monitor, triage
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge.scaler import EXPLODE_HISTORY, EXPLODE_RATIO, explodes, first_explosion
+from ampdoctor.judge.explosion import EXPLODE_HISTORY, EXPLODE_RATIO, explodes, first_explosion
 
 SPEC = Path(__file__).parent / "diverge" / "conv_steplr.py"
 

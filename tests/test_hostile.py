@@ -32,7 +32,8 @@ from ampdoctor.capture.schema import errors as schema_errors
 from ampdoctor.capture.schema import schema, validate_manifest
 from ampdoctor.cli.app import app as typer_app
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.steplog import StepLogError, StepLogWarning, StepLogWriter, read_step_log
+from ampdoctor.watch.steplog import StepLogError, StepLogWarning, StepLogWriter
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()

@@ -25,7 +25,7 @@ import torch
 from ampdoctor.capture.read import read_capture
 from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.parallel.exchange import parse_column
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "assets" / "deepspeed_worker.py"

@@ -184,7 +184,7 @@ def test_ddp_ranks_overflowing_in_their_own_forward_at_one_step_are_said_togethe
 def test_trainer_ddp_a_nan_label_on_one_rank_is_its_labels_not_a_module(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from ampdoctor.parallel.exchange import parse_column
-    from ampdoctor.watch.steplog import read_step_log
+    from ampdoctor.watch.steplog_read import read_step_log
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -255,7 +255,7 @@ os._exit(0)
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_fsdp2_bf16_after_an_applied_nan_update_a_finite_batch_is_no_input(tmp_path: Path) -> None:
     from ampdoctor.parallel.exchange import parse_column
-    from ampdoctor.watch.steplog import read_step_log
+    from ampdoctor.watch.steplog_read import read_step_log
 
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_APPLIED)

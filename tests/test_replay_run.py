@@ -27,7 +27,7 @@ from ampdoctor.errors import SpecError
 from ampdoctor.input import rebuild
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 from tests.replay_models import Diffusion
 
 runner = CliRunner()

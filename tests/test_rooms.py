@@ -8,11 +8,8 @@ from pathlib import Path
 
 import grimp
 import pytest
-import torch
 from torch import nn
 
-from ampdoctor.capture.folder import REPLAY_STAGES
-from ampdoctor.engine.step import Precision
 from ampdoctor.parallel import registry
 from ampdoctor.parallel.protocol import Engine, Reader
 
@@ -157,5 +154,3 @@ def test_engines_that_record_no_layout_refuse_a_rebuild_in_one_line() -> None:
             eng.rebuild(nn.Linear(2, 2), {"engine": name, "mesh": [2]}, None, True)
 
 
-def test_the_captures_replay_stages_are_the_engines_fp32_weight_stages() -> None:
-    assert set(REPLAY_STAGES) == {s for s in Precision.STAGES if Precision.for_stage(s).weights == torch.float32}

@@ -13,7 +13,7 @@ from torch import nn
 from ampdoctor.formats import FP16
 from ampdoctor.parallel.pieces import Shards, assemble
 from ampdoctor.records import NCOLS, Col, StepStats
-from ampdoctor.watch.hooks import user_name
+from ampdoctor.watch.model_view import user_name
 from ampdoctor.watch.stats import tensor_stats
 
 

@@ -27,11 +27,7 @@ from ampdoctor.capture.schema import (
 from ampdoctor.errors import CaptureError
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.resume import StartState
-
-REPLAY_STAGES = ("fp32", "amp", "bf16")
-"""The triage stages a run's own precision replays as: those whose weights are FP32 (``engine.step.Precision``'s
-fp32, amp and bf16; raw FP16 is not a run's precision). The capture sits below the engine, so it names them;
-``tests/test_rooms.py`` holds them equal to the engine's."""
+from ampdoctor.ladder import registered, rung
 
 
 @dataclass
@@ -77,10 +73,10 @@ class Captured:
 
     @property
     def precision(self) -> str:
-        """The run's own precision as the triage stage that replays it (``REPLAY_STAGES``): amp | bf16 | fp32,
+        """The run's own precision as the triage stage that replays it (``ladder.rung``): amp | bf16 | fp32,
         what the Monitor saw (an FP16 autocast without a GradScaler, ``fp16_autocast``, replays as amp)."""
         p = str(self.manifest.get("precision", "amp"))
-        return p if p in REPLAY_STAGES else "amp"
+        return p if p in registered() and not rung(p).low_weights else "amp"
 
 
 def _load(path: Path, name: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 KEY = "ampdoctor/run_id"
 

@@ -21,7 +21,7 @@ from ampdoctor.capture.rank_folders import rank_captures
 from ampdoctor.capture.reassemble import reassemble_group
 from ampdoctor.capture.schema import MANIFEST
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 
 def read_capture(path: str | Path) -> Captured:

@@ -22,7 +22,7 @@ from ampdoctor.notify import shown_path
 from ampdoctor.parallel.pieces import is_dtensor
 from ampdoctor.parallel.registry import engine_of, sharded_engine
 from ampdoctor.records import StepStats
-from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import local, named_parameters, unwrap, user_name
 
 
 def host_copy(obj: Any) -> Any:

@@ -16,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
+from ampdoctor.judge.explosion import EXPLODE_RATIO, EXPLODE_WINDOW, explodes
+from ampdoctor.judge.scale_facts import DEFAULT_GROWTH_INTERVAL
 
 
 @dataclass

@@ -302,7 +302,7 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from ampdoctor.watch.hooks import local, unwrap, user_name
+        from ampdoctor.watch.model_view import local, unwrap, user_name
 
         torch.manual_seed(0)
         model = self.spec.build_model()
@@ -328,8 +328,8 @@ class _Rank:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.tensor import DTensor
 
-        from ampdoctor.engine.step import make_optimizer
-        from ampdoctor.watch.hooks import local, user_name
+        from ampdoctor.engine.forward import make_optimizer
+        from ampdoctor.watch.model_view import local, user_name
 
         opt = make_optimizer(self.build_optimizer, model)
         st = self.cap.start.optimizer
@@ -353,8 +353,8 @@ class _Rank:
     def run(self, stage: str) -> dict[str, Any]:
         """The captured batches through this stage on every rank: each step's loss, global norm and skip, and the
         exchange's first fault."""
+        from ampdoctor.engine.forward import batch_loss
         from ampdoctor.engine.monitor import Monitor
-        from ampdoctor.engine.step import batch_loss
         from ampdoctor.input.batches import micro_batches, to_device
 
         model = self.model(stage)

@@ -22,7 +22,7 @@ from torch import nn
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, assemble, dtype_name, module_kinds, world_mesh
 from ampdoctor.parallel.protocol import Engine
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 STRATEGIES = ("FULL_SHARD",)
 """The sharding strategies a replay rebuilds."""

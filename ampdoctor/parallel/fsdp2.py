@@ -17,7 +17,7 @@ from torch import nn
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, assemble, dtensor_holds, dtype_name, is_dtensor, module_kinds, world_mesh
 from ampdoctor.parallel.protocol import Engine
-from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
 
 def recipe(model: nn.Module) -> dict[str, Any] | None:

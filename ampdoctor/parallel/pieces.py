@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ampdoctor.records import NCOLS, Col, StepStats
-from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
 NSUM = Col.NAN + 2
 """Columns of a row reduced by SUM: the counts (``Col.NUMEL`` .. ``Col.NAN``) and one for 'a rank holds it'."""

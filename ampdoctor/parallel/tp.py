@@ -32,7 +32,7 @@ from torch import nn
 from ampdoctor.errors import CaptureError
 from ampdoctor.parallel.pieces import BlockReader, assemble, dtensor_holds, is_dtensor, world_mesh
 from ampdoctor.parallel.protocol import Engine
-from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
 STYLES = ("ColwiseParallel", "RowwiseParallel")
 """The parallelize styles a replay rebuilds."""

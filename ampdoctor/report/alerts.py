@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampdoctor.judge.history import Forecast, Spike
-from ampdoctor.judge.rules import forward_overflow_fixes
+from ampdoctor.judge.rules_target import forward_overflow_fixes
 from ampdoctor.report.words import deepspeed as ds_words
-from ampdoctor.report.words import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words import monitor as words
+from ampdoctor.report.words.lookback import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words.monitor import (
     capture_without_batch,
     first_fault,

@@ -22,7 +22,7 @@ from ampdoctor.watch.ring import LAYERS_FILE, STEPS_FILE
 from ampdoctor.watch.tap import ForwardTap, output_loss
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def arm(mon: Monitor, cfg: MonitorConfig, folder: str | Path) -> Capture:

@@ -19,7 +19,7 @@ from ampdoctor.errors import UsageError
 from ampdoctor.parallel.exchange import OFF, SLOTS, RankExchange
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def dist_rank() -> tuple[int, int]:
