@@ -177,6 +177,9 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
             out.update(origin.record(inner))
         except Exception:  # what cannot be read is left out: the replay asks for a spec
             pass
+    modules = origin.structure(inner)  # every model: the settings a replay's model must match (a dropout rate)
+    if modules:
+        out["modules"] = modules
     return out
 
 
