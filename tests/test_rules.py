@@ -387,8 +387,9 @@ def test_words_of_every_scenario() -> None:
         for t in texts:
             assert t and "{" not in t and t not in words.FIXES and t not in words.SUMMARIES, (name, t)
         assert not any(k.startswith("_") for f in findings for k in f.evidence), name
-    assert seen_causes == set(CAUSES) - {"not_reproduced"}
-    assert seen_variants == set(words.SUMMARIES) - {"not_reproduced"}
+    # not_reproduced needs a capture, compile_numerics an Inductor compile: tests/test_capture.py, tests/test_compile_rung.py
+    assert seen_causes == set(CAUSES) - {"not_reproduced", "compile_numerics"}
+    assert seen_variants == set(words.SUMMARIES) - {"not_reproduced", "compile_numerics"}
 
 
 def _codes_written(module: Any) -> dict[str, set[str]]:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
+from ampdoctor.engine.compiled import compile_facts
 from ampdoctor.engine.forward import forward_loss, make_optimizer
 from ampdoctor.engine.recheck import hook_check, recheck_fn
 from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
@@ -34,6 +35,7 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, load_spec, no_spec, spec_importable
+from ampdoctor.judge.compiled import compile_outcome
 from ampdoctor.judge.rules import (
     Diagnosis,
     diagnose,
@@ -41,7 +43,7 @@ from ampdoctor.judge.rules import (
     shift_diagnosis,
     stall_ratio,
 )
-from ampdoctor.ladder import ladder
+from ampdoctor.ladder import ladder, rung
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
@@ -172,7 +174,9 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         fp32 = run.results.get("fp32")
-        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot,
+        bare = name == "compile"  # nothing of ampdoctor's traced into the compiled graph
+        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot or bare,
+                            with_monitor=not bare, track=not bare,
                             log=log, optimizer_state=start.optimizer if start else None,
                             scaler_state=start.scaler if start else None, rng=start.rng if start is not None else None,
                             rng_restored=run.rng_restored, probe_hooks=name == cfg.target and hooked,
@@ -187,6 +191,8 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
         finally:
             if log is not None:
                 log.close()
+    run.compiled = compile_facts(run.results, rung(cfg.target, cfg), run.model, run.spec, run.batches, run.init_state,
+                                 run.device)
     if cap is not None:
         # transient or persistent: the failing step in the run's own precision, from the captured state, twice
         again = run_stage(cfg.target, context(cfg.target))
@@ -373,6 +379,8 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     cfg_dict = asdict(cfg)
     if cfg_dict.get("batch_keys") is None:
         cfg_dict.pop("batch_keys", None)
+    if not cfg_dict.get("compile"):
+        cfg_dict.pop("compile", None)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
     cfg_dict["start"] = start_words
     if ratio is not None:
@@ -418,6 +426,7 @@ def _diagnosis(run: Run, start_words: str) -> Diagnosis:
                     step0=step0,  # the story in the run's steps
                     resumed=run.start_kind != "init",
                     captured=(str(rp.manifest.get("reason")), int(rp.manifest["step"]) - rp.step0) if rp is not None else None)
+    diag = replace(diag, outcome=compile_outcome(diag.outcome, run.compiled, cfg.target))
     if rp is not None:
         transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
         if transient is not None:

@@ -950,3 +950,11 @@ def history_lines(ev: Mapping[str, Any]) -> list[str]:
     out.append("what changed: " + ("; ".join(change_text(c) for c in ch) if ch else
                                   "no warm-up end, new input size or spiking batch in the kept steps"))
     return out
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+SUMMARIES.update(_compile.SUMMARIES)
+RULE_TITLES.update(_compile.RULE_TITLES)
+FINDINGS.update(_compile.FINDINGS)
+FIXES.update(_compile.FIXES)
