@@ -91,7 +91,7 @@ def test_a_compile_only_failure_is_compile_numerics_with_the_stage_op_and_fixes(
     assert out.fixes[2].facts == {"backend": "aot_eager"}
     assert out.findings[0].code == "compile_numerics" and out.findings[0].evidence["op"] == "nan_to_num"
     s = words.SUMMARIES["compile_numerics"](out.facts)
-    assert "Inductor's generated code" in s and "nan_to_num (compile_nan.py:25, in mlp)" in s and "aot_eager stays finite" in s
+    assert "Inductor's generated code" in s and "nan_to_num (compile_nan.py:25, in mlp)" in s and "backend inductor fails, aot_eager stays finite" in s
     assert "emulate_precision_casts" in s
     texts = [words.fix_text(f) for f in out.fixes]
     assert "@torch.compiler.disable" in texts[1] and "mlp's forward" in texts[1] and "{" not in "".join(texts)
@@ -113,3 +113,68 @@ def test_a_model_that_fails_in_eager_too_is_not_a_compile_problem() -> None:
     title, fix = words.FINDINGS["compile_eager_fails"](kept.findings[-1], None)
     assert "not a compile problem" in title and fix
     assert compile_outcome(bug, None, "amp") is bug
+
+
+# end to end, with Inductor's C++ backend on the CPU -------------------------------------------------------------
+
+SAMPLES = ROOT / "sample_models"
+
+
+@pytest.fixture
+def one_compile_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor compiles in this process (no pool of workers to start on a small machine)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_compile_thread")
+def test_nan_only_under_inductor_is_compile_numerics_at_the_guard() -> None:
+    """sample_models/compile_nan.py: eager AMP is healthy; Inductor fuses the FP16 product and its nan_to_num guard
+    into one FP32 kernel, the guard passes ~1e5, the FP16 store makes it inf, the next matmul NaN."""
+    from ampdoctor.engine.triage import triage
+
+    report, run = triage(SAMPLES / "compile_nan.py", TriageConfig(steps=3, compile=True, device="cpu"))
+    v = report.verdict
+    assert (v.cause, v.first_module, v.first_step, v.stage) == ("compile_numerics", "mlp", 0, "compile"), v.summary
+    facts = run.compiled
+    assert facts is not None and not facts["eager_fails"]
+    assert [(r["backend"], r["ok"]) for r in facts["runs"]] == [
+        ("none", True), ("eager", True), ("aot_eager", True), ("inductor", False), ("inductor", True)]
+    assert facts["stage"] == "inductor_codegen" and facts["emulate_fixes"] is True
+    op = facts["op"]
+    assert op["op"] == "nan_to_num" and op["module"] == "mlp" and op["line"].startswith("compile_nan.py:")
+    assert op["eager_nonfinite"] == 0 and op["compiled_nonfinite"] > 0
+    assert "nan_to_num" in v.summary and "Inductor's generated code" in v.summary
+    assert report.fixes[0].startswith("Set torch._inductor.config.emulate_precision_casts = True")
+    assert {s.name for s in report.stages} == {"fp32", "fp16", "amp", "compile"}
+    assert report.config["compile"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_compile_thread")
+def test_a_model_that_fails_in_eager_too_keeps_its_verdict_under_compile() -> None:
+    """sample_models/model_bug.py (log of a ReLU: -inf in FP32 too) compiled: still model_bug, and the compile
+    finding says it is not a compile problem."""
+    from ampdoctor.engine.triage import triage
+
+    report, run = triage(SAMPLES / "model_bug.py", TriageConfig(steps=2, compile=True, device="cpu"))
+    assert (report.verdict.cause, report.verdict.first_module) == ("model_bug", "log_features")
+    assert run.compiled is not None and run.compiled["eager_fails"] and run.compiled["stage"] is None
+    assert [r["backend"] for r in run.compiled["runs"]] == ["none"]  # eager failed: no backend was tried
+    assert report.findings[-1].code == "compile_eager_fails" and "not a compile problem" in report.findings[-1].title
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_compile_thread")
+def test_a_conv_nets_isinf_guard_under_pure_fp16_is_compile_numerics_too() -> None:
+    """tests/compiled/conv_energy.py, unlike the sample: convolutions, a torch.where(isinf) guard, pure FP16 (the fp16
+    target, SGD), a cross-entropy head."""
+    from ampdoctor.engine.triage import triage
+
+    report, run = triage(ROOT / "tests" / "compiled" / "conv_energy.py", TriageConfig(steps=2, target="fp16", compile=True,
+                                                                                    device="cpu"))
+    v = report.verdict
+    assert (v.cause, v.first_module, v.first_step, v.stage) == ("compile_numerics", "energy", 0, "compile"), v.summary
+    facts = run.compiled
+    assert facts is not None and facts["stage"] == "inductor_codegen" and facts["emulate_fixes"] is True
+    assert facts["op"]["module"] == "energy" and facts["op"]["line"].startswith("conv_energy.py:")

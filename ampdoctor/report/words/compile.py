@@ -12,8 +12,7 @@ from ampdoctor.records import Finding, ScalerStory
 
 Facts = Mapping[str, Any]
 
-STAGES = {"graph_capture": "Dynamo's graph capture (backend eager)", "aot_autograd": "AOT autograd (backend aot_eager)",
-          "inductor_codegen": "Inductor's generated code (backend inductor)"}
+STAGES = {"graph_capture": "Dynamo's graph capture", "aot_autograd": "AOT autograd", "inductor_codegen": "Inductor's generated code"}
 
 
 def _op(f: Facts) -> str:
@@ -40,7 +39,7 @@ def _emulate(f: Facts) -> str:
 
 
 def _summary(f: Facts) -> str:
-    before = f" ({f['previous']} stays finite)" if f.get("previous") else ""
+    before = f": backend {f['backend']} fails" + (f", {f['previous']} stays finite" if f.get("previous") else "")
     return (f"The compiled model goes non-finite at step {f['step']} in {f['target']} while eager PyTorch stays finite on "
             f"the same weights and batch: it starts in {STAGES[f['stage']]}{before}{_op(f)}{_emulate(f)}.")
 
