@@ -178,3 +178,13 @@ def test_a_conv_nets_isinf_guard_under_pure_fp16_is_compile_numerics_too() -> No
     facts = run.compiled
     assert facts is not None and facts["stage"] == "inductor_codegen" and facts["emulate_fixes"] is True
     assert facts["op"]["module"] == "energy" and facts["op"]["line"].startswith("conv_energy.py:")
+
+
+def test_a_spec_that_returns_a_compiled_model_asks_for_the_compile_rung() -> None:
+    from ampdoctor.engine.compiled import uncompiled
+
+    net = nn.Linear(2, 2)
+    seen: list[str] = []
+    assert uncompiled(lambda: torch.compile(net), seen)() is net and seen == ["Linear"]
+    plain: list[str] = []
+    assert uncompiled(lambda: net, plain)() is net and plain == []

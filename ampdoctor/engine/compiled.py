@@ -349,3 +349,17 @@ def compile_facts(results: dict[str, Any], target: Rung, model: nn.Module, spec:
     finally:
         model.load_state_dict(init_state)
     return found.as_facts()
+
+
+def uncompiled(build: Callable[[], Any], seen: list[str]) -> Callable[[], Any]:
+    """``build_model`` that hands triage the module under a ``torch.compile`` wrapper (an ``OptimizedModule``), noting
+    in ``seen`` that the spec's model was compiled: triage then runs the compile rung as ``--compile`` asks."""
+
+    def unwrapped() -> Any:
+        model = build()
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            seen.append(type(model._orig_mod).__name__)
+            return model._orig_mod
+        return model
+
+    return unwrapped

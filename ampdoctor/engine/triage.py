@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
-from ampdoctor.engine.compiled import compile_facts
+from ampdoctor.engine.compiled import compile_facts, uncompiled
 from ampdoctor.engine.forward import forward_loss, make_optimizer
 from ampdoctor.engine.recheck import hook_check, recheck_fn
 from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
@@ -103,6 +103,9 @@ def triage(
     if cfg.batch_keys:  # --batch-keys: every forward and loss of the run takes the fields named
         spec = replace(spec, loss_fn=KeyedLoss(BatchKeys.parse(cfg.batch_keys), spec.loss_fn))
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
+    compiled_by_spec: list[str] = []
+    if spec.own_model:  # a spec that returns torch.compile(model): triage runs the compile rung
+        spec = replace(spec, build_model=uncompiled(spec.build_model, compiled_by_spec))
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
@@ -119,6 +122,8 @@ def triage(
         if skip_batches:
             spec, said = skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
+    if compiled_by_spec and not cfg.compile:
+        cfg = replace(cfg, compile=True)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
     hooks_now = userhooks.found(model)
