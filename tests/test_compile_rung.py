@@ -188,3 +188,24 @@ def test_a_spec_that_returns_a_compiled_model_asks_for_the_compile_rung() -> Non
     assert uncompiled(lambda: torch.compile(net), seen)() is net and seen == ["Linear"]
     plain: list[str] = []
     assert uncompiled(lambda: net, plain)() is net and plain == []
+
+
+def test_the_capture_says_a_compiled_run_and_its_replay_runs_the_compile_rung() -> None:
+    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.ladder.compile import compiled_run, is_compiled
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    assert not is_compiled(net) and "compiled" not in model_identity(net)
+    assert is_compiled(torch.compile(net)) and model_identity(torch.compile(net))["compiled"] is True
+    inplace = nn.Sequential(nn.Linear(2, 2))
+    inplace.compile()
+    assert is_compiled(inplace)
+
+    class Wrapper(nn.Module):  # DDP-like: the compiled model is its .module
+        def __init__(self, m: nn.Module) -> None:
+            super().__init__()
+            self.module = m
+
+    assert is_compiled(Wrapper(torch.compile(net))) and not is_compiled(Wrapper(net))
+    assert compiled_run({"model_identity": {"class": "x.Net", "compiled": True}})
+    assert not compiled_run({"model_identity": {"class": "x.Net"}}) and not compiled_run({})

@@ -68,6 +68,7 @@ from ampdoctor.input.capture_schema import (
     validate_state,
 )
 from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
+from ampdoctor.ladder.compile import is_compiled
 from ampdoctor.notify import say, shown_path, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
@@ -270,6 +271,8 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
             out.update(origin.record(inner))
         except Exception:  # what cannot be read is left out: the replay asks for a spec
             pass
+    if is_compiled(model):
+        out["compiled"] = True  # the run's model ran under torch.compile: triage --from runs the compile rung
     return out
 
 

@@ -44,6 +44,7 @@ from ampdoctor.judge.rules import (
     stall_ratio,
 )
 from ampdoctor.ladder import ladder, rung
+from ampdoctor.ladder.compile import compiled_run
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
@@ -113,7 +114,7 @@ def triage(
     if from_capture is not None:
         spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture, import_outside)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
-        cfg = replace(cfg, steps=len(batches.items), target=target)
+        cfg = replace(cfg, steps=len(batches.items), target=target, compile=cfg.compile or compiled_run(cap.manifest))
         start = cap.start
     elif checkpoint is not None:
         spec, model, batches, start, start_note, said = prepare_checkpoint(spec, cfg, device, checkpoint, skip_batches, progress,

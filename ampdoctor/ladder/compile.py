@@ -65,3 +65,20 @@ def compile_rung(config: TriageConfig) -> Rung:
 
 
 register("compile", compile_rung)
+
+
+def is_compiled(model: Any) -> bool:
+    """The model runs under ``torch.compile``: an ``OptimizedModule`` or a module compiled in place
+    (``nn.Module.compile``), itself or inside a wrapper's ``.module`` (DDP, FSDP1, DeepSpeed's engine)."""
+    seen = 0
+    while isinstance(model, nn.Module) and seen < 8:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None:
+            return True
+        model, seen = getattr(model, "module", None), seen + 1
+    return False
+
+
+def compiled_run(manifest: dict[str, Any]) -> bool:
+    """A capture's manifest says the run's model was compiled (``model_identity["compiled"]``)."""
+    ident = manifest.get("model_identity")
+    return isinstance(ident, dict) and ident.get("compiled") is True
