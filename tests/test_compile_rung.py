@@ -20,7 +20,9 @@ from ampdoctor.judge.compiled import compile_outcome
 from ampdoctor.ladder import AMP, FP16_PURE, rung
 from ampdoctor.ladder.compile import CompileTransform, compiled
 from ampdoctor.records import Finding, Outcome
-from ampdoctor.report import words
+from ampdoctor.report.words import findings as findings_words
+from ampdoctor.report.words import fixes as fixes_words
+from ampdoctor.report.words import verdicts as verdicts_words
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,17 +92,17 @@ def test_a_compile_only_failure_is_compile_numerics_with_the_stage_op_and_fixes(
     assert [f.code for f in out.fixes] == ["compile_emulate_casts", "compile_disable", "compile_backend"]
     assert out.fixes[2].facts == {"backend": "aot_eager"}
     assert out.findings[0].code == "compile_numerics" and out.findings[0].evidence["op"] == "nan_to_num"
-    s = words.SUMMARIES["compile_numerics"](out.facts)
+    s = verdicts_words.SUMMARIES["compile_numerics"](out.facts)
     assert "Inductor's generated code" in s and "nan_to_num (compile_nan.py:25, in mlp)" in s and "backend inductor fails, aot_eager stays finite" in s
     assert "emulate_precision_casts" in s
-    texts = [words.fix_text(f) for f in out.fixes]
+    texts = [fixes_words.fix_text(f) for f in out.fixes]
     assert "@torch.compiler.disable" in texts[1] and "mlp's forward" in texts[1] and "{" not in "".join(texts)
 
 
 def test_no_emulation_fix_where_emulating_does_not_help() -> None:
     out = compile_outcome(_healthy(), _facts(emulate=False), "amp")
     assert [f.code for f in out.fixes] == ["compile_disable", "compile_backend"]
-    assert "still fails" in words.SUMMARIES["compile_numerics"](out.facts)
+    assert "still fails" in verdicts_words.SUMMARIES["compile_numerics"](out.facts)
 
 
 def test_a_model_that_fails_in_eager_too_is_not_a_compile_problem() -> None:
@@ -110,7 +112,7 @@ def test_a_model_that_fails_in_eager_too_is_not_a_compile_problem() -> None:
                   [Finding("model_bug", "error", stage="fp32", module="log_features", step=0)])
     kept = compile_outcome(bug, _facts(), "amp")
     assert (kept.cause, kept.module) == ("model_bug", "log_features") and kept.findings[-1].code == "compile_eager_fails"
-    title, fix = words.FINDINGS["compile_eager_fails"](kept.findings[-1], None)
+    title, fix = findings_words.FINDINGS["compile_eager_fails"](kept.findings[-1], None)
     assert "not a compile problem" in title and fix
     assert compile_outcome(bug, None, "amp") is bug
 
@@ -191,7 +193,7 @@ def test_a_spec_that_returns_a_compiled_model_asks_for_the_compile_rung() -> Non
 
 
 def test_the_capture_says_a_compiled_run_and_its_replay_runs_the_compile_rung() -> None:
-    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.capture.state import model_identity
     from ampdoctor.ladder.compile import compiled_run, is_compiled
 
     net = nn.Sequential(nn.Linear(2, 2))

@@ -20,7 +20,7 @@ from ampdoctor.engine.forward import forward_loss, get_loss
 from ampdoctor.engine.step import TrainStep
 from ampdoctor.input.batches import UNKNOWN_TARGET, Micro
 from ampdoctor.input.loss import model_loss
-from ampdoctor.judge.rules import kernel_limit
+from ampdoctor.judge.detectors import kernel_limit
 from ampdoctor.ladder import AMP, BF16, FP16_MASTER, FP32
 from ampdoctor.report.build import stage_summary
 from ampdoctor.report.stages import error_hint
@@ -208,7 +208,7 @@ def test_repro_script_runs_a_model_that_takes_a_subset_of_the_batch_keys(tmp_pat
 # the stages' codes, and their words at the report's edge -----------------------------------------------------
 
 def test_a_stage_error_hint_says_what_its_kind_is() -> None:
-    """The hint a stage's exception gets follows the kernel the device lacks (``rules.kernel_limit``, from torch's
+    """The hint a stage's exception gets follows the kernel the device lacks (``detectors.kernel_limit``, from torch's
     message): a device limitation is said to be one, anything else is to be fixed."""
     onednn = "could not create a primitive descriptor for a matmul primitive"
     assert "oneDNN" in error_hint(kernel_limit(onednn, "amp", "cpu")) and "not a NaN cause" in error_hint("onednn_fp16")

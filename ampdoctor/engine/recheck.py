@@ -12,8 +12,8 @@ from torch import nn
 from ampdoctor.engine.forward import forward_loss
 from ampdoctor.input.batches import Batches, KeyedLoss, filter_kwargs, micro_batches, split, to_device
 from ampdoctor.input.spec import Spec
+from ampdoctor.judge.context import HookCheck, HookCheckFn, Recheck
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
-from ampdoctor.judge.rules import HookCheck, HookCheckFn, Recheck
 from ampdoctor.ladder import AMP, FP32, registered, rung
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.tensors import iter_tensors

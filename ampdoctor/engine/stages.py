@@ -27,15 +27,16 @@ from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
-from ampdoctor.judge.rules import kernel_limit
-from ampdoctor.judge.scaler import EXPLODE_RATIO
+from ampdoctor.judge.detectors import kernel_limit
+from ampdoctor.judge.explosion import EXPLODE_RATIO
 from ampdoctor.ladder import Rung, rung
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.report.stages import error_hint
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.blame import GraphRecorder
-from ampdoctor.watch.hooks import Hooks, ModuleTracker
+from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.steplog import StepLogWriter
+from ampdoctor.watch.tracker import ModuleTracker
 
 ProgressFn = Callable[[str, int], None]
 
@@ -253,7 +254,7 @@ def run_stage(stage: Rung | str, ctx: StageContext) -> StageResult:
 
 def _stage_error(e: Exception, name: str, device: torch.device, step: int, st: _Stage) -> StageError:
     """The exception as data: where it was raised (the module running, or whose backward node raised), with the hint
-    its kind takes (``judge.rules.kernel_limit``)."""
+    its kind takes (``judge.detectors.kernel_limit``)."""
     module = st.tracker.current
     bw = st.graph.blame(e) if module is None and st.graph is not None else None  # raised in backward: whose node raised
     hint = error_hint(kernel_limit(str(e), name, device.type))  # (a device without the op's FP16 kernel: say so)

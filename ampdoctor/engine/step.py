@@ -31,14 +31,15 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.forward import forward_loss
-from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
-from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
 from ampdoctor.judge import locate
 from ampdoctor.ladder import FP32, Rung
+from ampdoctor.parallel.exchange import SLOTS, RankExchange, RankView
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.watch.fused import fused_norms
-from ampdoctor.watch.hooks import Hooks, local, named_modules, named_parameters, unwrap
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.model_view import local, named_modules, named_parameters, unwrap
 
 # the owned step's clip, taken before the integrations observe ``torch.nn.utils``' clip functions
 # (integrations._attach.ClipObserver): ampdoctor's own clip is not the framework's
@@ -70,7 +71,7 @@ class Measured:
     tripped: bool = False
     """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
     ranks: RankView | None = None
-    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``engine.ranks``)."""
+    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``parallel.exchange``)."""
     will_skip: bool | None = None
     """What the step will do: with a GradScaler where the caller steps, GradScaler's own verdict (its
     found-inf flags: a non-finite loss with finite gradients is applied); else ``skip``."""

@@ -10,14 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.capture.folder import Captured
+from ampdoctor.capture.read import layout_optimizer, read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.engine import preflight
 from ampdoctor.engine.compiled import compile_facts, uncompiled
 from ampdoctor.engine.forward import forward_loss, make_optimizer
 from ampdoctor.engine.recheck import hook_check, recheck_fn
-from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
-from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.starts import build_model, prepare, prepare_checkpoint, skipping
 from ampdoctor.errors import CaptureError, UsageError
@@ -36,13 +37,8 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, load_spec, no_spec, spec_importable
 from ampdoctor.judge.compiled import compile_outcome
-from ampdoctor.judge.rules import (
-    Diagnosis,
-    diagnose,
-    not_reproduced,
-    shift_diagnosis,
-    stall_ratio,
-)
+from ampdoctor.judge.measures import stall_ratio
+from ampdoctor.judge.rules import Diagnosis, diagnose, not_reproduced, shift_diagnosis
 from ampdoctor.ladder import ladder, rung
 from ampdoctor.ladder.compile import compiled_run
 from ampdoctor.lint import LintFinding

@@ -1,6 +1,7 @@
 """The English of the compile rung (``judge.compiled``): the ``compile_numerics`` verdict, its findings and fixes.
 
-``report.words`` merges these dictionaries into its own (``SUMMARIES``, ``RULE_TITLES``, ``FINDINGS``, ``FIXES``)."""
+``report.words.verdicts`` (``SUMMARIES``, ``RULE_TITLES``), ``findings`` (``FINDINGS``) and ``fixes`` (``FIXES``) merge these
+dictionaries into their own."""
 
 from __future__ import annotations
 
