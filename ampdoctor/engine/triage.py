@@ -94,15 +94,12 @@ def triage(
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
-    if from_capture is not None and checkpoint is not None:
-        raise UsageError("--from and --checkpoint both say where to start; give one")
     spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
     if cfg.batch_keys:  # --batch-keys: every forward and loss of the run takes the fields named
         spec = replace(spec, loss_fn=KeyedLoss(BatchKeys.parse(cfg.batch_keys), spec.loss_fn))
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
-    compiled_by_spec: list[str] = []
-    if spec.own_model:  # a spec that returns torch.compile(model): triage runs the compile rung
-        spec = replace(spec, build_model=uncompiled(spec.build_model, compiled_by_spec))
+    compiled_by_spec: list[str] = []  # a spec that returns torch.compile(model): triage runs the compile rung
+    spec = replace(spec, build_model=uncompiled(spec.build_model, compiled_by_spec)) if spec.own_model else spec
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
@@ -119,8 +116,7 @@ def triage(
         if skip_batches:
             spec, said = skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
-    if compiled_by_spec and not cfg.compile:
-        cfg = replace(cfg, compile=True)
+    cfg = replace(cfg, compile=True) if compiled_by_spec and not cfg.compile else cfg
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
     hooks_now = userhooks.found(model)
