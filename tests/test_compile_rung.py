@@ -211,3 +211,36 @@ def test_the_capture_says_a_compiled_run_and_its_replay_runs_the_compile_rung() 
     assert is_compiled(Wrapper(torch.compile(net))) and not is_compiled(Wrapper(net))
     assert compiled_run({"model_identity": {"class": "x.Net", "compiled": True}})
     assert not compiled_run({"model_identity": {"class": "x.Net"}}) and not compiled_run({})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_compile_thread")
+def test_a_monitored_compiled_run_is_captured_as_compiled_and_its_replay_bisects(tmp_path: Path) -> None:
+    """The Monitor watches torch.compile(model) in a plain AMP loop; the NaN loss is captured, the manifest says the
+    model was compiled, and triage --from runs the compile rung without --compile: compile_numerics at the guard."""
+    import sys
+
+    from ampdoctor import Monitor
+    from ampdoctor.capture.read import read_capture
+    from ampdoctor.engine.triage import triage
+
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        import compile_nan as sample  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(SAMPLES))
+    torch.manual_seed(0)
+    net = sample.build_model()
+    model = torch.compile(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    cap = tmp_path / "cap"
+    with Monitor(model, opt, torch.amp.GradScaler("cpu"), capture=str(cap), quiet=True) as mon:
+        for x, y in sample.build_dataloader()[:2]:
+            with mon.autocast():
+                loss = sample.loss_fn(model(x), y)
+            mon.step(loss, batch=(x, y))
+    assert read_capture(cap).manifest["model_identity"]["compiled"] is True
+    torch._dynamo.reset()
+    report, run = triage(SAMPLES / "compile_nan.py", TriageConfig(device="cpu"), from_capture=cap)
+    assert report.verdict.cause == "compile_numerics", report.verdict.summary
+    assert run.config.compile and run.compiled is not None and run.compiled["op"]["op"] == "nan_to_num"

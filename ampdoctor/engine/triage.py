@@ -192,9 +192,11 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
     run.compiled = compile_facts(run.results, rung(cfg.target, cfg), run.model, run.spec, run.batches, run.init_state,
                                  run.device)
     if cap is not None:
-        # transient or persistent: the failing step in the run's own precision, from the captured state, twice
-        again = run_stage(cfg.target, context(cfg.target))
-        replays = [run.results[cfg.target], again]
+        # transient or persistent: the failing step in the run's own precision (compiled, if the run was), from the
+        # captured state, twice
+        own = "compile" if compiled_run(cap.manifest) and "compile" in run.results else cfg.target
+        again = run_stage(own, context(own))
+        replays = [run.results[own], again]
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
                             sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring)
 
