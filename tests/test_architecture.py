@@ -40,7 +40,10 @@ MAX_LINES = 600
 """A module is read as one job; past this many lines it holds more than one (issue 37)."""
 HARD_MAX_LINES = 1000
 """No module is ever longer than this, allowed or not."""
-LONG_ALLOWED: dict[str, str] = {}
+LONG_ALLOWED: dict[str, str] = {
+    # none: every module is under MAX_LINES. An entry says why its module is not split (the test below fails on an
+    # entry whose file is back under MAX_LINES, so a stale one cannot stay).
+}
 """Modules allowed past MAX_LINES, each with why (path under ampdoctor/)."""
 
 

@@ -22,6 +22,7 @@ CAUSE_TITLES = {
     "inconclusive": "Inconclusive",
     "not_reproduced": "Not reproduced (transient)",
     "compile_numerics": "Compiled numerics (torch.compile only)",
+    "replay_mismatch": "Replay ran another model",
 }
 
 

@@ -22,6 +22,7 @@ CAUSES = (
     "inconclusive",
     "not_reproduced",
     "compile_numerics",
+    "replay_mismatch",
 )
 
 
