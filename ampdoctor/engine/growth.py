@@ -35,6 +35,7 @@ from ampdoctor.notify import alert
 from ampdoctor.records import MODEL, Col, StepStats
 from ampdoctor.report.alerts import growth_alert
 from ampdoctor.watch.calls import uses_compile
+from ampdoctor.watch.model_view import unwrap
 from ampdoctor.watch.opwatch import OpWatch, op_figures
 
 KINDS = ("op", "grad", "pgrad", "loss")
@@ -211,8 +212,6 @@ def build(model: nn.Module, hooks: Any, fmt: Format, dtype: torch.dtype, *, hori
     model is compiled (a mode active while dynamo traces would change what it compiles)."""
     if horizon is None:
         return None
-    from ampdoctor.watch.hooks import unwrap
-
     root = unwrap(model)
     ops = None
     if type(model).__name__ != "OptimizedModule" and not uses_compile(root):

@@ -23,7 +23,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ampdoctor.lint.flow import FileFacts, Func, arg, call_name, dotted, last, method, number
+from ampdoctor.lint.flow import FileFacts, Func
+from ampdoctor.lint.syntax import arg, call_name, dotted, last, method, number
 
 Interval = tuple[float, float]
 ANY: Interval = (-math.inf, math.inf)
