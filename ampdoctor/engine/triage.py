@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ampdoctor.engine import preflight
+from ampdoctor.engine.grad_replay import replay_grad_node
 from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
@@ -21,6 +22,7 @@ from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
 from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
 from ampdoctor.errors import CaptureError, SpecError, UsageError
+from ampdoctor.formats import FP16
 from ampdoctor.input import origin, rebuild
 from ampdoctor.input.batches import (
     Batches,
@@ -41,6 +43,7 @@ from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.loading import load_batches
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
+from ampdoctor.judge.gradnode import GradNode
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
 from ampdoctor.judge.rules import (
     Diagnosis,
@@ -188,7 +191,14 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             model.load_state_dict(state)
             return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked)
+        def grad_node(scale: float) -> GradNode | None:
+            return replay_grad_node(model, spec, worst, state, stage, device, scale)
+
+        def masked_beyond(module: str) -> MaskedRows | None:
+            model.load_state_dict(state)
+            return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)), FP16.overflow_threshold)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked, grad_node, masked_beyond)
 
     return run
 

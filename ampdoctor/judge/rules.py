@@ -23,8 +23,10 @@ from ampdoctor.input.batches import Batches, absmax_ratio, check_batch, fields, 
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import DataIssue, largest_beyond, scan_batches, typical_magnitudes
+from ampdoctor.judge.gradnode import GradNode
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_overflowing_op
 from ampdoctor.judge.progress import loss_window
+from ampdoctor.judge.refine import masked_facts, refine
 from ampdoctor.judge.scaler import Advice, ScaleFacts, diagnose_scale, first_explosion
 from ampdoctor.judge.thresholds import FLUSH_THRESHOLD, MIN_STALL_STEPS, OUTLIER_RATIO, SKIP_RATE_ALERT, STALL_RATIO
 from ampdoctor.records import (
@@ -60,6 +62,11 @@ class Recheck:
     masked: Callable[[str], MaskedRows | None] | None = None
     """Replays the same FP32 forward and returns the first softmax inside a named module with a row masked
     throughout (softmax over all -inf is NaN in every precision)."""
+    grad_node: Callable[[float], GradNode | None] | None = None
+    """Replays the step's forward and backward in the stage's own precision from the same weights, the loss times the
+    scale given, and returns the first autograd node whose output gradient is non-finite (``judge.gradnode``)."""
+    masked_beyond: Callable[[str], MaskedRows | None] | None = None
+    """Like ``masked``, for rows finite in FP32 and beyond FP16's range throughout (a -1e9 mask: -inf in FP16)."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]
@@ -524,9 +531,9 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
         # the fix follows the mechanism: a softmax row masked throughout is 0/0 (the mask), not a domain error
         mr = rc.masked(module) if rc is not None and rc.masked is not None and module and where == "forward" else None
         if mr is not None:
-            facts.update(masked={"op": mr.op, "rows": mr.rows, "first": list(mr.first)})
-            ev["fully_masked_rows"] = {"op": mr.op, "rows": mr.rows, "first": list(mr.first)}
-            fix = Fix("unmask_row", {"module": module, "op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+            facts.update(masked=masked_facts(mr))
+            ev["fully_masked_rows"] = masked_facts(mr)
+            fix = Fix("unmask_row", {"module": module, **masked_facts(mr)})
         else:
             fix = Fix("guard_op", {"module": module})
     return Outcome("model_bug", module, s, "fp32", facts,
@@ -958,7 +965,7 @@ def diagnose(
     stage's word on switching, and the data scan's findings."""
     c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check,
             captured)
-    out = _not_the_root(judge(c))
+    out = refine(c, _not_the_root(judge(c)))  # below the module: the autograd node, masked rows
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}
     if out.module and "op" in ev and "fp32_absmax" in ev:

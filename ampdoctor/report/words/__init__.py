@@ -21,6 +21,7 @@ from ampdoctor.formats import FP16
 from ampdoctor.judge.progress import LossWindow
 from ampdoctor.judge.rules import Diagnosis
 from ampdoctor.records import Finding, Fix, ScalerStory, Verdict
+from ampdoctor.report.words import inside
 from ampdoctor.report.words import scaler as scaler_words
 
 Facts = Mapping[str, Any]
@@ -87,7 +88,8 @@ FIXES: dict[str, Callable[[Facts], str]] = {
         f"Fix the mask in {f['module']}: every query must keep at least one key it may attend to (a sequence that is all "
         "padding, or a left-padded position under a causal mask, keeps none). Drop such samples or unmask one key per "
         "row (e.g. the query's own position), or fill with torch.finfo(dtype).min instead of -inf and zero the "
-        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0."),
+        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0, and nan_to_num or torch.where "
+        "on the output alone leaves the backward NaN where the mask is added to the scores."),
     "custom_fwd_bwd": lambda f: (
         f"Decorate {f['function']}.forward with `@torch.amp.custom_fwd(device_type='{f['device']}', cast_inputs=torch.float32)` "
         f"and {f['function']}.backward with `@torch.amp.custom_bwd(device_type='{f['device']}')`: forward then runs in FP32 "
@@ -160,6 +162,9 @@ FIXES: dict[str, Callable[[Facts], str]] = {
 """Fix code → the sentence, from the fix's facts."""
 
 
+FIXES.update(inside.FIXES)
+
+
 def fix_text(fix: Fix) -> str:
     return FIXES[fix.code](fix.facts)
 
@@ -205,7 +210,7 @@ def _hook_hid(f: Facts) -> str:
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     m = f.get("masked")
-    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}), and a softmax "
+    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}){inside.samples(m)}, and a softmax "
            "over a row of -inf is 0/0 = NaN in every precision" if m else "")
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
             f"{loc} {_from_start(f, even=True)}{why}.")
@@ -574,7 +579,7 @@ def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
 # the whole diagnosis -------------------------------------------------------------------------------
 
 def summary(facts: Facts) -> str:
-    return SUMMARIES[facts["variant"]](facts)
+    return SUMMARIES[facts["variant"]](facts) + inside.extra(facts)
 
 
 def write(d: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory | None]:

@@ -1,0 +1,89 @@
+"""What a verdict learns from one more replay below the module: the autograd node, the masked attention rows.
+
+``rules.judge`` names the module and the step; this adds, as facts and evidence (no words):
+
+- for a gradient that went non-finite (``fp16_grad_overflow``, a ``model_bug`` found in backward): the first
+  autograd node whose output gradient is non-finite, with the forward op, module and line that made it
+  (``judge.gradnode``, replayed in the stage's precision at the step's loss scale);
+- for a ``model_bug`` in backward inside a module whose softmax gets rows masked throughout: the rows, and the fix is
+  the mask (a -inf row's softmax is NaN in every precision; hiding it from the forward with ``nan_to_num`` leaves the
+  backward NaN);
+- for an ``fp16_forward_overflow`` inside a module whose softmax gets rows finite in FP32 but beyond FP16's range
+  throughout (a ``-1e9`` mask constant): those rows, and the fix is the constant (``torch.finfo(dtype).min``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
+
+from ampdoctor.judge.opscan import MaskedRows
+from ampdoctor.records import Fix, Outcome
+
+if TYPE_CHECKING:
+    from ampdoctor.judge.rules import Ctx, Recheck
+
+
+def masked_facts(mr: MaskedRows) -> dict[str, Any]:
+    """A MaskedRows as the plain data of a verdict's facts and evidence."""
+    out: dict[str, Any] = {"op": mr.op, "rows": mr.rows, "first": list(mr.first), "samples": list(mr.samples)}
+    if mr.value is not None:
+        out["value"] = mr.value
+    return out
+
+
+def _backward_replay(c: Ctx, out: Outcome) -> tuple[Recheck | None, float]:
+    """The replay of the failing step a gradient fault is judged on, and the loss scale it ran at."""
+    if out.step is None:
+        return None, 1.0
+    if out.cause == "fp16_grad_overflow" and c.tgt is not None and out.stage == c.tgt_name:
+        rec = next((r for r in c.tgt.records if r.step == out.step), None)
+        scale = rec.scaler_scale if rec is not None and rec.scaler_scale else 1.0
+        return (c.rc if out.step == c.bad else c.recheck(c.tgt_name, out.step)), float(scale)
+    if out.cause == "model_bug" and out.facts.get("variant") == "fp32_bug" and out.facts.get("where") == "backward":
+        return c.recheck("initial", out.step), 1.0
+    return None, 1.0
+
+
+def _with_grad_node(c: Ctx, out: Outcome) -> Outcome:
+    rc, scale = _backward_replay(c, out)
+    node = rc.grad_node(scale) if rc is not None and rc.grad_node is not None else None
+    if node is None:
+        return out
+    gn = asdict(node)
+    out.facts["grad_node"] = gn
+    if out.findings:
+        out.findings[0].evidence.update(grad_node=node.node, grad_op=node.op, grad_line=node.line,
+                                        grad_module=node.module, grad_summed=node.summed)
+    if out.cause == "model_bug" and rc is not None and rc.masked is not None and out.module and "masked" not in out.facts:
+        mr = rc.masked(out.module)
+        if mr is not None:  # masked rows whose gradients poison the batch: the fix is the mask, not a guard
+            mf = masked_facts(mr)
+            out.facts["masked"] = mf
+            if out.findings:
+                out.findings[0].evidence["fully_masked_rows"] = mf
+            fixes = [f for f in out.fixes if f.code != "guard_op"]
+            return replace(out, fixes=[Fix("unmask_row", {"module": out.module, **mf}), *fixes])
+    return out
+
+
+def _with_mask_constant(c: Ctx, out: Outcome) -> Outcome:
+    if out.cause != "fp16_forward_overflow" or not out.module or out.step is None:
+        return out
+    rc = c.rc if out.stage == c.tgt_name and out.step == c.bad else None
+    mr = rc.masked_beyond(out.module) if rc is not None and rc.masked_beyond is not None else None
+    if mr is None:
+        return out
+    mf = masked_facts(mr)
+    out.facts["mask_constant"] = mf
+    if out.findings:
+        out.findings[0].evidence["rows_beyond_fp16"] = mf
+    return replace(out, fixes=[Fix("mask_constant", {"module": out.module, **mf}), *out.fixes])
+
+
+def refine(c: Ctx, out: Outcome) -> Outcome:
+    """``out`` with what one more replay below its module finds (the autograd node, the masked rows), or as it is."""
+    try:
+        return _with_mask_constant(c, _with_grad_node(c, out))
+    except Exception:  # a replay of the user's model that breaks takes nothing from the verdict already reached
+        return out
