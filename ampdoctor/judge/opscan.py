@@ -144,8 +144,14 @@ def _dead_rows(func_name: str, args: tuple, kwargs: dict, beyond: float | None =
         m = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         if isinstance(m, torch.Tensor) and m.dim():
             if m.dtype == torch.bool:
-                return (~m).all(dim=-1) if beyond is None else None
-            return dead(m, -1)
+                rows = (~m).all(dim=-1) if beyond is None else None
+            else:
+                rows = dead(m, -1)
+            q = args[0] if args else kwargs.get("query")
+            try:  # the mask broadcasts over heads and queries: count the rows of the attention itself
+                return torch.broadcast_to(rows, q.shape[:-1]) if rows is not None and isinstance(q, torch.Tensor) else rows
+            except RuntimeError:
+                return rows
     if func_name == "multi_head_attention_forward":
         return _kpm_rows(args, kwargs, beyond)
     return None

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
+from ampdoctor.judge.gradnode import GradNode
 from ampdoctor.judge.opscan import MaskedRows
-from ampdoctor.records import Fix, Outcome
+from ampdoctor.records import MODEL, Fix, Outcome
 
 if TYPE_CHECKING:
     from ampdoctor.judge.rules import Ctx, Recheck
@@ -52,6 +53,7 @@ def _with_grad_node(c: Ctx, out: Outcome) -> Outcome:
         return out
     gn = asdict(node)
     out.facts["grad_node"] = gn
+    out = _named_by_node(out, node)
     if out.findings:
         out.findings[0].evidence.update(grad_node=node.node, grad_op=node.op, grad_line=node.line,
                                         grad_module=node.module, grad_summed=node.summed)
@@ -65,6 +67,23 @@ def _with_grad_node(c: Ctx, out: Outcome) -> Outcome:
             fixes = [f for f in out.fixes if f.code != "guard_op"]
             return replace(out, fixes=[Fix("unmask_row", {"module": out.module, **mf}), *fixes])
     return out
+
+
+def _named_by_node(out: Outcome, node: GradNode) -> Outcome:
+    """The node's module when the module-level answer lies strictly inside it: the node was made by the enclosing
+    module's own code, and the child named only received its non-finite gradient (the module rules see module
+    boundaries: a module whose inputs carry no gradient, the data, and whose own op breaks shows no outgoing fault)."""
+    m = node.module
+    if node.summed or m is None or m == MODEL or not out.module or not out.module.startswith(m + "."):
+        return out
+    out.facts["module_received"] = out.module
+    if out.facts.get("module") == out.module:
+        out.facts["module"] = m
+    for f in out.findings:
+        if f.module == out.module:
+            f.module = m
+    fixes = [replace(fx, facts={**fx.facts, "module": m}) if fx.facts.get("module") == out.module else fx for fx in out.fixes]
+    return replace(out, module=m, fixes=fixes)
 
 
 def _with_mask_constant(c: Ctx, out: Outcome) -> Outcome:
