@@ -101,3 +101,16 @@ def test_rows_beyond_fp16_are_told_from_rows_of_minus_inf(row: list[float], beyo
     assert (beyond.rows if beyond else 0, inf.rows if inf else 0) == (beyond_rows, inf_rows)
     if beyond is not None:
         assert beyond.first == (1,) and beyond.value == -1e9
+
+
+def test_masked_fill_with_minus_1e9_on_fp16_scores_is_the_forward_overflow_not_amp_misuse() -> None:
+    # PyTorch refuses the fill ("value cannot be converted to type c10::Half without overflow"): the stage raises, and
+    # the constant is what overflows FP16; no row is fully masked here
+    report, _ = triage(HERE / "pool_fill.py", TriageConfig(steps=2))
+    v = report.verdict
+    assert (v.cause, v.first_module, v.first_step, v.stage) == ("fp16_forward_overflow", "pool", 0, "amp"), v.summary
+    assert "the masked_fill op inside pool writes a value of magnitude 1e+09" in v.summary
+    assert report.fixes[0].startswith("Fix the mask constant in pool")
+    assert report.findings[0].title == "pool's masked_fill writes a value FP16 cannot hold"
+    fp32 = next(s for s in report.stages if s.name == "fp32")
+    assert fp32.first_nonfinite_step is None

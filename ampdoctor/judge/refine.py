@@ -9,7 +9,9 @@
   the mask (a -inf row's softmax is NaN in every precision; hiding it from the forward with ``nan_to_num`` leaves the
   backward NaN);
 - for an ``fp16_forward_overflow`` inside a module whose softmax gets rows finite in FP32 but beyond FP16's range
-  throughout (a ``-1e9`` mask constant): those rows, and the fix is the constant (``torch.finfo(dtype).min``).
+  throughout (a ``-1e9`` mask constant): those rows, and the fix is the constant (``torch.finfo(dtype).min``);
+- for a target stage that raised because an op wrote a value FP16 cannot hold (``masked_fill(mask, -1e9)`` on FP16
+  scores): the forward overflow it is (``fp16_forward_overflow``, variant ``fill_beyond``), naming the op.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from ampdoctor.judge.gradnode import GradNode
-from ampdoctor.judge.opscan import MaskedRows
-from ampdoctor.records import MODEL, Fix, Outcome
+from ampdoctor.judge.opscan import MaskedRows, first_overflowing_op
+from ampdoctor.records import MODEL, Finding, Fix, Outcome
 
 if TYPE_CHECKING:
     from ampdoctor.judge.rules import Ctx, Recheck
@@ -100,9 +102,32 @@ def _with_mask_constant(c: Ctx, out: Outcome) -> Outcome:
     return replace(out, fixes=[Fix("mask_constant", {"module": out.module, **mf}), *out.fixes])
 
 
+def _raised_fill(c: Ctx, out: Outcome) -> Outcome:
+    """A stage that raised because an op wrote a value FP16 cannot hold into an FP16 tensor (``masked_fill(mask, -1e9)``
+    on FP16 scores: PyTorch refuses the cast) overflowed FP16 in the forward: the op the FP32 scan finds reaching
+    FP16's overflow threshold inside the module names it."""
+    f = out.facts
+    if (out.cause != "amp_misuse" or f.get("variant") != "target_raised" or not out.module or out.step is None
+            or "without overflow" not in str(f.get("message", ""))):
+        return out
+    rc = c.recheck(c.tgt_name, out.step) or c.recheck("initial", out.step)
+    op = first_overflowing_op(rc.ops(out.module)) if rc is not None and rc.ops is not None else None
+    if op is None:
+        return out
+    facts: dict[str, Any] = {"variant": "fill_beyond", "stage": out.stage, "step": out.step, "module": out.module,
+                             "op": op.op, "fp32_absmax": op.absmax, "message": f.get("message"), "device": f.get("device")}
+    ev = {"error": f"{f.get('type')}: {f.get('message')}", "op": op.op, "fp32_absmax": op.absmax,
+          "op_overflow_frac": op.overflow_frac}
+    fixes = [Fix("mask_constant", {"module": out.module}),
+             Fix("keep_fp32_forward", {"module": out.module, "device": str(f.get("device", "cpu")).split(":")[0]})]
+    return Outcome("fp16_forward_overflow", out.module, out.step, out.stage, facts,
+                   [Finding("fp16_forward_overflow", "error", stage=out.stage, module=out.module, step=out.step,
+                            evidence=ev)], fixes)
+
+
 def refine(c: Ctx, out: Outcome) -> Outcome:
     """``out`` with what one more replay below its module finds (the autograd node, the masked rows), or as it is."""
     try:
-        return _with_mask_constant(c, _with_grad_node(c, out))
+        return _raised_fill(c, _with_mask_constant(c, _with_grad_node(c, out)))
     except Exception:  # a replay of the user's model that breaks takes nothing from the verdict already reached
         return out

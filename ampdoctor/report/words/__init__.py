@@ -437,6 +437,8 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
         f"{f['replays']} times"),
 }
 """Verdict variant → the title of the deciding rule's finding."""
+SUMMARIES.update(inside.SUMMARIES)
+RULE_TITLES.update(inside.TITLES)
 
 RULE_FINDING_FIX: dict[str, Callable[[Facts], str]] = {
     "fp32_raised": lambda f: "Fix the exception; it is not a precision issue.",

@@ -56,7 +56,24 @@ def extra(f: Facts) -> str:
 FIXES: dict[str, Callable[[Facts], str]] = {
     "mask_constant": lambda f: (
         f"Fix the mask constant in {f['module']}: fill with torch.finfo(scores.dtype).min "
-        "(scores.masked_fill(~keep, torch.finfo(scores.dtype).min)) instead of adding a constant such as -1e9 that FP16 "
-        "holds as -inf; and give a query with no key to attend to (a sequence that is all padding) one key, or zero its "
-        "output (torch.where(empty_row, 0, out)) where the filled row is finite."),
+        "(scores.masked_fill(~keep, torch.finfo(scores.dtype).min)) instead of a constant such as -1e9 that FP16 cannot "
+        "hold (added, it becomes -inf; filled, PyTorch refuses the cast); and give a query with no key to attend to (a "
+        "sequence that is all padding) one key, or zero its output (torch.where(empty_row, 0, out)) where the filled "
+        "row is finite."),
 }
+
+
+def _fill_beyond(f: Facts) -> str:
+    return (f"In the {f['stage']} stage the {f['op']} op inside {f['module']} writes a value of magnitude "
+            f"{gen(f['fp32_absmax'])} (its FP32 output) into an FP16 tensor at step {f['step']}, beyond FP16's max 65504: "
+            f"PyTorch refuses the cast ({f['message'][:80]}). A constant FP16 cannot hold, such as a -1e9 mask, "
+            "overflows the forward pass.")
+
+
+SUMMARIES: dict[str, Callable[[Facts], str]] = {"fill_beyond": _fill_beyond}
+"""Verdict variants of ``judge.refine`` → the verdict's summary."""
+
+TITLES: dict[str, Callable[[Facts], str]] = {
+    "fill_beyond": lambda f: f"{f['module']}'s {f['op']} writes a value FP16 cannot hold",
+}
+"""Verdict variants of ``judge.refine`` → the title of the deciding finding."""
