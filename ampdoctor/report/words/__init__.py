@@ -815,6 +815,7 @@ _EVIDENCE: tuple[tuple[Callable[[Facts], str | None], tuple[str, ...]], ...] = (
     (_ev_progress, ("progress_vs_fp32",)),
 )
 """Evidence facts → a sentence, in reading order after the range sentence (``_ev_range``); each names the keys it tells."""
+_EVIDENCE += inside.EVIDENCE
 
 
 def evidence(ev: Facts, module: str | None = None) -> list[str]:

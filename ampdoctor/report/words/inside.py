@@ -77,3 +77,27 @@ TITLES: dict[str, Callable[[Facts], str]] = {
     "fill_beyond": lambda f: f"{f['module']}'s {f['op']} writes a value FP16 cannot hold",
 }
 """Verdict variants of ``judge.refine`` → the title of the deciding finding."""
+
+
+def _ev_grad_node(ev: Facts) -> str | None:
+    if not ev.get("grad_node"):
+        return None
+    op = f"{ev['grad_op']}" + (f" at {ev['grad_line']}" if ev.get("grad_line") else "") if ev.get("grad_op") else "no recorded op"
+    how = "receives a non-finite sum of finite gradients" if ev.get("grad_summed") else "makes the first non-finite gradient"
+    return f"In backward, {ev['grad_node']} ({op}, in {_where({'module': ev.get('grad_module')})}) {how}."
+
+
+def _ev_rows(ev: Facts) -> str | None:
+    m, beyond = ev.get("fully_masked_rows"), ev.get("rows_beyond_fp16")
+    r = m or beyond
+    if not r:
+        return None
+    what = "masked throughout" if m else "beyond FP16's range throughout"
+    return f"Rows of its {r['op']} {what}: {r['rows']}, first at index {tuple(r['first'])}{samples(r)}."
+
+
+EVIDENCE: tuple[tuple[Callable[[Facts], str | None], tuple[str, ...]], ...] = (
+    (_ev_grad_node, ("grad_node", "grad_op", "grad_line", "grad_module", "grad_summed")),
+    (_ev_rows, ("fully_masked_rows", "rows_beyond_fp16")),
+)
+"""Evidence of ``judge.refine`` → a sentence, with the keys it tells."""
