@@ -10,6 +10,8 @@ from types import ModuleType
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ampdoctor import TriageConfig, triage
 from ampdoctor.formats import FP16
@@ -114,3 +116,24 @@ def test_masked_fill_with_minus_1e9_on_fp16_scores_is_the_forward_overflow_not_a
     assert report.findings[0].title == "pool's masked_fill writes a value FP16 cannot hold"
     fp32 = next(s for s in report.stages if s.name == "fp32")
     assert fp32.first_nonfinite_step is None
+
+
+_VALUES = [float("-inf"), -1e9, -1e5, -65536.0, -65520.0, -65519.0, -65504.0, -3.0, 0.0, 2.5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_VALUES), min_size=3, max_size=3), min_size=1, max_size=6))
+def test_rows_beyond_fp16_are_exactly_the_rows_fp16_holds_as_minus_inf(rows: list[list[float]]) -> None:
+    # the definition: a row finite in FP32 whose FP16 cast is -inf throughout (softmax NaN in FP16 only); a row of -inf
+    # is NaN in every precision and counted by the plain scan instead
+    class Soft(torch.nn.Module):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(s, dim=-1)
+
+    model = torch.nn.Sequential(Soft())
+    s = torch.tensor(rows, dtype=torch.float32)
+    want_beyond = sum(bool(torch.isfinite(r).all() and (r.half() == float("-inf")).all()) for r in s)
+    want_inf = sum(bool((r == float("-inf")).all()) for r in s)
+    beyond = masked_rows(model, "0", lambda: model(s), FP16.overflow_threshold)
+    inf = masked_rows(model, "0", lambda: model(s))
+    assert (beyond.rows if beyond else 0, inf.rows if inf else 0) == (want_beyond, want_inf)
