@@ -96,6 +96,7 @@ def test_no_node_when_the_backward_is_finite_or_the_loss_already_is_not() -> Non
     assert first_nonfinite_grad(model, lambda: (_ for _ in ()).throw(RuntimeError("user code"))) is None
 
 
+@pytest.mark.slow  # a fresh process and a process group: ~20 s at this machine's load
 def test_under_dtensor_the_node_is_named_where_detect_anomaly_raises() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
