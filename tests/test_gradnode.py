@@ -119,3 +119,22 @@ def test_triage_names_the_node_and_its_line(spec: Path, cause: str, module: str,
     assert f"first Inf gradient is made by {node}" in v.summary and _line(spec, text) in v.summary
     ev = report.findings[0].evidence
     assert (ev["grad_node"], ev["grad_line"]) == (node, _line(spec, text))
+
+
+@pytest.mark.slow
+def test_a_replayed_capture_names_the_node_in_the_runs_step(tmp_path: Path) -> None:
+    # a real loop's capture (a summed loss whose unscaled gradients leave FP16 at step 30): `triage --from` names the
+    # node of the replayed step, at the run's own step number
+    from tests.test_skip_judgement import PERSIST_SPEC, _persistent
+
+    _persistent(tmp_path / "cap")
+    spec = tmp_path / "spec.py"
+    spec.write_text(PERSIST_SPEC)
+    report, _ = triage(spec, TriageConfig(), from_capture=tmp_path / "cap")
+    v = report.verdict
+    assert (v.cause, v.first_step, v.first_module) == ("fp16_grad_overflow", 30, "1"), v.summary
+    ev = report.findings[0].evidence
+    # the weight gradient of Linear 1 sums 16000 tokens in its matmul: AddmmBackward0 makes the Inf; an nn.Sequential
+    # of torch modules has no line of the user's to name
+    assert (ev["grad_node"], ev["grad_op"], ev["grad_module"], ev["grad_line"]) == ("AddmmBackward0", "linear", "1", None)
+    assert "the first Inf gradient is made by AddmmBackward0, the backward of linear in 1, from finite" in v.summary

@@ -225,11 +225,13 @@ def _user_line() -> str | None:
     from pathlib import Path
 
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    own_dir = str(Path(__file__).resolve().parent)
+    own_dir = str(Path(__file__).resolve().parent.parent)  # the ampdoctor package: it runs the user's forward
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith((torch_dir, own_dir)) and not fn.startswith("<"):
+        if fn.startswith(own_dir):
+            return None  # ampdoctor called torch directly (an nn.Sequential of torch modules): no line of the user's
+        if not fn.startswith(torch_dir) and not fn.startswith("<"):
             return f"{Path(fn).name}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return None
