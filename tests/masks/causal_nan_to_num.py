@@ -20,7 +20,7 @@ class CausalAttn(nn.Module):
         t = x.shape[1]
         hidden = ~torch.ones(t, t, dtype=torch.bool).tril()[None] | ~keep[:, None, :]
         s = (q @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
-        bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
+        bias = torch.zeros(hidden.shape, dtype=s.dtype).masked_fill(hidden, float("-inf"))
         p = torch.nan_to_num(F.softmax(s + bias, dim=-1))
         return self.out(p @ v)
 
