@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from ampdoctor import TriageConfig, triage
-from ampdoctor.engine.step import FP32, Precision, forward_loss
+from ampdoctor.engine.forward import forward_loss
 from ampdoctor.input.batches import micro_batches, to_device
+from ampdoctor.ladder import FP32, registered, rung
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ["sample_models/grad_overflow.py", "sample_models/variance_head.py", "tests/grad_nodes/zero_norm.py",
@@ -42,8 +43,8 @@ def anomaly(run, stage: str, step: int) -> tuple[str, str | None]:  # noqa: ANN0
     rec = next(r for r in res.records if r.step == step)
     scale = rec.scaler_scale or 1.0
     run.model.load_state_dict(state)
-    prec = Precision.for_stage(stage) if stage in Precision.STAGES else FP32
-    model = prec.cast_model(run.model)
+    prec = rung(stage) if stage in registered() else FP32
+    model = prec.cast_model(run.model, run.device)
     batch = to_device(micro_batches(run.batches[step])[0], run.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ampdoctor.engine.step import FP32, Precision, forward_loss
+from ampdoctor.engine.forward import forward_loss
 from ampdoctor.input.batches import to_device
 from ampdoctor.input.spec import Spec
 from ampdoctor.judge.gradnode import GradNode, first_nonfinite_grad
+from ampdoctor.ladder import FP32, registered, rung
 
 
 def replay_grad_node(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
@@ -22,8 +23,8 @@ def replay_grad_node(model: nn.Module, spec: Spec, batch: object, state: dict[st
     ('initial': FP32); the first autograd node whose output gradient is non-finite."""
     model.load_state_dict(state)
     model.train()
-    prec = Precision.for_stage(stage) if stage in Precision.STAGES else FP32
-    run_model = prec.cast_model(model)
+    prec = rung(stage) if stage in registered() else FP32  # ('initial': the FP32 start)
+    run_model = prec.cast_model(model, device)
     b = to_device(batch, device)
     try:
         return first_nonfinite_grad(run_model, lambda: forward_loss(run_model, b, spec.loss_fn, prec)[1], scale)

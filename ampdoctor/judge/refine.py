@@ -24,7 +24,7 @@ from ampdoctor.judge.opscan import MaskedRows, first_overflowing_op
 from ampdoctor.records import MODEL, Finding, Fix, Outcome
 
 if TYPE_CHECKING:
-    from ampdoctor.judge.rules import Ctx, Recheck
+    from ampdoctor.judge.context import Ctx, Recheck
 
 
 def masked_facts(mr: MaskedRows) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The figure of ``ampdoctor scaler --plot``: GradScaler's scale (log2 axis, skips marked) and the loss against step,
-drawn from a step log's digest (``judge.scaler.LogDigest``'s envelopes). Nothing here prints or touches files."""
+drawn from a step log's digest (``judge.log_digest.LogDigest``'s envelopes). Nothing here prints or touches files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 
-from ampdoctor.judge.scaler import Envelope, LogDigest
+from ampdoctor.judge.log_digest import Envelope, LogDigest
 
 
 def _series(env: Envelope) -> tuple[list[float], list[float]]:

@@ -1,4 +1,4 @@
-"""The terminal text of ``ampdoctor scaler``: a step log's digest (``judge.scaler.LogDigest``) and its worded scale
+"""The terminal text of ``ampdoctor scaler``: a step log's digest (``judge.log_digest.LogDigest``) and its worded scale
 diagnosis (``report.scaler.ScaleDiagnosis``), printed to the command's console."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.fmt import pow2
-from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.judge.log_digest import LogDigest
 from ampdoctor.report.scaler import ScaleDiagnosis
 
 MAX_LEDGER_ROWS = 20
