@@ -138,3 +138,16 @@ def test_a_replayed_capture_names_the_node_in_the_runs_step(tmp_path: Path) -> N
     # of torch modules has no line of the user's to name
     assert (ev["grad_node"], ev["grad_op"], ev["grad_module"], ev["grad_line"]) == ("AddmmBackward0", "linear", "1", None)
     assert "the first Inf gradient is made by AddmmBackward0, the backward of linear in 1, from finite" in v.summary
+
+
+def test_a_replay_that_fails_in_backward_is_not_said_to_give_a_non_finite_loss() -> None:
+    from ampdoctor.report.words.evidence import evidence
+
+    ev = {"loss": 49.8, "grad_l2": float("nan"), "replay_from_initial_weights_finite": False, "replay_loss": 49.8,
+          "grad_node": "SqrtBackward0", "grad_op": "sqrt", "grad_line": "zero_norm.py:17", "grad_module": "geometry",
+          "grad_summed": False}
+    text = " ".join(evidence(ev))
+    assert "gives a finite loss (49.8) but non-finite gradients." in text
+    assert "In backward, SqrtBackward0 (sqrt at zero_norm.py:17, in geometry) makes the first non-finite gradient." in text
+    nan = {**ev, "replay_loss": float("nan")}
+    assert "gives a non-finite loss (nan)." in " ".join(evidence(nan))

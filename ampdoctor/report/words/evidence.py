@@ -3,6 +3,7 @@ source an op is found at (``OP_PLACES``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,10 +79,20 @@ def _ev_step(ev: Facts) -> str | None:
         return None
     s = "At that step " + ", ".join(parts) + "."
     if "replay_from_initial_weights_finite" in ev:
-        fin = "finite" if ev["replay_from_initial_weights_finite"] else "non-finite"
+        loss = ev.get("replay_loss")
+        ok = ev["replay_from_initial_weights_finite"]
+        # the replay fails on a finite loss when only its gradients are non-finite (a fault made in backward)
+        fin = "finite" if ok or _finite(loss) else "non-finite"
         s += f" The same batch from the initial weights gives a {fin} loss" + (
-            f" ({g4(ev['replay_loss'])})." if ev.get("replay_loss") is not None else ".")
+            f" ({g4(loss)})" if loss is not None else "") + ("" if ok or not _finite(loss) else " but non-finite gradients") + "."
     return s
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
 
 
 def _ev_scaler(ev: Facts) -> str | None:
