@@ -146,6 +146,11 @@ def sharded_engine(model: nn.Module) -> str | None:
     if "FullyShardedDataParallel" in kinds:
         return "fsdp1"
     if any(_is_dtensor(p) for p in model.parameters()):
+        from ampdoctor.parallel.mesh_engines import mesh_engine_of
+
+        mesh = mesh_engine_of(model)
+        if mesh is not None:
+            return mesh.name
         return "fsdp2" if any(k.startswith("FSDP") for k in kinds) else "tensor_parallel"
     return None
 
@@ -871,9 +876,13 @@ def _recipe(model: nn.Module) -> dict[str, Any] | None:
     when it is not known (the capture is written all the same, and reassembles on one process)."""
     from ampdoctor.engine import fsdp1_layout, tp_layout
     from ampdoctor.engine.shards import recipe
+    from ampdoctor.parallel.mesh_engines import mesh_engine_of
 
+    mesh = mesh_engine_of(unwrap(model))
     other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
     try:
+        if mesh is not None:
+            return mesh.recipe(unwrap(model))
         return recipe(model) or (other(model) if other is not None else None)
     except Exception:
         return None

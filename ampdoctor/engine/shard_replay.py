@@ -108,7 +108,10 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise UsageError(f"--nproc {nproc}: {cap} is a DeepSpeed capture and DeepSpeed is not installed here; drop "
                          "--nproc to reassemble it on one process (no DeepSpeed needed)")
     rec = (m.get("shards") or {}).get("recipe")
-    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel", "fsdp1"):
+    from ampdoctor.parallel.mesh_engines import named
+
+    if not isinstance(rec, dict) or (rec.get("engine") not in ("fsdp2", "tensor_parallel", "fsdp1")
+                                     and named(str(rec.get("engine"))) is None):
         raise UsageError(f"--nproc {nproc}: {cap}'s manifest records no sharding recipe for its {engine} layout (only "
                          "FSDP2's fully_shard, FSDP1's wrapping and a tensor-parallel plan are recorded); drop --nproc to "
                          "reassemble it on one process")
@@ -129,12 +132,16 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
 def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
     """UsageError (one line) when this torch, or this replay, cannot rebuild the recorded layout."""
     from ampdoctor.engine import fsdp1_layout, tp_layout
+    from ampdoctor.parallel.mesh_engines import named
 
+    eng = named(rec["engine"])
     need = "torch.distributed.tensor.parallel" if rec["engine"] == "tensor_parallel" else "torch.distributed.fsdp"
+    need = eng.replay_requires if eng is not None else need
     if not (torch.distributed.is_available() and _installed(need)):
         raise UsageError(f"--nproc {nproc}: this torch has no {need} to rebuild the {rec['engine']} layout with; drop "
                          "--nproc to reassemble the capture on one process")
     why = {"tensor_parallel": tp_layout.refusal, "fsdp1": fsdp1_layout.refusal}.get(rec["engine"], lambda r: None)(rec)
+    why = eng.refusal(rec) if eng is not None else why
     if why:
         raise UsageError(f"--nproc {nproc}: {cap} cannot be replayed under its layout: {why}; drop --nproc to "
                          "reassemble it on one process")
@@ -232,7 +239,12 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
         try:  # every rank, first: the mesh (its process groups are collectives)
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (world,))
+            from ampdoctor.input.capture_schema import read_manifest
+            from ampdoctor.parallel.mesh_engines import named
+
+            eng = named(str(read_manifest(Path(folders[rank]) / "manifest.json")["shards"]["recipe"]["engine"]))
+            mesh = eng.device_mesh(read_manifest(Path(folders[rank]) / "manifest.json")["shards"]["recipe"]) \
+                if eng is not None else init_device_mesh("cpu", (world,))
         except Exception as e:
             res["error"] = _line(e)
             Path(out, f"rank{rank}.json").write_text(json.dumps(res))
@@ -301,8 +313,13 @@ class _Rank:
         model = self.spec.build_model()
         if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
             raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
+        from ampdoctor.parallel.mesh_engines import named
+
         piece = dtensor_piece
-        if self.recipe["engine"] == "tensor_parallel":
+        eng = named(self.recipe["engine"])
+        if eng is not None:
+            model = eng.rebuild(model, self.recipe, self.mesh, stage != "fp32")
+        elif self.recipe["engine"] == "tensor_parallel":
             tp_layout.rebuild(model, self.recipe, self.mesh)
         elif self.recipe["engine"] == "fsdp1":
             model = fsdp1_layout.rebuild(model, self.recipe, stage != "fp32")

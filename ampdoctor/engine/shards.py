@@ -93,6 +93,13 @@ class Shards:
             if any(getattr(p, "_is_flat_param", False) or type(p).__name__ == "FlatParameter" for p in params):  # (their pieces are no parameter's alone)
                 self.problem = "flat parameters (use_orig_params=False; pass use_orig_params=True)"
         self._replica_plain = engine != "fsdp1" or replica
+        from ampdoctor.parallel.mesh_engines import mesh_reader
+
+        self.reader = mesh_reader(engine, model, rank, world)
+        self.groups = self.reader.groups if self.reader is not None else None
+        """Per rank, its batch group (ranks that run one batch; ``parallel.fsdp2_tp``), or None."""
+        if self.reader is not None:
+            self.problem = self.reader.problem
         self.named = named_parameters(inner)
         """(user name, parameter) of the model: the rows' order."""
         self.index = {n: i for i, (n, _) in enumerate(self.named)}
@@ -102,6 +109,8 @@ class Shards:
         self._w: dict[torch.device, torch.Tensor] = {}
 
     def _counts(self, p: torch.Tensor) -> bool:
+        if self.reader is not None:
+            return bool(self.reader.counts(p))
         if _is_dtensor(p):
             mesh = p.device_mesh  # type: ignore[attr-defined]
             if mesh.ndim != 1 and self.problem is None:

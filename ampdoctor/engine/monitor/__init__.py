@@ -398,7 +398,8 @@ class Monitor:
         self.recipe.shards = sh = Shards(self.engine, self.model, self._params, rank, world)
         if rx is not None:
             rx.by_position = self.engine == "tensor_parallel"  # ranks share a batch: order by the forward
-            rx.derived_inputs = self.engine in ("fsdp1", "fsdp2")  # (their mixed precision casts the batch)
+            rx.derived_inputs = self.engine in ("fsdp1", "fsdp2", "fsdp2_tp", "hsdp")  # (their mixed precision casts the batch)
+            rx.groups = sh.groups
         if sh.problem is not None:
             raise _Unreadable(f"{SHARDED[self.engine]} over {sh.problem} is not supported yet")
 

@@ -57,6 +57,8 @@ SHARDED = {
     "fsdp1": "FSDP1 (FullyShardedDataParallel)",
     "fsdp2": "FSDP2 (fully_shard)",
     "tensor_parallel": "tensor parallelism (DTensor parameters)",
+    "fsdp2_tp": "FSDP2 x tensor parallelism (a 2-D device mesh)",
+    "hsdp": "HSDP (fully_shard on a 2-D device mesh)",
 }
 """Sharding engines read through their pieces (``engine.shards``): norms and rows reduced across the ranks."""
 
