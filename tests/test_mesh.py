@@ -21,12 +21,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
 from ampdoctor.engine.ranks import RankExchange, parse_column
 from ampdoctor.engine.replay import read_capture
-from ampdoctor.parallel.fsdp2_tp import groups_by
+from ampdoctor.parallel.fsdp2_tp import ENGINE as FSDP2_TP
+from ampdoctor.parallel.fsdp2_tp import counted_at, groups_by
+from ampdoctor.parallel.hsdp import ENGINE as HSDP
 from ampdoctor.watch.steplog import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,3 +244,27 @@ def test_the_first_rank_is_the_earliest_in_the_forward_of_the_lowest_group_that_
     # without groups, the position decides over the whole world (pure tensor parallelism) as before
     view = _view({1: [2 | 8, 3, 0, 1, 9], 3: [2 | 8, 2, 0, 1, 2]}, None)  # type: ignore[arg-type]
     assert view.first is not None and view.first.rank == 1  # not by_position: the lowest rank
+
+
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=3).flatmap(
+    lambda shape: st.tuples(st.just(shape), st.sets(st.integers(0, len(shape) - 1)))))
+def test_each_piece_counts_on_exactly_one_of_the_ranks_holding_it(case: tuple[list[int], set[int]]) -> None:
+    """Over every rank of a mesh, the ranks whose pieces count are exactly one per distinct piece (the coordinates on
+    the sharded dimensions), whichever dimensions shard it: so each element of the whole gradient counts once."""
+    shape, sharded = case
+    names = [f"d{i}" for i in range(len(shape))]
+    coords = torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist()
+    counted = [c for c in coords if counted_at(c, names, {names[d] for d in sharded})]
+    assert sorted(tuple(c[d] for d in sorted(sharded)) for c in counted) == sorted(
+        {tuple(c[d] for d in sorted(sharded)) for c in coords})
+
+
+def test_a_recipe_either_engine_cannot_rebuild_is_refused_in_words() -> None:
+    good = {"engine": "fsdp2_tp", "mesh": [2, 2], "mesh_dim_names": ["dp", "tp"], "dp": "dp", "tp": "tp",
+            "fully_shard": [""], "plan": {}, "placements": {"embed.weight": ["S(0)"]}, "unsupported": []}
+    assert FSDP2_TP.refusal(good) is None
+    assert "is not a 2-D (dp, tp) mesh" in str(FSDP2_TP.refusal({**good, "mesh": [4]}))
+    assert "records no fully_shard module" in str(FSDP2_TP.refusal({**good, "fully_shard": []}))
+    assert "placed P" in str(FSDP2_TP.refusal({**good, "placements": {"embed.weight": ["P"]}}))
+    assert HSDP.refusal({"engine": "hsdp", "mesh": [2, 2], "fully_shard": [""]}) is None
+    assert "2-D (replicate, shard)" in str(HSDP.refusal({"engine": "hsdp", "mesh": [4], "fully_shard": [""]}))

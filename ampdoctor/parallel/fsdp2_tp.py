@@ -81,15 +81,16 @@ def counts_once(p: torch.Tensor) -> bool:
     sub-mesh leaves out)."""
     mesh = p.device_mesh  # type: ignore[attr-defined]
     root = root_mesh(mesh)
-    coord = root.get_coordinate() or []
     names = list(root.mesh_dim_names or [])
     own = list(mesh.mesh_dim_names or []) if root is not mesh else names
     sharded = {own[i] if i < len(own) else i for i, pl in enumerate(p.placements) if is_shard(pl)}  # type: ignore[attr-defined]
-    for d, c in enumerate(coord):
-        key = names[d] if d < len(names) else d
-        if key not in sharded and c != 0:
-            return False
-    return True
+    return counted_at(list(root.get_coordinate() or []), names, sharded)
+
+
+def counted_at(coord: list[int], names: list[str], sharded: set[Any]) -> bool:
+    """The rule of ``counts_once`` on a rank's root-mesh coordinate: 0 on every dimension (by name, else by index)
+    not in ``sharded``."""
+    return all(c == 0 for d, c in enumerate(coord) if (names[d] if d < len(names) else d) not in sharded)
 
 
 def groups_by(mesh: Any, dims: list[int]) -> list[int]:
@@ -241,4 +242,4 @@ class Fsdp2Tp:
 ENGINE = Fsdp2Tp()
 """The engine (``parallel.registry`` finds it)."""
 
-__all__ = ["ENGINE", "NAME", "STYLES", "Fsdp2Tp", "MeshReader", "counts_once", "device_mesh", "is_shard", "mesh_problem", "fsdp_meshes", "groups_by", "param_meshes", "root_mesh"]
+__all__ = ["ENGINE", "NAME", "STYLES", "Fsdp2Tp", "MeshReader", "counted_at", "counts_once", "device_mesh", "is_shard", "mesh_problem", "fsdp_meshes", "groups_by", "param_meshes", "root_mesh"]
