@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import strategies as hs
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
@@ -246,8 +246,8 @@ def test_the_first_rank_is_the_earliest_in_the_forward_of_the_lowest_group_that_
     assert view.first is not None and view.first.rank == 1  # not by_position: the lowest rank
 
 
-@given(st.lists(st.integers(1, 3), min_size=1, max_size=3).flatmap(
-    lambda shape: st.tuples(st.just(shape), st.sets(st.integers(0, len(shape) - 1)))))
+@given(hs.lists(hs.integers(1, 3), min_size=1, max_size=3).flatmap(
+    lambda shape: hs.tuples(hs.just(shape), hs.sets(hs.integers(0, len(shape) - 1)))))
 def test_each_piece_counts_on_exactly_one_of_the_ranks_holding_it(case: tuple[list[int], set[int]]) -> None:
     """Over every rank of a mesh, the ranks whose pieces count are exactly one per distinct piece (the coordinates on
     the sharded dimensions), whichever dimensions shard it: so each element of the whole gradient counts once."""
