@@ -25,13 +25,13 @@ from hypothesis import given
 from hypothesis import strategies as hs
 from typer.testing import CliRunner
 
+from ampdoctor.capture.read import read_capture
 from ampdoctor.cli.app import app
-from ampdoctor.engine.ranks import RankExchange, parse_column
-from ampdoctor.engine.replay import read_capture
+from ampdoctor.parallel.exchange import RankExchange, parse_column
 from ampdoctor.parallel.fsdp2_tp import ENGINE as FSDP2_TP
 from ampdoctor.parallel.fsdp2_tp import counted_at, groups_by
 from ampdoctor.parallel.hsdp import ENGINE as HSDP
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "assets" / "mesh_worker.py"

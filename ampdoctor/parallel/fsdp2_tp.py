@@ -33,14 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.shards import _is_dtensor, assemble, dtensor_piece
-from ampdoctor.engine.shards import recipe as fsdp2_recipe
-from ampdoctor.engine.tp_layout import STYLES, placement_code
-from ampdoctor.engine.tp_layout import rebuild as tp_rebuild
-from ampdoctor.engine.tp_layout import recipe as tp_recipe
-from ampdoctor.engine.tp_layout import refusal as tp_refusal
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.parallel.fsdp2 import recipe as fsdp2_recipe
+from ampdoctor.parallel.pieces import assemble, dtensor_piece, is_dtensor
+from ampdoctor.parallel.protocol import Engine
+from ampdoctor.parallel.tp import STYLES, placement_code
+from ampdoctor.parallel.tp import rebuild as tp_rebuild
+from ampdoctor.parallel.tp import recipe as tp_recipe
+from ampdoctor.parallel.tp import refusal as tp_refusal
+from ampdoctor.watch.model_view import unwrap, user_name
 
 NAME = "fsdp2_tp"
 
@@ -66,7 +67,7 @@ def root_mesh(mesh: Any) -> Any:
 
 def param_meshes(model: nn.Module) -> list[Any]:
     """The root device mesh of each DTensor parameter of ``model``."""
-    return [root_mesh(p.device_mesh) for p in unwrap(model).parameters() if _is_dtensor(p)]  # type: ignore[attr-defined]
+    return [root_mesh(p.device_mesh) for p in unwrap(model).parameters() if is_dtensor(p)]  # type: ignore[attr-defined]
 
 
 def is_shard(pl: Any) -> bool:
@@ -116,7 +117,7 @@ class MeshReader:
         self.problem = mesh_problem(model, world, named)
 
     def counts(self, p: torch.Tensor) -> bool:
-        return counts_once(p) if _is_dtensor(p) else self.rank == 0
+        return counts_once(p) if is_dtensor(p) else self.rank == 0
 
     def piece(self, t: torch.Tensor) -> dict[str, Any]:
         return dtensor_piece(t)
@@ -151,8 +152,10 @@ class Fsdp2Tp:
     """FSDP2 over ``dp`` x tensor parallelism over ``tp`` (module doc)."""
 
     name = NAME
+    label = "FSDP2 x tensor parallelism (a 2-D device mesh)"
     sharded = True
-    priority = 20
+    monitored = True
+    priority = 26
     shares_batch = True
     casts_inputs = True
     replay_requires = "torch.distributed.tensor.parallel"
@@ -192,7 +195,7 @@ class Fsdp2Tp:
         at = names.index(tpn)
         placements: dict[str, list[str]] = {}
         for n, p in unwrap(model).named_parameters():
-            if _is_dtensor(p) and p.device_mesh.ndim == 2:  # type: ignore[attr-defined]
+            if is_dtensor(p) and p.device_mesh.ndim == 2:  # type: ignore[attr-defined]
                 placements[user_name(n)] = [placement_code(p.placements[at])]  # type: ignore[attr-defined]
         return {"engine": NAME, "mesh": [int(x) for x in roots[0].shape], "mesh_dim_names": names, "dp": dp, "tp": tpn,
                 "fully_shard": fs["fully_shard"], "mp_policy": fs["mp_policy"], "plan": tp["plan"],
@@ -239,7 +242,7 @@ class Fsdp2Tp:
         return ShardedGradScaler
 
 
-ENGINE = Fsdp2Tp()
+ENGINE: Engine = Fsdp2Tp()
 """The engine (``parallel.registry`` finds it)."""
 
 __all__ = ["ENGINE", "NAME", "STYLES", "Fsdp2Tp", "MeshReader", "counted_at", "counts_once", "device_mesh", "is_shard", "mesh_problem", "fsdp_meshes", "groups_by", "param_meshes", "root_mesh"]

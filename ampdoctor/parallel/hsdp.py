@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.shards import assemble
-from ampdoctor.engine.shards import recipe as fsdp2_recipe
 from ampdoctor.errors import CaptureError
+from ampdoctor.parallel.fsdp2 import rebuild as fsdp2_rebuild
+from ampdoctor.parallel.fsdp2 import recipe as fsdp2_recipe
 from ampdoctor.parallel.fsdp2_tp import MeshReader, device_mesh, fsdp_meshes
+from ampdoctor.parallel.pieces import assemble
+from ampdoctor.parallel.protocol import Engine
 
 NAME = "hsdp"
 
@@ -33,8 +35,10 @@ class Hsdp:
     """FSDP2 on a (replicate, shard) mesh (module doc)."""
 
     name = NAME
+    label = "HSDP (fully_shard on a 2-D device mesh)"
     sharded = True
-    priority = 20
+    monitored = True
+    priority = 25
     shares_batch = False
     casts_inputs = True
     replay_requires = "torch.distributed.fsdp"
@@ -75,18 +79,9 @@ class Hsdp:
 
     def rebuild(self, model: nn.Module, rec: dict[str, Any], mesh: Any, low: bool) -> nn.Module:
         """``fully_shard`` of the recorded modules on the 2-D ``mesh`` (``low``: with the run's policy)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if [int(x) for x in mesh.shape] != list(rec["mesh"]):
             raise CaptureError(f"the run's mesh was {rec['mesh']}; this replay's is {[int(x) for x in mesh.shape]}")
-        mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (rec.get("mp_policy") or {}).items()}
-        policy = MixedPrecisionPolicy(**mp) if low and mp else MixedPrecisionPolicy()
-        mods = dict(model.named_modules())
-        for name in rec["fully_shard"]:
-            if name not in mods:
-                raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
-            fully_shard(mods[name], mesh=mesh, mp_policy=policy)
-        return model
+        return fsdp2_rebuild(model, rec, mesh, low)
 
     def grad_scaler(self) -> type[torch.amp.GradScaler]:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -94,7 +89,7 @@ class Hsdp:
         return ShardedGradScaler
 
 
-ENGINE = Hsdp()
+ENGINE: Engine = Hsdp()
 """The engine (``parallel.registry`` finds it)."""
 
 __all__ = ["ENGINE", "NAME", "Hsdp"]
