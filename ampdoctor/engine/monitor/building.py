@@ -88,10 +88,10 @@ def build_shards(mon: Monitor) -> None:
     rx = mon.ranks
     rank, world = (rx.rank, rx.world) if rx is not None else exchange.dist_rank()
     mon.recipe.shards = sh = Shards(mon.engine, mon.model, mon._params, rank, world)
-    if rx is not None:
-        eng = named(mon.engine)
-        rx.by_position = eng is not None and eng.shares_batch  # ranks share a batch: order by the forward
-        rx.derived_inputs = eng is not None and eng.casts_inputs  # (their mixed precision casts the batch)
+    eng = named(mon.engine)
+    if rx is not None and eng is not None:  # (the engine's own facts: parallel.protocol.Engine)
+        rx.by_position = eng.shares_batch  # ranks share a batch (tensor parallelism): order by the forward
+        rx.derived_inputs = eng.casts_inputs  # (FSDP's mixed precision casts the batch)
         rx.groups = sh.reader.groups  # (a 2-D mesh: which ranks run one batch, parallel.protocol.Reader.groups)
     if sh.problem is not None:
         raise _Unreadable(f"{SHARDED[mon.engine]} over {sh.problem} is not supported yet")
