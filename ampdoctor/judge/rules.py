@@ -255,7 +255,7 @@ def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, l
         ev["differs"] = [list(d) for d in differs[:20]]
         return Diagnosis(Outcome("replay_mismatch", mod, rel, precision, facts,
                                  [Finding("replay_mismatch", "error", stage=precision, module=mod, step=rel, evidence=ev)],
-                                 [Fix("spec_model", facts)]), [], None, device)
+                                 [Fix("spec_model", {"differs": shown})]), [], None, device)
     out = Outcome("not_reproduced", mod, rel, precision, facts,
                   [Finding("not_reproduced", "error", stage=precision, module=mod, step=rel, evidence=ev)], [Fix("transient")])
     return Diagnosis(out, [], None, device)

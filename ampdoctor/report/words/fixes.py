@@ -122,3 +122,8 @@ FIXES: dict[str, Callable[[Facts], str]] = {
 
 def fix_text(fix: Fix) -> str:
     return FIXES[fix.code](fix.facts)
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+FIXES.update(_compile.FIXES)

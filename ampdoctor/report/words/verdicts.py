@@ -317,3 +317,9 @@ def describe(w: LossWindow, name: str) -> str:
     last = f"{w.steps - w.window}-{w.steps - 1}"
     return (f"mean loss over steps {last}: {name} {w.target_tail:.4g}, FP32 {w.fp32_tail:.4g}, from FP32's "
             f"{w.fp32_head:.4g} over steps 0-{w.window - 1}: {w.ratio:.0%} of FP32's progress")
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+SUMMARIES.update(_compile.SUMMARIES)
+RULE_TITLES.update(_compile.RULE_TITLES)
