@@ -160,7 +160,8 @@ def test_attention_logits_under_ddp_is_forecast_by_rank_0_once(tmp_path: Path) -
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1))
-    assert r0["failure"] is not None and r0["failure"] == r1["failure"] and r0["failure"][0] >= 100
+    # one step for both ranks (the rank whose loss went NaN, and the other through the all-reduced gradients)
+    assert r0["failure"] is not None and r1["failure"] is not None and r0["failure"][0] == r1["failure"][0] >= 100
     assert "attn > matmul" in r0["warned"] and r0["warned"]["attn > matmul"][0] < r0["failure"][0]
     assert r0["module_warned"] is None
     assert [s for s in r0["said"] if "attn > matmul" in s] and r1["said"] == []  # said once, by rank 0
