@@ -78,6 +78,8 @@ def triage(
     stages: Annotated[Optional[str], typer.Option(metavar="LIST", help="Stages to run, e.g. fp16,amp (fp32 always runs)." + default("fp32,fp16,amp"), rich_help_panel=RUN)] = None,
     device: Annotated[str, typer.Option(metavar="DEVICE", help=DEVICE_HELP, rich_help_panel=RUN)] = "auto",
     seed: Annotated[Optional[int], typer.Option(metavar="N", help="RNG seed set before every stage." + default(0), rich_help_panel=RUN)] = None,
+    autocast_policy: Annotated[Optional[str], typer.Option("--autocast-policy", metavar="POLICY", help="The ops autocast casts: native, cuda (CUDA's, emulated on the CPU) or auto." + default("auto"), rich_help_panel=RUN,
+                                                           autocompletion=lambda: ["auto", "native", "cuda"])] = None,
     max_norm: Annotated[Optional[float], typer.Option(metavar="X", help="Clip the gradient norm to X in every stage." + default("no clipping"), rich_help_panel=RUN)] = None,
     accumulate: Annotated[Optional[int], typer.Option(metavar="N", help="Micro-batches per optimizer step." + default(1), rich_help_panel=RUN)] = None,
     init_scale: Annotated[Optional[float], typer.Option(metavar="X", help="GradScaler's init_scale." + default(65536), rich_help_panel=SCALER)] = None,
@@ -111,7 +113,7 @@ def triage(
             check_triage_outputs(json_path, report_path, log, dump_dir, force)
             given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                     "batch_keys": batch_keys, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+                     "batch_keys": batch_keys, "autocast_policy": autocast_policy, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             if nproc is not None and from_capture is None:
                 raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ampdoctor.engine.autocast_policy import autocast_context
 from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
 from ampdoctor.engine.shards import Shards
 from ampdoctor.errors import UsageError
@@ -84,9 +85,9 @@ class Precision:
         return cls(name, autocast=dtype, loss_scaling=loss_scaling)
 
     def autocast_on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` with this policy's dtype on ``device`` (disabled without one)."""
-        dt = self.autocast
-        return torch.autocast(device.type, dtype=dt or torch.float32, enabled=dt is not None)
+        """``torch.autocast`` with this policy's dtype on ``device`` (disabled without one); CUDA's op policy
+        emulated on the CPU inside ``autocast_policy.using(..."cuda"...)``."""
+        return autocast_context(device, self.autocast)
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """The model this policy's forward runs: a copy in the policy's weight dtype (the model itself in FP32)."""

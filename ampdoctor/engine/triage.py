@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine import preflight
+from ampdoctor.engine import autocast_policy, preflight
 from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
@@ -54,6 +54,7 @@ from ampdoctor.judge.rules import (
 )
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
+from ampdoctor.report import policy as policy_report
 from ampdoctor.report import stages as stage_report
 from ampdoctor.report.build import code_findings, enrich, replayed_scaler, shift_steps, stage_summary, worded
 from ampdoctor.report.model import Report
@@ -282,8 +283,10 @@ def triage(
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
                            if checkpoint is not None else ""))
-    _run_stages(run, cap, start, log_path, progress)
-    report = build_report(run, argv)
+    with autocast_policy.using(cfg.autocast_policy, device, cap.manifest if cap is not None else None) as policy:
+        _run_stages(run, cap, start, log_path, progress)
+        report = build_report(run, argv)
+    policy_report.apply(report, policy.facts())
     report.lint = code_findings(found, report.verdict.cause)
     if script is not None:
         report.config["script"] = str(script)
