@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -129,6 +130,9 @@ def cuda_policy(dtype: torch.dtype, log: PolicyLog | None = None) -> Iterator[Po
             torch.set_autocast_dtype("cuda", cuda_dtype)
 
 
+_AUTOCAST_ENTRY = (torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
 class _CudaPolicyMode(TorchFunctionMode):
     """Casts each call's floating tensors as CUDA autocast would (``_rule``), then runs it with CPU autocast off."""
 
@@ -139,21 +143,19 @@ class _CudaPolicyMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        live = (torch.is_autocast_enabled("cpu") and torch.is_autocast_enabled("cuda")
-                and torch._C._current_graph_task_id() == -1)  # not in backward: autocast does not cast it
-        if not live:
+        if func in _AUTOCAST_ENTRY:  # a model's own ``torch.autocast(...)`` entering or leaving: as written
             return func(*args, **kwargs)
+        if not torch.is_autocast_enabled("cpu") or torch._C._current_graph_task_id() != -1:
+            return func(*args, **kwargs)  # a model's autocast(enabled=False) region; backward (autocast casts no backward op)
+        if not torch.is_autocast_enabled("cuda"):  # the model's torch.autocast("cuda", enabled=False): no autocast at all
+            return _without_cpu_autocast(func, args, kwargs)
         rule = _rule(func, args, kwargs, self.dtype)
         if rule == "mixed":  # casts both ways inside: CPU autocast's policy runs it (its matmuls in the low dtype)
             self.log.mixed[op_name(func)] += 1
             return func(*args, **kwargs)
         if rule != "native":
             args, kwargs = self._cast(func, rule, args, kwargs)
-        torch.set_autocast_enabled("cpu", False)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            torch.set_autocast_enabled("cpu", True)
+        return _without_cpu_autocast(func, args, kwargs)
 
     def _cast(self, func: Callable[..., Any], rule: str, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -176,6 +178,14 @@ class _CudaPolicyMode(TorchFunctionMode):
         elif rule == "low" and seen:
             self.log.down[name] += 1
         return new_args, new_kwargs
+
+
+def _without_cpu_autocast(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    torch.set_autocast_enabled("cpu", False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch.set_autocast_enabled("cpu", True)
 
 
 def op_name(func: Callable[..., Any]) -> str:
@@ -228,9 +238,12 @@ def _probe(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     with fake:
         f_args, f_kwargs = pytree.tree_map(functools.partial(_fake, device=device), (args, kwargs))
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a fake kernel that refuses logs an ERROR
+    level, quiet.disabled = quiet.disabled, True
     with torch.random.fork_rng(devices=[]):
         on = _record(func, f_args, f_kwargs, fake, device, True, dtype)
         off = _record(func, f_args, f_kwargs, fake, device, False, dtype)
+    quiet.disabled = level
     added = Counter(on) - Counter(off)
     order = [d for rec in on if added[rec] > 0 for d in rec[2] if d.is_floating_point]
     name = op_name(func)
