@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.engine import capture_ref
 from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
 from ampdoctor.engine.step import Precision
 from ampdoctor.errors import CaptureError
@@ -136,6 +137,9 @@ def _read_one(p: Path) -> Captured:
     rng = _load(p, RNG_FILE) if RNG_FILE in files and (p / RNG_FILE).is_file() else None
     rng = rng if isinstance(rng, dict) else None
     ring = read_ring(p, sorted(files))
+    if capture_ref.REFERENCE in manifest:  # by reference: the run's own checkpoint holds the state (engine.capture_ref)
+        model, opt, scaler, at = capture_ref.start_state(p, manifest)
+        return Captured(p, manifest, model, StartState(opt, scaler, at), batches, from_snapshot=True, rng=rng, ring=ring)
     if STATE_FILE in files:
         st = _load(p, STATE_FILE)
         validate_state(st, p / STATE_FILE)

@@ -60,6 +60,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ampdoctor.engine import capture_ref
 from ampdoctor.engine.capture import DEFAULT_MAX_BYTES, Capture, FailingStep, Trigger, sharded_engine
 from ampdoctor.engine.driver import Driver, blank_record, skip_reason, step_record
 from ampdoctor.engine.monitor import alerts, capturing, exchange, figures, history, lookback, saving, skips
@@ -899,6 +900,15 @@ class Monitor:
         except Exception as e:
             self._fail("checking the state at a save", e)
             return None
+
+    def saved(self, path: str | Path) -> None:
+        """Call after your loop saved a checkpoint at ``path`` (a Trainer ``checkpoint-N`` folder, a Lightning ``.ckpt``,
+        a ``torch.save`` of the state dicts): the capture then starts from it by reference, holding the batches since
+        instead of a copy of the model (``engine.capture_ref``). Observes only."""
+        try:
+            capture_ref.saved(self.capture, path, self.step_num)
+        except Exception as e:
+            self._fail("noting a saved checkpoint", e)
 
     # history -----------------------------------------------------------------------------------
     def scale_history(self) -> tuple[list[int], list[float], list[bool]]:
