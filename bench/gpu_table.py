@@ -108,7 +108,7 @@ def measure(model_name: str, device: torch.device, rounds: int, steps: int, dry:
             v.monitor.close()
     bare = per_round["bare"]
     return [{"model": model_name, "variant": n, "ms": statistics.median(t),
-             "ratio": statistics.median(a / b for a, b in zip(t, bare)), "syncs": syncs[n]} for n, t in per_round.items()]
+             "ratio": statistics.median(a / b for a, b in zip(t, bare, strict=True)), "syncs": syncs[n]} for n, t in per_round.items()]
 
 
 def table(rows: list[dict[str, Any]], device: str) -> str:
