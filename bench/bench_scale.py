@@ -3,7 +3,7 @@
     python bench/bench_scale.py [--sizes 1,4,16] [--modules 16,64,256] [--steps 6]
 
 1. The capture's snapshot (``Capture.state``: host copies of the weights, AdamW's two moments, the scaler) of an MLP
-   of N million FP32 parameters: its bytes (``engine.capture.nbytes``) and the process CPU seconds of one copy
+   of N million FP32 parameters: its bytes (``capture.state.nbytes``) and the process CPU seconds of one copy
    (median of 3).
 2. The Monitor's full statistics: process CPU seconds of one FP32 AdamW step of a deep MLP of M blocks
    (Linear(64,64) -> LayerNorm -> GELU, batch 32), bare and under ``Monitor(every=1)``, median over rounds,
@@ -20,7 +20,8 @@ import time
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import Capture, nbytes
+from ampdoctor.capture.state import nbytes
+from ampdoctor.capture.write import Capture
 from ampdoctor.engine.monitor import Monitor
 
 

@@ -1,4 +1,4 @@
-"""``--autocast-policy cuda``: CUDA autocast's op policy emulated on the CPU (``engine.autocast_policy``).
+"""``--autocast-policy cuda``: CUDA autocast's op policy emulated on the CPU (``ladder.policy``).
 
 The reference is the installed torch's own CUDA autocast: the same model run on fake CUDA tensors
 (``FakeTensorMode``: shapes and dtypes, no data, no GPU) under CUDA autocast gives each module's output
@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from ampdoctor import Monitor, TriageConfig, triage
 from ampdoctor.cli.app import app
-from ampdoctor.engine.autocast_policy import cuda_policy, resolve
 from ampdoctor.errors import UsageError
+from ampdoctor.ladder.policy import cuda_policy, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "sample_models" / "cuda_softmax.py"

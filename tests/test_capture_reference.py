@@ -1,4 +1,4 @@
-"""Capture by reference (``engine.capture_ref``): a run that saves checkpoints captures its late failure as the
+"""Capture by reference (``capture.reference``): a run that saves checkpoints captures its late failure as the
 batches since its last checkpoint and a manifest naming it; ``triage --from`` starts from that checkpoint and
 gives the verdict a snapshot capture of the same run gives."""
 

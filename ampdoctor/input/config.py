@@ -43,7 +43,7 @@ class TriageConfig:
     growth_interval: int = 2000
     autocast_policy: str = "auto"
     """Which ops autocast casts: auto (the device's own; a capture of a CUDA run replayed on the CPU: cuda), native
-    or cuda (CUDA's op policy emulated on the CPU: ``engine.autocast_policy``)."""
+    or cuda (CUDA's op policy emulated on the CPU: ``ladder.policy``)."""
     batch_keys: str | None = None
     """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
     None: the rule of docs/spec-format.md."""

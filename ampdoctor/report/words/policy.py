@@ -1,4 +1,4 @@
-"""The English of the autocast op policy a CPU triage followed (``engine.autocast_policy``): CUDA's, emulated,
+"""The English of the autocast op policy a CPU triage followed (``ladder.policy``): CUDA's, emulated,
 and which ops it ran differently from CPU autocast, or could not emulate. ``report.policy`` picks them."""
 
 from __future__ import annotations

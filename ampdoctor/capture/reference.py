@@ -1,7 +1,7 @@
 """Capture by reference: a run that saves checkpoints starts its capture from its own last checkpoint.
 
 A capture normally holds a host copy of the model, optimizer and scaler state every ``snapshot_every``
-steps (``engine.capture``): for a 7B model that is the size of the model. A run that saves checkpoints
+steps (``capture.write``): for a 7B model that is the size of the model. A run that saves checkpoints
 already has that state on disk. When the loop says it saved one (``Monitor.saved(path)``; the Trainer's
 ``AmpDoctorCallback`` says it at every ``checkpoint-N``), the capture keeps a *reference* in place of its
 snapshot, no host copy: the checkpoint's path and the step it starts (the step after the save), and from
@@ -51,7 +51,7 @@ def written(capture: Any, files: dict[str, Any], snap: Any, batch_steps: list[in
     state files leave ``files`` (the checkpoint holds the state) and the manifest's ``reference`` names the
     checkpoint; else a reference that cannot re-reach the step is dropped from ``files``. Returns the manifest
     fields to add ({} when there is no reference)."""
-    from ampdoctor.input.capture_schema import SNAPSHOT_FILE, STATE_FILE
+    from ampdoctor.capture.schema import SNAPSHOT_FILE, STATE_FILE
 
     if not is_reference(snap):
         return {}

@@ -1,4 +1,4 @@
-"""CUDA's autocast op policy, emulated on the CPU (``triage --autocast-policy cuda``).
+"""CUDA's autocast op policy, emulated on the CPU (``triage --autocast-policy cuda``; ``Rung.autocast_on``).
 
 CPU and CUDA autocast cast different ops: CUDA autocast runs softmax, exp, pow, layer_norm, sum and the
 losses in FP32 (PyTorch's ``fp32`` lists), CPU autocast leaves them in the input's dtype, so a CPU replay
