@@ -18,6 +18,7 @@ own as before (the reference is dropped); where no checkpoint was saved, snapsho
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,21 @@ NEVER = 2**62
 """``snapshot_every`` while a reference stands: the run's checkpoints take the periodic snapshot's place."""
 
 
-def saved(capture: Any, path: str | Path, next_step: int) -> None:
-    """The run saved a checkpoint at ``path`` holding the state ``next_step`` starts from: hold a reference to it
-    in place of the capture's snapshot, and the batches from ``next_step`` on."""
+def saved(capture: Any, path: str | Path, next_step: int, on_error: Callable[[str, Exception], None] | None = None) -> None:
+    """The run saved a checkpoint at ``path`` (a Trainer ``checkpoint-N`` folder, a Lightning ``.ckpt``, a ``torch.save``
+    of the state dicts) holding the state ``next_step`` starts from: hold a reference to it in place of the capture's
+    snapshot, and the batches from ``next_step`` on. ``Monitor.saved``; never raises into the loop (``on_error``)."""
     if capture is None or capture.done:
         return
+    try:
+        _refer(capture, path, next_step)
+    except Exception as e:
+        if on_error is None:
+            raise
+        on_error("noting a saved checkpoint", e)
+
+
+def _refer(capture: Any, path: str | Path, next_step: int) -> None:
     capture._snapshot = {REFERENCE: {"path": str(Path(path).resolve()), "step": int(next_step)}}
     capture._snapshot_step = int(next_step)
     capture._snap_bytes = 0

@@ -565,13 +565,8 @@ class Monitor:
         return recording.after_step(self, skipped)
 
     def saved(self, path: str | Path) -> None:
-        """Call after your loop saved a checkpoint at ``path`` (a Trainer ``checkpoint-N`` folder, a Lightning ``.ckpt``,
-        a ``torch.save`` of the state dicts): the capture then starts from it by reference, holding the batches since
-        instead of a copy of the model (``capture.reference``). Observes only."""
-        try:
-            capture_ref.saved(self.capture, path, self.step_num)
-        except Exception as e:
-            self._fail("noting a saved checkpoint", e)
+        """Call after your loop saved a checkpoint at ``path``: the capture starts from it by reference (``capture.reference``)."""
+        capture_ref.saved(self.capture, path, self.step_num, on_error=self._fail)
 
     def saving(self, path: str | Path | None = None) -> str | None:
         """Call when your loop is about to save a checkpoint (``path``: where, for the message). Says once, on the
