@@ -27,7 +27,8 @@ the figures to the host once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -118,6 +119,22 @@ def as_dict(vec: torch.Tensor | list[float]) -> dict[str, float]:
     """An ``operand_stats`` vector (host copy) as a dict of ``OPERAND_FIELDS``."""
     vals = vec.tolist() if isinstance(vec, torch.Tensor) else list(vec)
     return dict(zip(OPERAND_FIELDS, (float(v) for v in vals), strict=True))
+
+
+@dataclass
+class GemmRow:
+    """One operand of one Float8Linear call at one step (``scaled.OPERAND_FIELDS`` in ``stats``)."""
+
+    step: int
+    module: str
+    operand: str
+    fmt: str
+    rowwise: bool
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def flat(self) -> dict[str, Any]:
+        return {"step": self.step, "module": self.module, "operand": self.operand, "dtype": self.fmt,
+                "rowwise": self.rowwise, **self.stats}
 
 
 # block-scaled formats ------------------------------------------------------------------------------

@@ -14,14 +14,15 @@ The rows of a step are stacked on the device and copied to the host once, at ``e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampdoctor.formats import FP8_E4M3, FP8_E5M2, Format
-from ampdoctor.scaled import OPERAND_FIELDS, operand_stats
+from ampdoctor.scaled import AMAX_FLOOR, OPERAND_FIELDS, GemmRow, operand_stats
 
 OPERANDS = ("input", "weight", "grad_output")
 """The operands of a Float8Linear's GEMMs, in the order a step meets them."""
@@ -38,6 +39,12 @@ class Cast:
 
     def describe(self) -> str:
         return "off" if not self.enabled else f"{self.fmt.name}/{'rowwise' if self.rowwise else 'tensorwise'}"
+
+
+def amax_floor() -> float:
+    """The amax floor torchao's cast uses now (``float8_utils.EPS``, 1e-12 in 0.18), read where it is loaded."""
+    mod = sys.modules.get("torchao.float8.float8_utils")
+    return float(getattr(mod, "EPS", AMAX_FLOOR)) if mod is not None else AMAX_FLOOR
 
 
 def is_float8_linear(m: nn.Module) -> bool:
@@ -69,22 +76,6 @@ def recipe_of(model: nn.Module) -> dict[str, Any] | None:
     first = dict(model.named_modules())[layers[0]]
     return {"layers": layers, "casts": {k: v.describe() for k, v in casts_of(first).items()},
             "emulate": bool(getattr(first.config, "emulate", False))}
-
-
-@dataclass
-class GemmRow:
-    """One operand of one Float8Linear call at one step (``scaled.OPERAND_FIELDS`` in ``stats``)."""
-
-    step: int
-    module: str
-    operand: str
-    fmt: str
-    rowwise: bool
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def flat(self) -> dict[str, Any]:
-        return {"step": self.step, "module": self.module, "operand": self.operand, "dtype": self.fmt,
-                "rowwise": self.rowwise, **self.stats}
 
 
 class GemmObserver:
@@ -120,7 +111,8 @@ class GemmObserver:
         c = self.casts[name][operand]
         if not c.enabled or not t.is_floating_point() or t.numel() == 0:
             return
-        self._queue.append((name, operand, operand_stats(t.detach(), c.fmt, rowwise=c.rowwise, round_pow2=c.pow2)))
+        self._queue.append((name, operand, operand_stats(t.detach(), c.fmt, rowwise=c.rowwise, round_pow2=c.pow2,
+                                                                  floor=amax_floor())))
 
     def _pre(self, name: str) -> Any:
         def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
