@@ -57,7 +57,7 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 OPERAND_FIELDS = ("numel", "amax", "scale", "saturated", "flushed", "nonfinite", "sqnr_db", "rows", "worst_row",
-                  "worst_row_sqnr_db", "worst_row_flushed", "min_row_amax")
+                  "worst_row_sqnr_db", "worst_row_flushed", "min_row_amax", "rowwise_flushed")
 """The figures ``operand_stats`` returns, in order (one float64 vector, on the tensor's device)."""
 
 
@@ -74,7 +74,8 @@ def operand_stats(x: torch.Tensor, fmt: Format, rowwise: bool = False, round_pow
     with the largest amax); the shares of elements that saturate, that are non-zero and flush to 0, and
     that are NaN/Inf; the SQNR of the dequantised operand against ``x`` in dB; rows (rowwise: the number
     of rows scaled on their own, else 1); the worst row (the row with the lowest SQNR), its SQNR and
-    its flushed share; the smallest row amax (the row nearest a degenerate scale). ``rowwise``: one
+    its flushed share; the smallest row amax (the row nearest a degenerate scale); the share the rowwise
+    recipe's cast would flush (what-if: E4M3, one power-of-two scale per row). ``rowwise``: one
     scale per row of the last dimension (torchao's axiswise scaling along ``dim=-1``). ``scale``: apply
     this scale instead of the operand's own (a stale scale, to measure what it would saturate)."""
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() > 1 else x.detach().reshape(1, -1)
@@ -98,6 +99,9 @@ def operand_stats(x: torch.Tensor, fmt: Format, rowwise: bool = False, round_pow
     ranked = torch.where(torch.isnan(row_db), torch.full_like(row_db, math.inf), row_db)
     worst = torch.argmin(ranked)
     fl_row = flushed.sum(dim=1).to(torch.float64) / max(xf.shape[1], 1)
+    rs = fp8_scale(ax.amax(dim=1, keepdim=True), FP8_E4M3, True, floor)
+    rq = (xf * rs).clamp(-FP8_E4M3.max, FP8_E4M3.max).to(torch.float8_e4m3fn).to(torch.float32)
+    what_if = ((xf != 0) & (rq == 0) & torch.isfinite(xf)).sum().to(torch.float64) / n
     f64 = torch.float64
     return torch.stack([
         torch.tensor(float(xf.numel()), dtype=f64, device=x.device),
@@ -112,6 +116,7 @@ def operand_stats(x: torch.Tensor, fmt: Format, rowwise: bool = False, round_pow
         ranked[worst] if rowwise else _sqnr_db(torch.linalg.vector_norm(x64), torch.linalg.vector_norm(err)),
         fl_row[worst] if rowwise else flushed.sum().to(f64) / n,
         row_amax.min().to(f64),
+        what_if,
     ])
 
 

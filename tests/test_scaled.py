@@ -136,6 +136,7 @@ def test_operand_stats_match_the_emulation(rows: list[list[float]], fmt: Format,
     assert got["scale"] == want["scale"]
     assert got["saturated"] == want["saturated"]
     assert got["flushed"] == want["flushed"]
+    assert got["rowwise_flushed"] == emulate_operand(rows, FP8_E4M3, True, True)["flushed"]
     for k in ("sqnr_db", "worst_row_sqnr_db"):
         if math.isinf(want[k]):
             assert math.isinf(got[k])

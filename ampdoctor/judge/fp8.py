@@ -112,7 +112,12 @@ def saturation(lad: Fp8Ladder, rows: list[GemmRow]) -> Outcome | None:
 
 
 def _flush_fixes(lad: Fp8Ladder, r: GemmRow) -> list[Fix]:
-    fixes = [Fix("fp8_rowwise", {"module": r.module})] if not r.rowwise else []
+    """Rowwise scaling where it would keep the values (its what-if flushed share is under the tolerance: the
+    flushed values sit in other rows than the largest); else the span of the format is the limit."""
+    rowwise = not r.rowwise and r.stats["rowwise_flushed"] < FLUSH_TOLERANCE
+    fixes = [Fix("fp8_rowwise", {"module": r.module, "rowwise_flushed": r.stats["rowwise_flushed"]})] if rowwise else []
+    if not rowwise:
+        fixes.append(Fix("fp8_span", {"module": r.module, "operand": r.operand, "dtype": r.fmt}))
     return [*fixes, _keep(r.module)]
 
 
@@ -168,10 +173,23 @@ def precision_loss(lad: Fp8Ladder, rows: list[GemmRow]) -> Outcome | None:
     r = _first(rows, lambda r: r.module == module and r.operand == operand)
     assert r is not None
     fixes = [_keep(module)] + ([Fix("fp8_rowwise", {"module": module})] if lad.recipe == "tensorwise" else [])
+    start = departure(lad)
     out = _outcome("fp8_precision_loss", r, fixes, mean_sqnr_db=db, ranked=[list(t) for t in ranked[:5]], **g)
-    n = len(lad.rungs["fp8"].losses)
-    start = n - int(g["window"])
+    out.findings[0].step = start
     return Outcome(out.cause, out.module, start, "fp8", {**out.facts, "step": start}, out.findings, out.fixes)
+
+
+def departure(lad: Fp8Ladder) -> int:
+    """The first step from which FP8's loss stays above BF16's by more than ``SPREAD_FACTOR`` times BF16's gap
+    to FP32 at every step (the step the FP8 run leaves BF16's)."""
+    f32, b16, f8 = (lad.rungs[k].losses for k in ("fp32", "bf16", "fp8"))
+    n = min(len(f32), len(b16), len(f8))
+    start = n
+    for t in range(n - 1, -1, -1):
+        if not f8[t] - b16[t] > SPREAD_FACTOR * abs(b16[t] - f32[t]):
+            break
+        start = t
+    return min(start, n - 1)
 
 
 def nonfinite(lad: Fp8Ladder, rows: list[GemmRow]) -> Outcome | None:
