@@ -19,8 +19,10 @@ per-tensor scale), written out so that ampdoctor measures them without importing
   under a per-tensor FP32 scale ``t = tensor amax / (448 * 6)``; elements ``x / t / block scale``
   clamped to ±6 and rounded to E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6).
 
-A block's dynamic range *exceeds the format* when one of its non-zero elements flushes to 0 or
-saturates under the block's scale. Everything is reduced on the tensor's device; the callers copy
+A block's dynamic range *exceeds the format* when one of its non-zero elements flushes to 0 under the
+block's scale (the block spans more binades than the element format). Saturated elements are counted on
+their own: under MXFP8's FLOOR scale a block whose largest value has a significand above 1.75 saturates
+it by design (448 is 1.75 x 2^8), which says nothing of the block's range. Everything is reduced on the tensor's device; the callers copy
 the figures to the host once.
 """
 
@@ -235,7 +237,7 @@ def block_stats(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     fin = torch.isfinite(b) & real
     flushed = fin & (b != 0) & (q == 0)
     sat = fin & (scaled.abs() >= fmt.elem_overflow)
-    exceeding = (flushed | sat).any(dim=1)
+    exceeding = flushed.any(dim=1)
     f64 = torch.float64
     return torch.stack([
         torch.tensor(float(numel), dtype=f64, device=b.device),

@@ -105,7 +105,7 @@ def emulate_blocks(rows: list[list[float]], name: str) -> dict[str, float]:
             blocks += 1
             flushed += fl
             sat += sa
-            exceeding += 1 if fl or sa else 0
+            exceeding += 1 if fl else 0
     return {"blocks": blocks, "blocks_exceeding": exceeding, "flushed": flushed, "saturated": sat}
 
 
