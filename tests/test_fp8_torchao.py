@@ -37,8 +37,8 @@ def _tensor(seed: int, rows: int, cols: int, spread: float) -> torch.Tensor:
        e5m2=st.booleans(), rowwise=st.booleans())
 def test_scale_and_cast_are_torchaos(seed: int, rows: int, cols: int, spread: int, e5m2: bool, rowwise: bool) -> None:
     from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
 
     x = _tensor(seed, rows, cols, spread)
     fmt = FP8_E5M2 if e5m2 else FP8_E4M3

@@ -22,8 +22,8 @@ def triage_fp8(spec: Path | None, names: SpecNames, recipe: str, steps: int | No
     from ampdoctor.input.batches import materialise
     from ampdoctor.input.env import resolve_device
     from ampdoctor.judge.fp8 import judge
-    from ampdoctor.report.fp8 import build
     from ampdoctor.render.fp8 import render, to_json
+    from ampdoctor.report.fp8 import build
 
     used = [flag for flag, v in given.items() if v]
     if used:

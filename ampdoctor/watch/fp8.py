@@ -62,7 +62,7 @@ def _cast(cc: Any, pow2: bool) -> Cast:
 
 def casts_of(m: nn.Module) -> dict[str, Cast]:
     """The layer's cast of each operand (``OPERANDS``), read from its ``Float8LinearConfig``."""
-    c = m.config
+    c: Any = m.config
     pow2 = bool(getattr(c, "round_scales_to_power_of_2", False))
     return {"input": _cast(c.cast_config_input, pow2), "weight": _cast(c.cast_config_weight, pow2),
             "grad_output": _cast(c.cast_config_grad_output, pow2)}
@@ -125,7 +125,9 @@ class GemmObserver:
                 if torch.is_autocast_enabled("cuda") and x.is_cuda:  # Float8Linear casts its input as CUDA autocast would
                     x = x.to(torch.get_autocast_dtype("cuda"))
                 self._add(name, "input", x)
-                self._add(name, "weight", m.weight)
+                w = m.weight
+                if isinstance(w, torch.Tensor):
+                    self._add(name, "weight", w)
         return hook
 
     def _post(self, name: str) -> Any:
