@@ -154,3 +154,18 @@ def build(o: Outcome, lad: Fp8Ladder) -> Fp8Report:
     return Fp8Report(o.cause, TITLES.get(o.cause, o.cause), o.module, o.facts.get("operand"), o.step, o.stage,
                      summary(o, lad), lad.recipe, lad.emulated, rungs, table,
                      [fix_words(f.code, f.facts, lad.recipe) for f in o.fixes], dict(o.facts))
+
+
+def alert_words(kind: str, step: int, module: str, operand: str, dtype: str, value: float) -> str:
+    """The Monitor's message for one FP8 GEMM alert (``engine.fp8_watch.GemmAlert``)."""
+    what = f"the {OPERAND_WORDS.get(operand, operand)} of {module} ({dtype})"
+    if kind == "degenerate":
+        return (f"FP8 at step {step}: {what} has a degenerate scale ({num(value)}): its amax is 0 or not finite; "
+                "bound amax below or keep the layer in BF16 (docs/fp8.md)")
+    if kind == "saturated":
+        return f"FP8 at step {step}: {pct(value)} of {what} saturate: its scale came from other values (docs/fp8.md)"
+    if kind == "flushed":
+        return (f"FP8 at step {step}: {pct(value)} of {what}, non-zero in high precision, flush to 0 in the cast "
+                "(docs/fp8.md)")
+    return (f"FP8 at step {step}: the amax of {what} falls steadily and reaches the amax floor in about "
+            f"{int(value)} steps, where its scale degenerates (docs/fp8.md)")
