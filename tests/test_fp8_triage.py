@@ -133,3 +133,36 @@ def test_bf16_failing_first_is_not_an_fp8_verdict() -> None:
     lad.rungs["bf16"].grad_norms[3] = math.nan
     out = judge(lad)
     assert (out.cause, out.stage, out.step) == ("bf16_failure", "bf16", 3)
+
+
+@pytest.mark.fp8
+def test_the_flushed_gradients_freeze_the_auxiliary_output() -> None:
+    """What the grad-underflow verdict costs: BF16 trains the head's auxiliary row (its gradients are above AdamW's
+    eps), FP8 gives it no gradient (only weight decay moves it)."""
+    pytest.importorskip("torchao")
+    import copy
+    import importlib.util
+
+    from ampdoctor.engine.fp8 import Float8Transform
+
+    spec = importlib.util.spec_from_file_location("fp8_grad_underflow", SAMPLES / "fp8_grad_underflow.py")
+    s = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(s)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    m = s.build_model()
+    data = s.build_dataloader()
+    moved = {}
+    for name, mm in (("bf16", copy.deepcopy(m)), ("fp8", Float8Transform().apply(copy.deepcopy(m), torch.device("cpu")))):
+        w0 = mm.head.weight.detach().clone()
+        opt = torch.optim.AdamW(mm.parameters(), lr=1e-3)
+        for step in range(20):
+            x, y = data[step % len(data)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = s.loss_fn(mm(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        moved[name] = (mm.head.weight.detach() - w0).norm(dim=1)
+    decay_only = 20 * 1e-3 * 1e-2 * float(m.head.weight[1].norm())  # lr * weight_decay * |w| a step, at most
+    assert float(moved["bf16"][1]) > 10 * decay_only
+    assert float(moved["fp8"][1]) <= 1.01 * decay_only
