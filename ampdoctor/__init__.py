@@ -20,7 +20,7 @@ from ampdoctor.input.batches import MicroBatches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.report.model import Report
 from ampdoctor.report.scaler import diagnose_scale
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 __all__ = [
     "MicroBatches",

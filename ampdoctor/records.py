@@ -221,12 +221,12 @@ class StepRecord:
     """Sentinel mode: this step tripped the sentinel (its full statistics were taken, and the next
     ``full_after`` steps are recorded in full)."""
     capture: str = ""
-    """The capture folder written at this step ('' if none; see ``ampdoctor.engine.capture``)."""
+    """The capture folder written at this step ('' if none; see ``ampdoctor.capture``)."""
     rank: int | None = None
     """Under torch.distributed: this process's rank."""
     ranks: Any = None
     """Under torch.distributed: the ranks that saw a non-finite value at this step, the same on every rank
-    (an ``engine.ranks.RankView``)."""
+    (an ``parallel.exchange.RankView``)."""
     capture_held: int | None = None
     """With a capture armed: the host bytes it holds after this step."""
     step_convention: str | None = None

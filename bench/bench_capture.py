@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, loss_fn  # noqa: E402
 
 from ampdoctor import Monitor  # noqa: E402
-from ampdoctor.engine.capture import Capture  # noqa: E402
+from ampdoctor.capture.write import Capture  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

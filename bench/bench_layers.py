@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ampdoctor.engine.forward import default_optimizer, get_loss
 from ampdoctor.engine.layers import layer_stats
-from ampdoctor.engine.step import default_optimizer, get_loss
 from ampdoctor.engine.triage import prepare
 from ampdoctor.input.batches import split, to_device
 from ampdoctor.input.config import TriageConfig

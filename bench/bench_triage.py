@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ampdoctor.engine.recheck import recheck_fn
 from ampdoctor.engine.stages import StageContext, run_stage
-from ampdoctor.engine.triage import prepare, recheck_fn, user_hooks
+from ampdoctor.engine.triage import prepare, user_hooks
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import resolve_device

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ampdoctor import Monitor
-from ampdoctor.engine.ranks import SLOTS  # the numbers each rank contributes to the exchange
+from ampdoctor.parallel.exchange import SLOTS  # the numbers each rank contributes to the exchange
 
 
 def build(blocks: int) -> nn.Module:

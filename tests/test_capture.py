@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from ampdoctor import Monitor, TriageConfig, triage
+from ampdoctor.capture.read import read_capture
 from ampdoctor.cli.app import app
-from ampdoctor.engine.replay import read_capture
 from ampdoctor.errors import CaptureError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -101,7 +101,7 @@ def loss_fn(out, y):
 def test_the_capture_holds_no_more_than_its_budget_and_still_re_reaches_the_step(tmp_path: Path) -> None:
     """Batches of 393 KB, a 2 MB budget, a snapshot every 100 steps: the capture takes snapshots early so what
     it holds stays within the budget, and an applied failure at step 57 replays from the last of them."""
-    from ampdoctor.watch.steplog import read_step_log
+    from ampdoctor.watch.steplog_read import read_step_log
 
     ns: dict[str, object] = {}
     exec(IMG_SPEC, ns)

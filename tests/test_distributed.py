@@ -18,10 +18,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from ampdoctor.capture.read import read_capture
 from ampdoctor.cli.app import app
-from ampdoctor.engine.ranks import RankExchange, RankView, parse_column, rank_path
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.parallel.exchange import RankExchange, RankView, parse_column, rank_path
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_models" / "ddp_bad_batch.py"

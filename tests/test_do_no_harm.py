@@ -178,7 +178,7 @@ def test_a_failure_inside_ampdoctor_turns_it_off_and_the_step_still_happens(wher
 def test_an_unsupported_sharded_setup_is_one_warning_and_training_goes_on(monkeypatch: pytest.MonkeyPatch, engine: str,
                                                                          said: str) -> None:
     import ampdoctor.engine.monitor as monitor_mod
-    from ampdoctor.engine.shards import Shards
+    from ampdoctor.parallel.pieces import Shards
 
     class Unreducible(Shards):  # a layout the reduction cannot count right (replicas outside the mesh)
         def __init__(self, *a: object, **k: object) -> None:

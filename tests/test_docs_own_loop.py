@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "own-loop.md"
 

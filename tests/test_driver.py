@@ -16,10 +16,12 @@ from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
 from ampdoctor.engine.driver import NONFINITE_LOSS, NONFINITE_WEIGHTS, Driver, skip_reason, step_record
-from ampdoctor.engine.step import AMP, BF16, FP16_MASTER, FP16_PURE, FP32, Precision, TrainStep, forward_loss, get_loss
+from ampdoctor.engine.forward import forward_loss, get_loss
+from ampdoctor.engine.step import TrainStep
 from ampdoctor.input.batches import UNKNOWN_TARGET, Micro
 from ampdoctor.input.loss import model_loss
-from ampdoctor.judge.rules import kernel_limit
+from ampdoctor.judge.detectors import kernel_limit
+from ampdoctor.ladder import AMP, BF16, FP16_MASTER, FP32
 from ampdoctor.report.build import stage_summary
 from ampdoctor.report.stages import error_hint
 from ampdoctor.watch.hooks import Hooks
@@ -47,19 +49,6 @@ def test_several_elements_are_no_loss() -> None:
         get_loss({"logits": logits}, None, None)
     # a captured forward whose output has no loss: the probe stands in (0, its gradients zero)
     assert float(get_loss(logits, UNKNOWN_TARGET, None)) == 0.0
-
-
-# one stage -> precision mapping --------------------------------------------------------------------------------
-
-def test_for_stage_is_the_stage_policies() -> None:
-    assert Precision.for_stage("fp32") is FP32 and Precision.for_stage("amp") is AMP and Precision.for_stage("bf16") is BF16
-    assert Precision.for_stage("fp16") is FP16_MASTER and Precision.for_stage("fp16", "fp16") is FP16_PURE
-    assert AMP.autocast == torch.float16 and AMP.loss_scaling and BF16.autocast == torch.bfloat16
-    assert FP16_MASTER.weights == torch.float16 and FP16_MASTER.master and not FP16_PURE.master
-    with pytest.raises(ValueError, match="unknown stage"):
-        Precision.for_stage("fp8")
-    mon = Precision.for_autocast(torch.bfloat16, False)
-    assert (mon.name, mon.autocast, mon.weights, mon.loss_scaling) == ("bf16", torch.bfloat16, torch.float32, False)
 
 
 def test_forward_loss_computes_in_the_policy() -> None:
@@ -219,7 +208,7 @@ def test_repro_script_runs_a_model_that_takes_a_subset_of_the_batch_keys(tmp_pat
 # the stages' codes, and their words at the report's edge -----------------------------------------------------
 
 def test_a_stage_error_hint_says_what_its_kind_is() -> None:
-    """The hint a stage's exception gets follows the kernel the device lacks (``rules.kernel_limit``, from torch's
+    """The hint a stage's exception gets follows the kernel the device lacks (``detectors.kernel_limit``, from torch's
     message): a device limitation is said to be one, anything else is to be fixed."""
     onednn = "could not create a primitive descriptor for a matmul primitive"
     assert "oneDNN" in error_hint(kernel_limit(onednn, "amp", "cpu")) and "not a NaN cause" in error_hint("onednn_fp16")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ampdoctor import Monitor, triage
-from ampdoctor.engine.capture import FailingStep
+from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge.scaler import EXPLODE_HISTORY, EXPLODE_RATIO, explodes, first_explosion
+from ampdoctor.judge.explosion import EXPLODE_HISTORY, EXPLODE_RATIO, explodes, first_explosion
 
 SPEC = Path(__file__).parent / "diverge" / "conv_steplr.py"
 

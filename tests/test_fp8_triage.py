@@ -143,7 +143,7 @@ def test_the_flushed_gradients_freeze_the_auxiliary_output() -> None:
     import copy
     import importlib.util
 
-    from ampdoctor.engine.fp8 import Float8Transform
+    from ampdoctor.ladder.fp8 import Float8Transform
 
     spec = importlib.util.spec_from_file_location("fp8_grad_underflow", SAMPLES / "fp8_grad_underflow.py")
     s = importlib.util.module_from_spec(spec)
@@ -166,3 +166,15 @@ def test_the_flushed_gradients_freeze_the_auxiliary_output() -> None:
     decay_only = 20 * 1e-3 * 1e-2 * float(m.head.weight[1].detach().norm())  # lr * weight_decay * |w| a step, at most
     assert float(moved["bf16"][1]) > 10 * decay_only
     assert float(moved["fp8"][1]) <= 1.01 * decay_only
+
+
+def test_the_fp8_rung_is_registered() -> None:
+    """``--target fp8`` runs registered rungs: fp8 is BF16 autocast, FP32 weights, the recipe's Float8 transform."""
+    from ampdoctor.input.config import TriageConfig
+    from ampdoctor.ladder import registered, rung
+    from ampdoctor.ladder.fp8 import LADDER
+
+    assert set(LADDER) <= set(registered())
+    r = rung("fp8", TriageConfig(fp8_recipe="rowwise"))
+    assert (r.compute, r.params, r.scaler) == (torch.bfloat16, torch.float32, False)
+    assert r.describe()["transform"] == {"name": "float8:rowwise", "recipe": "rowwise", "skip": [], "emulate": None}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ampdoctor import Monitor, triage
-from ampdoctor.engine.capture import FailingStep
+from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.watch import userhooks
 
 MLP_SPEC = '''

@@ -160,8 +160,8 @@ def test_the_call_listeners_keep_the_written_contract() -> None:
         track_calls,
         unlisten_calls,
     )
-    from ampdoctor.watch.hooks import ModuleTracker
     from ampdoctor.watch.tap import ForwardTap
+    from ampdoctor.watch.tracker import ModuleTracker
 
     model, x, _ = tiny()
     hooks, tracker, recorder = Hooks(model), ModuleTracker(model), GraphRecorder(model)

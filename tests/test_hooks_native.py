@@ -180,7 +180,7 @@ def test_training_only_leaves_evaluation_forwards_out(native: bool) -> None:
 @pytest.mark.parametrize("how", ["call", "global"])
 def test_the_tracker_names_the_module_an_exception_came_from(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from ampdoctor.watch.calls import watchers
-    from ampdoctor.watch.hooks import ModuleTracker
+    from ampdoctor.watch.tracker import ModuleTracker
 
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,12 @@ import torch
 import typer
 from click.testing import CliRunner
 
+from ampdoctor.capture.schema import errors as schema_errors
+from ampdoctor.capture.schema import schema, validate_manifest
 from ampdoctor.cli.app import app as typer_app
 from ampdoctor.errors import CaptureError
-from ampdoctor.input.capture_schema import errors as schema_errors
-from ampdoctor.input.capture_schema import schema, validate_manifest
-from ampdoctor.watch.steplog import StepLogError, StepLogWarning, StepLogWriter, read_step_log
+from ampdoctor.watch.steplog import StepLogError, StepLogWarning, StepLogWriter
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -483,8 +484,8 @@ def test_the_validator_agrees_with_jsonschema(capture: tuple[Path, dict[str, Any
 
 
 def test_the_capture_versions_agree() -> None:
-    from ampdoctor.engine import capture as writer
-    from ampdoctor.input import capture_schema
+    from ampdoctor.capture import schema as capture_schema
+    from ampdoctor.capture import write as writer
 
     assert writer.CAPTURE_VERSION == capture_schema.CAPTURE_VERSION == schema()["properties"]["schema_version"]["const"]
 

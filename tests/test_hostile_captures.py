@@ -4,7 +4,7 @@ recorded model is not what the weights hold, a budget that left the batches out.
 tensor, the folder and the field, exit 2, no traceback; nothing is allocated past what the files hold (checked
 under an address-space cap, ``RLIMIT_AS``, in a subprocess).
 
-The folders are written by hand in the format ``engine.shard_capture`` documents (no engine needed); the run
+The folders are written by hand in the format ``capture.reassemble`` documents (no engine needed); the run
 identity a real Monitor writes is checked on a real run.
 """
 
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
+from ampdoctor.capture.read import read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.cli.app import app
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.errors import CaptureError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,7 +189,8 @@ def test_two_runs_shards_are_refused_naming_both_folders(tmp_path: Path) -> None
     for named in ("cap.rank0", "cap.rank1"):
         code, out = _triage(tmp_path / "a" / named)
         _one_line(code, out, "are captures of different runs (run id", "run-a", "run-b", "cap.rank0", "cap.rank1")
-    from ampdoctor.engine.shard_capture import check_pieces, group_of
+    from ampdoctor.capture.rank_folders import group_of
+    from ampdoctor.capture.reassemble import check_pieces
 
     with pytest.raises(CaptureError, match="different runs"):  # --nproc's check, before any process starts
         check_pieces(tmp_path / "a" / "cap.rank0", group_of(tmp_path / "a" / "cap.rank0"))
@@ -257,7 +258,7 @@ def test_a_monitor_writes_its_run_id_and_model_fingerprint(tmp_path: Path) -> No
 def _ranks_agree(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from ampdoctor.engine.run_identity import run_id
+    from ampdoctor.capture.identity import run_id
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     Path(out, f"id{rank}").write_text(str(run_id()))
@@ -294,7 +295,7 @@ def _whole_capture(folder: Path, model: nn.Module, identity: dict[str, Any]) -> 
 
 def test_the_recorded_model_is_counted_on_the_meta_device_against_the_weights() -> None:
     transformers = pytest.importorskip("transformers")
-    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.capture.state import model_identity
     from ampdoctor.errors import SpecError
     from ampdoctor.input import rebuild
 
@@ -311,7 +312,7 @@ def test_the_recorded_model_is_counted_on_the_meta_device_against_the_weights() 
 @pytest.mark.slow
 def test_a_recorded_config_edited_to_a_huge_model_is_refused_before_it_is_built(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.capture.state import model_identity
 
     cfg = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8)
     model = transformers.GPT2LMHeadModel(cfg)
@@ -326,7 +327,7 @@ def test_a_recorded_config_edited_to_a_huge_model_is_refused_before_it_is_built(
 
 
 def test_a_spec_free_capture_of_a_sequential_says_its_layers_were_not_recorded(tmp_path: Path) -> None:
-    from ampdoctor.engine.capture import model_identity
+    from ampdoctor.capture.state import model_identity
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     cap = _whole_capture(tmp_path / "cap", model, model_identity(model))

@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
 from ampdoctor.integrations.accelerate import watch  # noqa: E402
-from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+from ampdoctor.watch.steplog_read import read_step_log  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampdoctor.engine.ranks import parse_column
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.engine.shard_capture import reassemble
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.capture.read import read_capture
+from ampdoctor.capture.reassemble import reassemble
+from ampdoctor.parallel.exchange import parse_column
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "assets" / "deepspeed_worker.py"

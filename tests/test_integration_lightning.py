@@ -22,7 +22,7 @@ from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
 from ampdoctor.cli.app import app  # noqa: E402
 from ampdoctor.integrations.lightning import AmpDoctorCallback  # noqa: E402
-from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+from ampdoctor.watch.steplog_read import read_step_log  # noqa: E402
 
 SPEC = '''
 import torch

@@ -27,7 +27,7 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 from ampdoctor.cli.app import app  # noqa: E402
 from ampdoctor.integrations.transformers import AmpDoctorCallback  # noqa: E402
-from ampdoctor.watch.steplog import read_step_log  # noqa: E402
+from ampdoctor.watch.steplog_read import read_step_log  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ampdoctor import Monitor
-from ampdoctor.engine.ranks import INPUT, RankExchange
 from ampdoctor.judge.history import forecast
+from ampdoctor.parallel.exchange import INPUT, RankExchange
 from ampdoctor.records import LABELS, MODEL
 from ampdoctor.report import alerts
 
@@ -183,8 +183,8 @@ def test_ddp_ranks_overflowing_in_their_own_forward_at_one_step_are_said_togethe
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_trainer_ddp_a_nan_label_on_one_rank_is_its_labels_not_a_module(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from ampdoctor.engine.ranks import parse_column
-    from ampdoctor.watch.steplog import read_step_log
+    from ampdoctor.parallel.exchange import parse_column
+    from ampdoctor.watch.steplog_read import read_step_log
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -254,8 +254,8 @@ os._exit(0)
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_fsdp2_bf16_after_an_applied_nan_update_a_finite_batch_is_no_input(tmp_path: Path) -> None:
-    from ampdoctor.engine.ranks import parse_column
-    from ampdoctor.watch.steplog import read_step_log
+    from ampdoctor.parallel.exchange import parse_column
+    from ampdoctor.watch.steplog_read import read_step_log
 
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_APPLIED)

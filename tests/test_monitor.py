@@ -18,7 +18,8 @@ from torch import nn
 from ampdoctor import Monitor
 from ampdoctor.engine.monitor import SkipRateError, SkipRateWarning
 from ampdoctor.errors import AmpDoctorError, UsageError
-from ampdoctor.watch.steplog import COLUMNS, read_step_log
+from ampdoctor.watch.steplog import COLUMNS
+from ampdoctor.watch.steplog_read import read_step_log
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 

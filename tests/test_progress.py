@@ -7,9 +7,10 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ampdoctor.judge.measures import stall_ratio
 from ampdoctor.judge.progress import loss_window
-from ampdoctor.judge.rules import MIN_STALL_STEPS, stall_ratio
-from ampdoctor.report.words import describe
+from ampdoctor.judge.thresholds import MIN_STALL_STEPS
+from ampdoctor.report.words.verdicts import describe
 
 
 def _stage(losses: list[float]) -> SimpleNamespace:

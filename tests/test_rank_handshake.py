@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampdoctor.engine import ranks
+from ampdoctor.parallel import exchange as ranks
 
 
 def _run(delays: list[float], timeout: float, build: list[bool] | None = None) -> list[bool | None]:

@@ -27,7 +27,7 @@ from ampdoctor.errors import SpecError
 from ampdoctor.input import rebuild
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 from tests.replay_models import Diffusion
 
 runner = CliRunner()
@@ -84,7 +84,7 @@ def test_trainer_decay_groups_are_rebuilt_by_name_from_the_optimizer_state() -> 
 # item 2: RNG and epochs ---------------------------------------------------------------------------
 
 def test_rng_states_of_a_capture_and_of_a_trainer_checkpoint_are_restored() -> None:
-    from ampdoctor.engine.capture import rng_states
+    from ampdoctor.capture.state import rng_states
 
     for take in (rng_states, lambda: {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}):
         saved = take()

@@ -17,7 +17,8 @@ from ampdoctor import Monitor
 from ampdoctor.judge.history import story
 from ampdoctor.render import common, html, markdown, plots
 from ampdoctor.report.model import Finding, ScaleEvent, ScalerStory
-from ampdoctor.report.words import SCALER_NOTES, history_title
+from ampdoctor.report.words.findings import SCALER_NOTES
+from ampdoctor.report.words.lookback import history_title
 
 from .report_fixtures import make_report
 

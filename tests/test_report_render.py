@@ -143,16 +143,16 @@ def test_heatmap_shows_the_verdicts_op_row_on_a_log_scale() -> None:
 
 def test_evidence_reads_as_sentences_with_units() -> None:
     """No key=value dump: the facts as sentences, FP16's max as 65504, the headroom in binades, shares in %."""
-    from ampdoctor.report import words
+    from ampdoctor.report.words.evidence import evidence
 
     ev = {"fp32_recheck_loss": 43.81, "fp32_recheck_finite": True, "fp32_recheck_weights": "stage amp before step 0",
           "op": "matmul", "op_overflow_frac": 0.001953, "fp32_absmax": 75710.0, "fp16_max": 65504.0}
-    said = words.evidence(ev, "blocks.1.attn")
+    said = evidence(ev, "blocks.1.attn")
     assert said == ["The `matmul` op in blocks.1.attn reaches 7.571e+04 in FP32, 1.16 times FP16's largest value 65504 "
                     "(headroom -0.21 binades); 0.2% of its elements overflow FP16.",
                     "Re-run in FP32 from the same weights (stage amp before step 0), the step stays finite (loss 43.81)."]
     # a fact no sentence knows is kept, as words
-    assert words.evidence({"new_fact": 3}) == ["new fact: 3."]
+    assert evidence({"new_fact": 3}) == ["new fact: 3."]
     md = md_render.render(make_report(), IMAGES)
     page = html_render.render(make_report(), {})
     for text in (md, page):
@@ -190,10 +190,10 @@ def test_environment_names_the_cpu_model(tmp_path: Path) -> None:
 
 
 def test_a_replays_scaler_story_names_the_step_log_only_when_there_is_one() -> None:
-    from ampdoctor.report import words
+    from ampdoctor.report.words import run as run_words
 
-    assert words.replay_scaler(65536.0, 1, {"step_log": "run/steps.csv"}).endswith("`ampdoctor scaler run/steps.csv`.")
-    none = words.replay_scaler(65536.0, 1, {"step_log": None})
+    assert run_words.replay_scaler(65536.0, 1, {"step_log": "run/steps.csv"}).endswith("`ampdoctor scaler run/steps.csv`.")
+    none = run_words.replay_scaler(65536.0, 1, {"step_log": None})
     assert "steps.csv`" not in none and "kept no step log" in none and "2^16" in none
-    old = words.replay_scaler(65536.0, 1, {})  # a capture from before the manifest had the field
+    old = run_words.replay_scaler(65536.0, 1, {})  # a capture from before the manifest had the field
     assert "If the run kept a step log" in old and "ampdoctor scaler steps.csv" not in old

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from ampdoctor.capture.schema import read_ring
 from ampdoctor.engine.monitor import Monitor
 from ampdoctor.engine.ring import ForecastWarning
 from ampdoctor.errors import UsageError
-from ampdoctor.input.capture_schema import read_ring
 from ampdoctor.judge.history import forecast, mann_kendall_z, story, theil_sen
 from ampdoctor.watch.ring import LAYER_COLUMNS, STEP_COLUMNS
 

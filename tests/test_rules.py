@@ -14,12 +14,16 @@ import torch
 
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge import rules
+from ampdoctor.judge import context, rules, rules_fp32, rules_silent, rules_target
+from ampdoctor.judge.context import Ctx, Recheck
 from ampdoctor.judge.opscan import NonfiniteOp
-from ampdoctor.judge.rules import Ctx, Recheck, diagnose, shift_diagnosis
+from ampdoctor.judge.rules import diagnose, shift_diagnosis
 from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats, UserHook
-from ampdoctor.report import words
 from ampdoctor.report.model import CAUSES
+from ampdoctor.report.words import diagnosis as diagnosis_words
+from ampdoctor.report.words import findings as findings_words
+from ampdoctor.report.words import fixes as fixes_words
+from ampdoctor.report.words import verdicts as verdicts_words
 
 NAN, INF = float("nan"), float("inf")
 N = 8
@@ -91,7 +95,7 @@ def no_recheck(stage: str, step: int) -> Recheck | None:
 
 def ctx(results: dict[str, StageResult], *, target: str = "amp", data: Batches | None = None,
         recheck: Callable[[str, int], Recheck | None] = no_recheck, hooks: list[str] | None = None,
-        hook_list: list[UserHook] | None = None, hook_check: rules.HookCheckFn | None = None,
+        hook_list: list[UserHook] | None = None, hook_check: context.HookCheckFn | None = None,
         captured: tuple[str, int] | None = None) -> Ctx:
     return Ctx(results, data or batches(), TriageConfig(steps=N, target=target), recheck, "cpu", hooks,
                hook_list=hook_list, hook_check=hook_check, captured=captured)
@@ -109,36 +113,36 @@ def with_record(res: StageResult, step: int, **kw: Any) -> StageResult:
 
 
 # one scenario per rule: (rule, context, (cause, module, step, stage), key facts) ----------------
-Scenario = tuple[rules.Rule, Ctx, tuple[str, str | None, int | None, str | None], dict[str, Any]]
+Scenario = tuple[context.Rule, Ctx, tuple[str, str | None, int | None, str | None], dict[str, Any]]
 
 
 def _fp32_raised() -> Scenario:
     fp32 = stage("fp32", error=StageError("ValueError", "shapes do not match", 3, "enc", ""))
-    return rules.fp32_raised, ctx(three(fp32=fp32)), ("model_bug", "enc", 3, "fp32"), {"type": "ValueError"}
+    return rules_fp32.fp32_raised, ctx(three(fp32=fp32)), ("model_bug", "enc", 3, "fp32"), {"type": "ValueError"}
 
 
 def _fp32_nonfinite_data() -> Scenario:
     fp32 = with_record(stage("fp32", FALLING), 2, loss=NAN)
-    return (rules.fp32_nonfinite_data, ctx(three(fp32=fp32), data=batches(nan_at=2)), ("data", None, 2, "fp32"),
+    return (rules_fp32.fp32_nonfinite_data, ctx(three(fp32=fp32), data=batches(nan_at=2)), ("data", None, 2, "fp32"),
             {"field": "inputs", "count": 1, "samples": [1]})
 
 
 def _fp32_outlier() -> Scenario:
     fp32 = with_record(stage("fp32", FALLING), 5, loss=INF)
-    return (rules.fp32_outlier, ctx(three(fp32=fp32), data=batches(big_at=5)), ("data", None, 5, "fp32"),
+    return (rules_fp32.fp32_outlier, ctx(three(fp32=fp32), data=batches(big_at=5)), ("data", None, 5, "fp32"),
             {"field": "inputs", "ratio": 1e7, "samples": [2]})
 
 
 def _fp32_model_bug() -> Scenario:
     fp32 = stage("fp32", [NAN] + FALLING[1:], stats_at={0: stats(0, fwd="enc")})
     c = ctx(three(fp32=fp32), recheck=lambda s, k: Recheck(NAN, False, "initial"))
-    return rules.fp32_model_bug, c, ("model_bug", "enc", 0, "fp32"), {"variant": "fp32_bug", "location": "module"}
+    return rules_fp32.fp32_model_bug, c, ("model_bug", "enc", 0, "fp32"), {"variant": "fp32_bug", "location": "module"}
 
 
 def _fp32_diverged() -> Scenario:
     fp32 = stage("fp32", FALLING[:6] + [NAN, NAN], stats_at={6: stats(6, bwd="head")})
     c = ctx(three(fp32=fp32), recheck=lambda s, k: Recheck(2.0, True, "initial"))
-    return rules.fp32_model_bug, c, ("model_bug", "head", 6, "fp32"), {"variant": "fp32_diverged", "steps_before": 6}
+    return rules_fp32.fp32_model_bug, c, ("model_bug", "head", 6, "fp32"), {"variant": "fp32_diverged", "steps_before": 6}
 
 
 def _fp32_exploded() -> Scenario:
@@ -147,54 +151,54 @@ def _fp32_exploded() -> Scenario:
     fp32, fp16, amp = (stage(n, losses) for n in ("fp32", "fp16", "amp"))
     fp32.records[8] = rec(8, 50.0, grad=1000.0)
     c = ctx({"fp32": fp32, "fp16": fp16, "amp": amp}, data=batches(10), captured=("exploding_update", 9))
-    return (rules.fp32_exploded, c, ("model_bug", None, 8, "fp32"),
+    return (rules_fp32.fp32_exploded, c, ("model_bug", None, 8, "fp32"),
             {"variant": "fp32_exploded", "typical": 1.0, "history": 8, "captured_step": 9, "max_loss": 1e6})
 
 
 def _no_target() -> Scenario:
-    return rules.no_target, ctx({"fp32": stage("fp32", FALLING)}), ("healthy", None, None, None), {"variant": "no_target"}
+    return rules_target.no_target, ctx({"fp32": stage("fp32", FALLING)}), ("healthy", None, None, None), {"variant": "no_target"}
 
 
 def _custom_function() -> Scenario:
     err = StageError("RuntimeError", "expected both to have the same dtype, but got: c10::Half != float", 0, "enc", "", "MatMul")
-    return (rules.custom_function, ctx(three(amp=stage("amp", error=err))), ("amp_misuse", "enc", 0, "amp"),
+    return (rules_target.custom_function, ctx(three(amp=stage("amp", error=err))), ("amp_misuse", "enc", 0, "amp"),
             {"function": "MatMul", "device": "cpu"})
 
 
 def _target_raised() -> Scenario:
     err = StageError("NotImplementedError", "\"addmm_impl_cpu_\" not implemented for 'Half'", 1, "enc", "a device limitation: rerun on a GPU")
-    return (rules.target_raised, ctx(three(amp=stage("amp", error=err))), ("inconclusive", "enc", 1, "amp"),
+    return (rules_target.target_raised, ctx(three(amp=stage("amp", error=err))), ("inconclusive", "enc", 1, "amp"),
             {"device_limit": True})
 
 
 def _outlier_at_event() -> Scenario:
     amp = with_record(stage("amp", FALLING), 3, skipped=True)
-    return (rules.outlier_at_event, ctx(three(amp=amp), data=batches(big_at=3)), ("data", None, 3, "amp"),
+    return (rules_target.outlier_at_event, ctx(three(amp=amp), data=batches(big_at=3)), ("data", None, 3, "amp"),
             {"step": 3, "batch": 3, "field": "inputs"})
 
 
 def _damaged_weights() -> Scenario:
     amp = with_record(stage("amp", FALLING), 2, loss=NAN)
     c = ctx(three(amp=amp), recheck=lambda s, k: Recheck(NAN, False, f"stage {s} before step {k}"))
-    return rules.damaged_weights, c, ("amp_misuse", None, 2, "amp"), {"why": "damaged"}
+    return rules_target.damaged_weights, c, ("amp_misuse", None, 2, "amp"), {"why": "damaged"}
 
 
 def _forward_in_root() -> Scenario:
     amp = stage("amp", [NAN] + FALLING[1:], stats_at={0: stats(0, root=True)})
     op = NonfiniteOp("exp", "<model>", "spec.py:13")
     c = ctx(three(amp=amp), recheck=lambda s, k: Recheck(3.0, True, "stage amp before step 0", None, lambda: op))
-    return rules.forward_in_root, c, ("fp16_forward_overflow", None, 0, "amp"), {"place": "root", "op": "exp"}
+    return rules_target.forward_in_root, c, ("fp16_forward_overflow", None, 0, "amp"), {"place": "root", "op": "exp"}
 
 
 def _loss_in_fp16() -> Scenario:
     amp = with_record(stage("amp", FALLING), 1, loss=INF)
-    return rules.loss_in_fp16, ctx(three(amp=amp)), ("fp16_forward_overflow", None, 1, "amp"), {"place": "loss", "op": None}
+    return rules_target.loss_in_fp16, ctx(three(amp=amp)), ("fp16_forward_overflow", None, 1, "amp"), {"place": "loss", "op": None}
 
 
 def _forward_overflow() -> Scenario:
     amp = stage("amp", [NAN] + FALLING[1:], stats_at={0: stats(0, fwd="enc")})
     fp32 = stage("fp32", FALLING, stats_at={0: stats(0, absmax=9e4)})
-    return (rules.forward_overflow, ctx(three(amp=amp, fp32=fp32)), ("fp16_forward_overflow", "enc", 0, "amp"),
+    return (rules_target.forward_overflow, ctx(three(amp=amp, fp32=fp32)), ("fp16_forward_overflow", "enc", 0, "amp"),
             {"fp32_absmax": 9e4})
 
 
@@ -202,7 +206,7 @@ def _grad_overflow() -> Scenario:
     fp16 = with_record(stage("fp16", FALLING), 0, grad=INF)  # raw FP16 overflows too: a range problem
     amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF, skipped=False)
     amp.records[4].params_finite = False
-    return (rules.grad_overflow, ctx(three(amp=amp, fp16=fp16), target="amp"), ("fp16_grad_overflow", "head", 4, "amp"),
+    return (rules_target.grad_overflow, ctx(three(amp=amp, fp16=fp16), target="amp"), ("fp16_grad_overflow", "head", 4, "amp"),
             {"how": "nonfinite"})
 
 
@@ -213,7 +217,7 @@ def _grad_overflow_probe_clean() -> Scenario:
     amp.records[4].params_finite = False
     c = ctx(three(amp=amp))
     c.hooks = ["head.weight: grad hook clamp_grad"]
-    return rules.grad_overflow, c, ("amp_misuse", None, 4, "amp"), {"why": "probe_clean"}
+    return rules_target.grad_overflow, c, ("amp_misuse", None, 4, "amp"), {"why": "probe_clean"}
 
 
 def _grad_overflow_probe_clean_no_evidence() -> Scenario:
@@ -221,19 +225,19 @@ def _grad_overflow_probe_clean_no_evidence() -> Scenario:
     # backing off is its normal working, not AMP misuse
     amp = with_record(stage("amp", FALLING, stats_at={4: stats(4, bwd="head")}), 4, grad=INF)
     amp.records[4].params_finite = False
-    return rules.grad_overflow, ctx(three(amp=amp)), ("healthy", "head", 4, "amp"), {"variant": "scaler_normal"}
+    return rules_target.grad_overflow, ctx(three(amp=amp)), ("healthy", "head", 4, "amp"), {"variant": "scaler_normal"}
 
 
 def _nonfinite_weights() -> Scenario:
     fp16 = with_record(stage("fp16", FALLING, master_weights=False), 5, params_finite=False)
-    return (rules.nonfinite_weights, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, 5, "fp16"),
+    return (rules_target.nonfinite_weights, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, 5, "fp16"),
             {"variant": "swallowed"})
 
 
 def _masked_overflow() -> Scenario:
     flushed = {"enc.weight": row(zero=4), "head.weight": row()}
     amp = stage("amp", FALLING, stats_at={0: stats(0, pgrad=flushed)})
-    return (rules.masked_overflow, ctx(three(amp=amp), hooks=["gradient hook on parameter enc.weight"]),
+    return (rules_silent.masked_overflow, ctx(three(amp=amp), hooks=["gradient hook on parameter enc.weight"]),
             ("amp_misuse", None, 0, "amp"), {"why": "masked", "parameter": "enc.weight", "scaled": 65536.0})
 
 
@@ -247,7 +251,7 @@ def _hook_hid_overflow() -> Scenario:
     amp = stage("amp", FALLING, hook_inputs_nonfinite={3: ["head.weight"]})
     fp32 = with_record(stage("fp32", FALLING), 4, loss=INF)
     c = ctx(three(amp=amp, fp32=fp32), hooks=[NAN_TO_NUM.describe()], hook_list=[NAN_TO_NUM])
-    return (rules.hook_hid_overflow, c, ("amp_misuse", "head", 3, "amp"),
+    return (rules_fp32.hook_hid_overflow, c, ("amp_misuse", "head", 3, "amp"),
             {"variant": "hook_hid_overflow", "how": "probe", "param": "head.weight", "ops": ["nan_to_num"]})
 
 
@@ -257,16 +261,16 @@ def _hook_hid_overflow_replay() -> Scenario:
     amp.records[2].grad_l2_pre_clip = INF
     hook = UserHook("gradient hook", "parameter", "enc.weight", "spec.clamp_hook", "spec.py:4", ["clamp"])
 
-    def check(stage_name: str, step: int) -> rules.HookCheck | None:
-        return rules.HookCheck(step, 65536.0, [], ["enc.weight"]) if (stage_name, step) == ("amp", 2) else None
+    def check(stage_name: str, step: int) -> context.HookCheck | None:
+        return context.HookCheck(step, 65536.0, [], ["enc.weight"]) if (stage_name, step) == ("amp", 2) else None
 
     c = ctx(three(amp=amp), hooks=[hook.describe()], hook_list=[hook], hook_check=check)
-    return (rules.hook_hid_overflow, c, ("amp_misuse", "enc", 2, "amp"),
+    return (rules_fp32.hook_hid_overflow, c, ("amp_misuse", "enc", 2, "amp"),
             {"how": "replay_without_hooks", "param": "enc.weight", "hook": hook.describe()})
 
 
 def _stall() -> Scenario:
-    return (rules.stall, ctx(three(fp16=stage("fp16", FLAT)), target="fp16"), ("fp16_grad_underflow", None, None, "fp16"),
+    return (rules_silent.stall, ctx(three(fp16=stage("fp16", FLAT)), target="fp16"), ("fp16_grad_underflow", None, None, "fp16"),
             {"variant": "stall", "ratio": pytest.approx((9.5 - 10.0) / (9.5 - 3.5))})  # head/tail means of 2 steps
 
 
@@ -276,17 +280,17 @@ def _stall_underflow() -> Scenario:
     tiny = {"enc.weight": row(absmax=1e-6), "head.weight": row(absmax=1e-6)}  # x 65536 stays far below FP16's max
     fp32 = stage("fp32", FALLING, stats_at={i: stats(i, pgrad=tiny) for i in range(N)})
     c = ctx(three(amp=amp, fp16=stage("fp16", FLAT), fp32=fp32))
-    return rules.stall, c, ("fp16_grad_underflow", "head", None, "amp"), {"variant": "underflow", "param": "head.weight",
+    return rules_silent.stall, c, ("fp16_grad_underflow", "head", None, "amp"), {"variant": "underflow", "param": "head.weight",
                                                                           "flushed": 1.0}
 
 
 def _stall_amp() -> Scenario:
-    return rules.stall, ctx(three(amp=stage("amp", FLAT))), ("amp_misuse", None, None, "amp"), {"why": "stall"}
+    return rules_silent.stall, ctx(three(amp=stage("amp", FLAT))), ("amp_misuse", None, None, "amp"), {"why": "stall"}
 
 
 def _optimizer_underflow() -> Scenario:
     fp16 = stage("fp16", FALLING, master_weights=False, optimizer_underflow=["eps=1e-08"])
-    return (rules.optimizer_underflow, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, None, "fp16"),
+    return (rules_silent.optimizer_underflow, ctx(three(fp16=fp16), target="fp16"), ("fp16_update_swallowed", None, None, "fp16"),
             {"optimizer_underflow": ["eps=1e-08"]})
 
 
@@ -295,7 +299,7 @@ def _frozen() -> Scenario:
     fp16 = stage("fp16", FALLING, stats_at={i: stats(i, pgrad=flushed) for i in range(N)},
                  moved={"enc.weight": 0.1, "head.weight": 1.0})
     fp32 = stage("fp32", FALLING, moved={"enc.weight": 1.0, "head.weight": 1.0})
-    return (rules.frozen, ctx(three(fp16=fp16, fp32=fp32), target="fp16"), ("fp16_grad_underflow", "enc", None, "fp16"),
+    return (rules_silent.frozen, ctx(three(fp16=fp16, fp32=fp32), target="fp16"), ("fp16_grad_underflow", "enc", None, "fp16"),
             {"variant": "frozen", "frozen": 1, "moved": pytest.approx(0.1)})
 
 
@@ -303,7 +307,7 @@ def _flushed_in_fp16() -> Scenario:
     # pure FP16: enc's gradient flushes at step 1 only (no stall, no movement lost, the median over steps is clean)
     sts = {1: stats(1, pgrad={"enc.weight": row(zero=4), "head.weight": row()})}
     fp16 = stage("fp16", FALLING, stats_at=sts)
-    return (rules.flushed_in_fp16, ctx(three(fp16=fp16), target="fp16"), ("fp16_grad_underflow", "enc", 1, "fp16"),
+    return (rules_silent.flushed_in_fp16, ctx(three(fp16=fp16), target="fp16"), ("fp16_grad_underflow", "enc", 1, "fp16"),
             {"variant": "flushed_step", "share": 1.0, "modules": 1})
 
 
@@ -312,7 +316,7 @@ def _beyond_range_batch() -> Scenario:
     st = stats(3)
     st.act[0] = row(overflow=1, absmax=1e7)
     fp32 = stage("fp32", FALLING, stats_at={3: st})
-    return (rules.beyond_range_batch, ctx(three(fp32=fp32), data=batches(big_at=3)), ("data", None, 3, "amp"),
+    return (rules_target.beyond_range_batch, ctx(three(fp32=fp32), data=batches(big_at=3)), ("data", None, 3, "amp"),
             {"field": "inputs", "position": [2, 1], "value": 1e7, "module": "enc", "count": 1})
 
 
@@ -382,13 +386,13 @@ def test_words_of_every_scenario() -> None:
         seen_causes.add(d.outcome.cause)
         seen_variants.add(d.outcome.facts["variant"])
         seen_fixes |= {f.code for f in d.outcome.fixes}
-        verdict, findings, fixes, _ = words.write(d)
+        verdict, findings, fixes, _ = diagnosis_words.write(d)
         texts = [verdict.summary, *(f.title for f in findings), *fixes] + [f.fix for f in findings if f.fix]
         for t in texts:
-            assert t and "{" not in t and t not in words.FIXES and t not in words.SUMMARIES, (name, t)
+            assert t and "{" not in t and t not in fixes_words.FIXES and t not in verdicts_words.SUMMARIES, (name, t)
         assert not any(k.startswith("_") for f in findings for k in f.evidence), name
     assert seen_causes == set(CAUSES) - {"not_reproduced"}
-    assert seen_variants == set(words.SUMMARIES) - {"not_reproduced"}
+    assert seen_variants == set(verdicts_words.SUMMARIES) - {"not_reproduced"}
 
 
 def _codes_written(module: Any) -> dict[str, set[str]]:
@@ -415,16 +419,19 @@ def _codes_written(module: Any) -> dict[str, set[str]]:
 
 
 def test_every_code_the_rules_write_has_words() -> None:
-    written = _codes_written(rules)
-    assert written["Fix"] and written["Fix"] <= set(words.FIXES), written["Fix"] - set(words.FIXES)
+    written: dict[str, set[str]] = {"Fix": set(), "Finding": set(), "variant": set()}
+    for module in (rules, context, rules_fp32, rules_target, rules_silent):  # the verdict, and the rules by group
+        for kind, codes in _codes_written(module).items():
+            written[kind] |= codes
+    assert written["Fix"] and written["Fix"] <= set(fixes_words.FIXES), written["Fix"] - set(fixes_words.FIXES)
     variants = written["variant"]
     assert {"healthy", "frozen", "fp32_bug"} <= variants
-    assert variants <= set(words.SUMMARIES), variants - set(words.SUMMARIES)
-    assert set(words.SUMMARIES) - {"healthy", "no_target"} <= set(words.RULE_TITLES)
+    assert variants <= set(verdicts_words.SUMMARIES), variants - set(verdicts_words.SUMMARIES)
+    assert set(verdicts_words.SUMMARIES) - {"healthy", "no_target"} <= set(verdicts_words.RULE_TITLES)
     codes = written["Finding"] - set(CAUSES) - {"data"}
-    assert codes <= set(words.FINDINGS), codes - set(words.FINDINGS)
+    assert codes <= set(findings_words.FINDINGS), codes - set(findings_words.FINDINGS)
     for kind in ("nonfinite", "sentinel", "outlier", "beyond_fp16"):
-        assert f"data_{kind}" in words.FINDINGS
+        assert f"data_{kind}" in findings_words.FINDINGS
 
 
 def test_data_scan_findings_are_worded_from_their_evidence() -> None:
@@ -433,7 +440,7 @@ def test_data_scan_findings_are_worded_from_their_evidence() -> None:
     items[6][0][0, 0] = NAN
     c = ctx(three(), data=Batches(items, cycled=False))
     d = diagnose(c.results, c.batches, c.cfg, c.recheck)
-    _, findings, _, _ = words.write(d)
+    _, findings, _, _ = diagnosis_words.write(d)
     by = {f.code: f for f in findings}
     assert by["data_nonfinite"].title == "batch 6 holds 1 NaN/Inf value(s) in inputs (samples [0])"
     assert by["data_nonfinite"].step == 6
@@ -449,7 +456,7 @@ def test_a_replay_numbers_every_step_as_the_run() -> None:
     s = shift_diagnosis(d, 1000)
     assert (s.outcome.step, s.outcome.facts["step"], s.outcome.findings[0].step) == (1004, 1004, 1004)
     assert d.outcome.step == 4, "a copy: the diagnosis itself is unchanged"
-    verdict, findings, fixes, _ = words.write(s)
+    verdict, findings, fixes, _ = diagnosis_words.write(s)
     assert "at step 1004" in verdict.summary and "step 4 " not in verdict.summary
     assert "(step 1003)" in fixes[-1]  # the bf16 stage's own failing step, as a fix fact
 
@@ -462,7 +469,7 @@ def test_counts_are_not_steps() -> None:
     d = shift_diagnosis(rules.Diagnosis(out, [], None), 10)
     assert d.outcome.facts == {"variant": "fp32_diverged", "step": 16, "steps_before": 6, "first_step": 12, "batch": 16,
                                "max_grad_l2": 3.0}
-    assert words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 16 is finite and trains from the "
+    assert verdicts_words.summary(d.outcome.facts) == ("FP32 fails at step 16 on finite data: batch 16 is finite and trains from the "
                                               "initial weights, so the weights diverged over 6 steps (largest gradient "
                                               "norm before: 3).")
 
@@ -471,7 +478,7 @@ def test_not_reproduced_is_replay_relative_until_shifted() -> None:
     manifest = {"step": 1234, "reason": "nonfinite_loss", "module": "logits"}
     d = rules.not_reproduced(manifest, 0, 2, [{"loss": 0.5}, {"loss": None}], "amp", 1230, "cpu")
     assert d is not None and (d.outcome.cause, d.outcome.module, d.outcome.step) == ("not_reproduced", "logits", 4)
-    verdict, findings, fixes, _ = words.write(shift_diagnosis(d, 1230))
+    verdict, findings, fixes, _ = diagnosis_words.write(shift_diagnosis(d, 1230))
     assert verdict.first_step == 1234 and verdict.summary.startswith("The run failed at step 1234 (nonfinite_loss)")
     assert "(loss 0.5, no step)" in verdict.summary
     assert findings[0].title == "the amp replay of step 1234 from the captured state finished cleanly 2 of 2 times"
@@ -480,7 +487,7 @@ def test_not_reproduced_is_replay_relative_until_shifted() -> None:
 
 def test_a_finding_without_prose_until_written() -> None:
     f = Finding("thin_headroom", "warning", stage="amp", module="enc", evidence={"absmax": 60000.0, "headroom_binades": 0.127})
-    title, fix = words.FINDINGS[f.code](f, None)
+    title, fix = findings_words.FINDINGS[f.code](f, None)
     assert title == "enc reaches 6e+04, 0.13 binades below FP16's max"
     assert fix == "Fine now; if it keeps growing, keep enc in FP32 or use bf16."
 
@@ -492,18 +499,18 @@ def test_every_rule_has_a_scenario() -> None:
 def test_a_batch_beyond_range_is_not_the_data_when_it_never_reaches_a_module_or_the_model_makes_such_values() -> None:
     _, c, _, _ = _beyond_range_batch()
     c.fp32.stats[3].act[0] = row()  # masked before any module (the model's own code): the data scan's warning only
-    assert rules.beyond_range_batch(c) is None
+    assert rules_target.beyond_range_batch(c) is None
     _, c, _, _ = _beyond_range_batch()
     c.fp32.stats[1].act[1] = row(overflow=1, absmax=7e4)  # a module reads such values on an in-range batch too
-    assert rules.beyond_range_batch(c) is None
+    assert rules_target.beyond_range_batch(c) is None
 
 
 def test_fp32_exploded_needs_the_captured_reason_and_fp32s_own_explosion_in_time() -> None:
     _, c, *_ = _fp32_exploded()
     for captured in (None, ("nonfinite_grad", 9), ("exploding_update", 7)):  # no capture, another reason, before FP32's
         c.captured = captured
-        assert rules.fp32_exploded(c) is None, captured
+        assert rules_fp32.fp32_exploded(c) is None, captured
     c.captured = ("exploding_update", 8)  # at the captured step itself
-    assert rules.fp32_exploded(c) is not None
+    assert rules_fp32.fp32_exploded(c) is not None
     c.fp32.records[8] = rec(8, 50.0, grad=999.0)  # FP32 does not explode (999x): not this rule, whatever the target did
-    assert rules.fp32_exploded(c) is None
+    assert rules_fp32.fp32_exploded(c) is None

@@ -10,8 +10,8 @@ from torch import nn
 from ampdoctor.input.batches import Batches
 from ampdoctor.judge import locate
 from ampdoctor.judge.datascan import scan_batches
+from ampdoctor.judge.detectors import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.judge.opscan import first_nonfinite_op
-from ampdoctor.judge.rules import custom_function_dtype, frozen_params, loss_fault, probe_on_flagged_batch
 from ampdoctor.records import NCOLS, Call, Col, StageError, StageResult, StepRecord, StepStats
 from ampdoctor.watch.blame import GraphRecorder
 from ampdoctor.watch.hooks import Hooks

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ampdoctor import Monitor
-from ampdoctor.engine.capture import FailingStep
+from ampdoctor.capture.trigger import FailingStep
 
 
 def _feed(rule: FailingStep, history: list[tuple[float, bool]]) -> list[tuple[int, str, str]]:

@@ -15,15 +15,9 @@ from typer.testing import CliRunner
 
 import ampdoctor.cli.scaler as cli_scaler
 from ampdoctor.cli.app import app
-from ampdoctor.judge.scaler import (
-    Envelope,
-    LedgerTracker,
-    RateTracker,
-    ScaleTracker,
-    diagnose_scale,
-    rolling_skip_rate,
-    skip_ledger,
-)
+from ampdoctor.judge.log_digest import Envelope, LedgerTracker, RateTracker
+from ampdoctor.judge.scale_tracker import ScaleTracker
+from ampdoctor.judge.scaler import diagnose_scale, rolling_skip_rate, skip_ledger
 
 from .test_scaler import simulate
 from .test_scaler_linear import histories

@@ -10,12 +10,12 @@ from typing import Any, get_args
 import pytest
 
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge import rules
+from ampdoctor.judge import context, detectors, rules, rules_silent, rules_target, scale_facts
 from ampdoctor.judge import scaler as judge
 from ampdoctor.records import StageError, StageResult
 from ampdoctor.report import scaler as worded
-from ampdoctor.report import words
 from ampdoctor.report.build import stage_summary
+from ampdoctor.report.words import diagnosis as diagnosis_words
 from ampdoctor.report.words import scaler as scaler_words
 
 from .test_rules import FALLING, FLAT, N, batches, ctx, no_recheck, rec, row, stage, stats, three
@@ -48,7 +48,7 @@ def test_the_judge_returns_codes_and_figures_and_the_words_are_written_from_them
     scales, skipped = HISTORIES[name]
     facts = judge.diagnose_scale(scales, skipped)
     assert facts.pattern == name
-    codes = set(get_args(judge.Pattern)) | set(get_args(judge.AdviceCode)) | {"init_scale", "growth_interval", "backoff_factor"}
+    codes = set(get_args(scale_facts.Pattern)) | set(get_args(scale_facts.AdviceCode)) | {"init_scale", "growth_interval", "backoff_factor"}
     assert set(_strings(facts)) <= codes, "no sentence in the judge's facts"
     d = worded.diagnose_scale(scales, skipped)
     assert d.explanation == scaler_words.explain(facts.finding) and d.explanation
@@ -57,8 +57,8 @@ def test_the_judge_returns_codes_and_figures_and_the_words_are_written_from_them
 
 
 def test_every_advice_code_has_words() -> None:
-    for code in get_args(judge.AdviceCode):
-        s = scaler_words.advise(judge.Advice(code, 4096.0, current=0.5, count=3, step=7, steps=(1, 2)))
+    for code in get_args(scale_facts.AdviceCode):
+        s = scaler_words.advise(scale_facts.Advice(code, 4096.0, current=0.5, count=3, step=7, steps=(1, 2)))
         assert s and "{" not in s, code
     assert worded.no_scale_history().explanation == "no GradScaler: no scale history"
     assert worded.diagnose_scale([], []).explanation == "no steps were recorded"
@@ -69,11 +69,11 @@ def test_the_scaler_story_is_told_in_the_run_steps_at_a_replay() -> None:
     amp = StageResult("amp", records=[rec(i, v, scale=1024.0, skipped=i == 3) for i, v in enumerate(FALLING)],
                       stats=[stats(i) for i in range(N)])
     res = three(amp=amp)
-    c = rules.Ctx(res, batches(), TriageConfig(steps=N), no_recheck, "cpu", step0=5000)
+    c = context.Ctx(res, batches(), TriageConfig(steps=N), no_recheck, "cpu", step0=5000)
     assert c.scale is not None and c.scale.later_skips == [5003] and c.story is not None
     assert c.story.explanation == "", "the judge writes no words"
     d = rules.diagnose(res, batches(), TriageConfig(steps=N), no_recheck, step0=5000)
-    _, _, _, story = words.write(rules.shift_diagnosis(d, 5000))
+    _, _, _, story = diagnosis_words.write(rules.shift_diagnosis(d, 5000))
     assert story is not None and story.explanation == (
         "The scale stayed at 2^10 with 1 isolated skip(s). Isolated skips at steps 5003: check those batches.")
 
@@ -94,10 +94,10 @@ def test_a_device_limit_is_decided_on_the_exception_not_on_the_hint() -> None:
     onednn = StageError("RuntimeError", "could not create a primitive descriptor for a matmul primitive", 1, "enc",
                         "the stage stopped at this exception")
     worded_only = StageError("RuntimeError", "shape mismatch", 1, "enc", "a device limitation, not a NaN cause")
-    assert rules.device_limited(onednn, "amp", "cpu") and not rules.device_limited(onednn, "amp", "cuda:0")
-    assert not rules.device_limited(onednn, "bf16", "cpu")
-    assert not rules.device_limited(worded_only, "amp", "cpu"), "the hint's words decide nothing"
-    out = rules.target_raised(ctx(three(amp=stage("amp", error=worded_only))))
+    assert detectors.device_limited(onednn, "amp", "cpu") and not detectors.device_limited(onednn, "amp", "cuda:0")
+    assert not detectors.device_limited(onednn, "bf16", "cpu")
+    assert not detectors.device_limited(worded_only, "amp", "cpu"), "the hint's words decide nothing"
+    out = rules_target.target_raised(ctx(three(amp=stage("amp", error=worded_only))))
     assert out is not None and out.cause == "amp_misuse" and out.facts["device_limit"] is False
 
 
@@ -108,9 +108,9 @@ def test_the_growth_estimate_uses_the_configured_growth_interval() -> None:
     fp32 = stage("fp32", FALLING, stats_at={i: stats(i, pgrad=tiny) for i in range(N)})
     steps = {}
     for gi in (100, 2000):
-        c = rules.Ctx(three(amp=amp, fp16=stage("fp16", FLAT), fp32=fp32), batches(),
+        c = context.Ctx(three(amp=amp, fp16=stage("fp16", FLAT), fp32=fp32), batches(),
                       TriageConfig(steps=N, growth_interval=gi), no_recheck, "cpu")
-        out = rules.stall(c)
+        out = rules_silent.stall(c)
         assert out is not None and out.fixes[0].code == "raise_init_scale"
         k = out.fixes[0].facts["exponent"]
         steps[gi] = out.fixes[0].facts["growth_steps"]
@@ -119,6 +119,6 @@ def test_the_growth_estimate_uses_the_configured_growth_interval() -> None:
 
 
 def test_the_kernel_a_device_lacks_is_a_code() -> None:
-    assert rules.kernel_limit("could not create a primitive descriptor", "fp16", "cpu") == "onednn_fp16"
-    assert rules.kernel_limit("\"addmm_impl_cpu_\" not implemented for 'Half'", "bf16", "cuda") == "no_half_kernel"
-    assert rules.kernel_limit("oneDNN error", "bf16", "cpu") is None
+    assert detectors.kernel_limit("could not create a primitive descriptor", "fp16", "cpu") == "onednn_fp16"
+    assert detectors.kernel_limit("\"addmm_impl_cpu_\" not implemented for 'Half'", "bf16", "cuda") == "no_half_kernel"
+    assert detectors.kernel_limit("oneDNN error", "bf16", "cpu") is None

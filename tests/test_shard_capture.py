@@ -1,4 +1,4 @@
-"""Per-rank captures of a sharded step, reassembled on one process (``engine.shard_capture``), on hand-made
+"""Per-rank captures of a sharded step, reassembled on one process (``capture.reassemble``), on hand-made
 folders: no engine needed. The DeepSpeed end-to-end run is tests/test_integration_deepspeed.py."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampdoctor.engine.replay import read_capture
-from ampdoctor.engine.shard_capture import assemble, reassemble
+from ampdoctor.capture.read import read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.errors import CaptureError, UsageError
+from ampdoctor.parallel.pieces import assemble
 
 W = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
 B = torch.tensor([0.5, -1.0, 2.0])

@@ -1,7 +1,7 @@
 """A sharded model's pieces without processes: the user's names, rows reduced by name, tensors reassembled.
 
 The torchrun tests (tests/test_distributed.py) run the real engines; these check the arithmetic of
-``engine.shards`` on hand-made pieces, where every number is known."""
+``parallel.pieces`` on hand-made pieces, where every number is known."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampdoctor.engine.shards import Shards, assemble
 from ampdoctor.formats import FP16
+from ampdoctor.parallel.pieces import Shards, assemble
 from ampdoctor.records import NCOLS, Col, StepStats
-from ampdoctor.watch.hooks import user_name
+from ampdoctor.watch.model_view import user_name
 from ampdoctor.watch.stats import tensor_stats
 
 
@@ -137,7 +137,7 @@ def test_a_sentinel_trip_whose_rows_fail_on_one_rank_still_joins_both_reductions
 
     import torch.distributed as dist
 
-    from ampdoctor.engine.shards import trip_stats
+    from ampdoctor.parallel.pieces import trip_stats
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
     sh = Shards("fsdp1", model, list(model.parameters()), rank=0, world=2)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ampdoctor import Monitor
-from ampdoctor.engine.capture import JUMP_RATIO, FailingStep, Trigger
+from ampdoctor.capture.trigger import JUMP_RATIO, FailingStep, Trigger
 
 F = 65504.0
 

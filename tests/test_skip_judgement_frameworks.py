@@ -14,7 +14,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from ampdoctor.cli.app import app
-from ampdoctor.watch.steplog import read_step_log
+from ampdoctor.watch.steplog_read import read_step_log
 
 pytestmark = pytest.mark.slow
 

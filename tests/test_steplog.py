@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.watch.steplog import COLUMNS, StepLogError, StepLogWriter, format_row, read_step_log
+from ampdoctor.watch.steplog import COLUMNS, StepLogError, StepLogWriter, format_row
+from ampdoctor.watch.steplog_read import read_step_log
 
 ROOT = Path(__file__).resolve().parent.parent
 

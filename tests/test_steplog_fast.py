@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ampdoctor.watch.steplog_fast as fast
-from ampdoctor.watch.steplog import StepLogError, read_step_log
+from ampdoctor.watch.steplog import StepLogError
+from ampdoctor.watch.steplog_read import read_step_log
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
 NUM = st.sampled_from(["0.5", "1e-3", "nan", "NaN", "inf", "-inf", "Infinity", "1e400", " 2", "3 ", "-0", "7"])

@@ -1,4 +1,4 @@
-"""``engine.tp_layout``: a tensor-parallel plan read off the model (styles from their hooks, placements, mesh) and
+"""``parallel.tp``: a tensor-parallel plan read off the model (styles from their hooks, placements, mesh) and
 rebuilt on a fresh one, in one CPU process over gloo (world 1: every layout here is the same as on N ranks)."""
 
 from __future__ import annotations

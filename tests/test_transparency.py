@@ -246,7 +246,7 @@ def test_a_full_disk_under_the_log_and_the_capture_changes_nothing(tmp_path: Pat
     import errno
     import os
 
-    from ampdoctor.engine import capture as capture_mod
+    from ampdoctor.capture import write as capture_mod
     from ampdoctor.watch import steplog
 
     from .test_hostile import Filling

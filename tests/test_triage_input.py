@@ -132,7 +132,8 @@ def test_same_initial_weights_and_batches_in_every_stage() -> None:
 
 
 def test_triage_log_is_the_scaler_csv(tmp_path: Path) -> None:
-    from ampdoctor.watch.steplog import COLUMNS, read_step_log
+    from ampdoctor.watch.steplog import COLUMNS
+    from ampdoctor.watch.steplog_read import read_step_log
 
     log = tmp_path / "steps.csv"
     r = CliRunner().invoke(app, ["triage", str(SAMPLES / "grad_overflow.py"), "--steps", "6", "--log", str(log), "-q"])

@@ -10,7 +10,7 @@ import pytest
 
 from ampdoctor import TriageConfig, triage
 from ampdoctor.judge.scaler import diagnose_scale
-from ampdoctor.report.words import fix_text
+from ampdoctor.report.words.fixes import fix_text
 from ampdoctor.report.words.scaler import recommendations
 
 HERE = Path(__file__).parent / "words"

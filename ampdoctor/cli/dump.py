@@ -82,9 +82,10 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.engine.step import Precision, forward_loss
+from ampdoctor.engine.forward import forward_loss
 from ampdoctor.input.batches import to_device
 from ampdoctor.input.spec import SpecNames, importable, load_spec
+from ampdoctor.ladder import rung
 
 HERE = Path(__file__).resolve().parent
 SPEC = {spec!r}
@@ -99,7 +100,7 @@ def run(precision: str) -> None:
     model = spec.build_model().to(DEVICE).float()
     model.load_state_dict(torch.load(HERE / "weights.pt", map_location=DEVICE))
     batch = to_device(torch.load(HERE / "batch.pt", weights_only=False), DEVICE)
-    policy = Precision.for_stage(precision)  # what the stage computes: fp16 weights, an autocast dtype
+    policy = rung(precision)  # what the stage computes: fp16 weights, an autocast dtype
     model = policy.cast_model(model)
     seen = []
 

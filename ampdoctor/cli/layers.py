@@ -158,8 +158,8 @@ def _reference_steps(spec: Path, names: SpecNames, wanted: list[str], *, steps: 
     """Build the spec's model and batches, run the FP32 reference steps, and return every tensor's rows in each
     format (bf16 as well, not shown: it says whether bf16 removes the problem) and the device they ran on."""
     from ampdoctor.cli.progress import progress_display
+    from ampdoctor.engine.forward import optimizer_argument
     from ampdoctor.engine.layers import layer_stats
-    from ampdoctor.engine.step import optimizer_argument
     from ampdoctor.engine.triage import prepare
     from ampdoctor.input.config import TriageConfig
     from ampdoctor.input.env import resolve_device

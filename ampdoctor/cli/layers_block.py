@@ -24,8 +24,8 @@ def block_tables(console: Console, spec: Path, names: SpecNames, fmts: list[Bloc
                  seed: int, what: tuple[str, ...], max_norm: float | None, top: int, csv: Path | None) -> None:
     """Run the FP32 reference steps with block-scaled statistics and print one table per format."""
     from ampdoctor.cli.progress import progress_display
+    from ampdoctor.engine.forward import optimizer_argument
     from ampdoctor.engine.layers_block import block_layer_stats, worst
-    from ampdoctor.engine.step import optimizer_argument
     from ampdoctor.engine.triage import prepare
     from ampdoctor.input.config import TriageConfig
     from ampdoctor.input.env import resolve_device

@@ -13,15 +13,16 @@ from rich.table import Table
 
 from ampdoctor.cli.common import boundary, fail, out
 from ampdoctor.cli.helpstyle import OUTPUT, default
-from ampdoctor.engine.ranks import LOCAL_KINDS, parse_column
 from ampdoctor.errors import AmpDoctorError, UsageError
 from ampdoctor.fmt import pow2
 from ampdoctor.io import check_writable, write_atomic
-from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.judge.log_digest import LogDigest
+from ampdoctor.parallel.exchange import LOCAL_KINDS, parse_column
 from ampdoctor.render.scaler_plot import scaler_png
 from ampdoctor.render.scaler_text import MAX_LEDGER_ROWS, indent, print_digest
 from ampdoctor.report.scaler import worded
-from ampdoctor.watch.steplog import COLUMNS, NotStreamable, StepLog, StepLogStream, read_step_log
+from ampdoctor.watch.steplog import COLUMNS
+from ampdoctor.watch.steplog_read import NotStreamable, StepLog, StepLogStream, read_step_log
 
 
 @boundary

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.driver import Driver
-from ampdoctor.engine.step import FP32, TrainStep, default_optimizer
+from ampdoctor.engine.forward import default_optimizer
+from ampdoctor.engine.step import TrainStep
 from ampdoctor.errors import BatchError, SpecError, UsageError
 from ampdoctor.formats import Format, get_format
 from ampdoctor.input.batches import Batches, materialise
@@ -60,6 +61,7 @@ from ampdoctor.judge.ranges import (  # noqa: F401 - re-exported: the layers API
     summarise,
     tensor_name,
 )
+from ampdoctor.ladder import FP32
 from ampdoctor.records import MODEL, NBINADES, NCOLS, Col, StepStats
 from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.stats import StatsBuffer, binade_histogram, tensor_stats

@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.driver import Driver
-from ampdoctor.engine.step import FP32, TrainStep, default_optimizer
+from ampdoctor.engine.forward import default_optimizer
+from ampdoctor.engine.step import TrainStep
 from ampdoctor.errors import SpecError
 from ampdoctor.input.batches import Batches
+from ampdoctor.ladder import FP32
 from ampdoctor.records import MODEL
 from ampdoctor.scaled import BLOCK_FIELDS, BlockFormat, block_stats
 

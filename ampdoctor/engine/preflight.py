@@ -47,7 +47,7 @@ def initial_weights(model: nn.Module, path: Path) -> None:
 
 def optimizer(spec: Spec, model: nn.Module, what: str = "build_optimizer()") -> None:
     """Build the spec's optimizer once over the model's parameters and check what comes back."""
-    from ampdoctor.engine.step import make_optimizer, optimizer_argument
+    from ampdoctor.engine.forward import make_optimizer, optimizer_argument
 
     if spec.build_optimizer is None:
         if spec.build_scheduler is not None:
@@ -115,7 +115,7 @@ def batches_run(spec: Spec, model: nn.Module, batches: Batches, device: torch.de
 
 def _forward(spec: Spec, model: nn.Module, batch: Any, device: torch.device, *, grad: bool, index: int,
              differs: str = "") -> torch.Tensor:
-    from ampdoctor.engine.step import forward_loss
+    from ampdoctor.engine.forward import forward_loss
 
     try:
         with torch.set_grad_enabled(grad):

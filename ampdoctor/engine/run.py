@@ -31,7 +31,7 @@ class Replay:
     last: list[dict[str, float | None]]
     """Loss, gradient norm and scale of the failing step in each replay."""
     ring: Any = None
-    """The capture's lookback ring: (steps, layers) DataFrames (``input.capture_schema.read_ring``), or None."""
+    """The capture's lookback ring: (steps, layers) DataFrames (``capture.schema.read_ring``), or None."""
 
 
 @dataclass

@@ -2,11 +2,12 @@
 under the layout the run used.
 
 The parent checks first (one line, exit 2, before any process starts): the capture is a sharded one, ``N``
-is its ``world_size``, its manifest records how the model was sharded (``shards.recipe``: FSDP2's
-``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh; a tensor-parallel plan, ``engine.tp_layout``;
-FSDP1's wrapping, ``engine.fsdp1_layout``; DeepSpeed's engine is not recorded) and the engine is installed. It
-then starts N processes over gloo on the CPU (``torch.multiprocessing``, spawn). Each rank builds the spec's
-model, shards it as recorded (``fully_shard``, ``parallelize_module`` / ``distribute_tensor``, or
+is its ``world_size``, its manifest records how the model was sharded (``shards.recipe``, the engine's
+``parallel.protocol.Engine.recipe``: FSDP2's ``fully_shard`` modules, ``MixedPrecisionPolicy`` and mesh,
+``parallel.fsdp2``; a tensor-parallel plan, ``parallel.tp``; FSDP1's wrapping, ``parallel.fsdp1``; DeepSpeed's
+engine is not recorded) and the engine is installed. It then starts N processes over gloo on the CPU
+(``torch.multiprocessing``, spawn). Each rank builds the recorded mesh and the spec's model, lays it out as
+recorded (the engine's ``rebuild``: ``fully_shard``, ``parallelize_module`` / ``distribute_tensor``, or
 ``FullyShardedDataParallel``), checks
 that the piece it holds of every tensor sits where its capture says (the same layout), loads its own
 capture's pieces of the weights and optimizer state (as DTensors) and runs the captured batches twice: FP32
@@ -37,7 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.capture.folder import read_rank
+from ampdoctor.capture.rank_folders import rank_captures
+from ampdoctor.capture.read import layout_optimizer
+from ampdoctor.capture.reassemble import check_pieces
+from ampdoctor.capture.schema import MANIFEST, read_manifest
 from ampdoctor.errors import CaptureError, UsageError
+from ampdoctor.parallel.protocol import Engine
+from ampdoctor.parallel.registry import named
 
 STOPPED = "stopped: another rank could not set up its replay"
 TIMEOUT_S = 600.0
@@ -78,9 +86,6 @@ class RankReplay:
 
 # the checks, before any process starts ----------------------------------------------------------------
 def _manifest(cap: Path) -> tuple[dict[str, Any], dict[int, Path]]:
-    from ampdoctor.engine.replay import rank_captures
-    from ampdoctor.input.capture_schema import read_manifest
-
     group = rank_captures(cap)
     first = group.get(0) or next(iter(group.values()), None)
     if first is None:
@@ -108,7 +113,7 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         raise UsageError(f"--nproc {nproc}: {cap} is a DeepSpeed capture and DeepSpeed is not installed here; drop "
                          "--nproc to reassemble it on one process (no DeepSpeed needed)")
     rec = (m.get("shards") or {}).get("recipe")
-    if not isinstance(rec, dict) or rec.get("engine") not in ("fsdp2", "tensor_parallel", "fsdp1"):
+    if not isinstance(rec, dict) or named(str(rec.get("engine"))) is None:
         raise UsageError(f"--nproc {nproc}: {cap}'s manifest records no sharding recipe for its {engine} layout (only "
                          "FSDP2's fully_shard, FSDP1's wrapping and a tensor-parallel plan are recorded); drop --nproc to "
                          "reassemble it on one process")
@@ -120,24 +125,29 @@ def check(capture: str | Path, nproc: int) -> tuple[dict[str, Any], dict[int, Pa
         missing = sorted(set(range(world)) - set(group))
         raise CaptureError(f"{cap}: rank(s) {', '.join(map(str, missing))} of {world} have no capture beside it (copy "
                            "every <name>.rank<N> folder of the step together)")
-    from ampdoctor.engine.shard_capture import check_pieces
-
     check_pieces(cap, group)  # one run, every piece where its manifest says: one line now, not a rank's later
     return m, group
 
 
 def _rebuildable(cap: Path, nproc: int, rec: dict[str, Any]) -> None:
     """UsageError (one line) when this torch, or this replay, cannot rebuild the recorded layout."""
-    from ampdoctor.engine import fsdp1_layout, tp_layout
-
-    need = "torch.distributed.tensor.parallel" if rec["engine"] == "tensor_parallel" else "torch.distributed.fsdp"
+    eng = _engine(rec)
+    need = eng.replay_requires or "torch.distributed"
     if not (torch.distributed.is_available() and _installed(need)):
         raise UsageError(f"--nproc {nproc}: this torch has no {need} to rebuild the {rec['engine']} layout with; drop "
                          "--nproc to reassemble the capture on one process")
-    why = {"tensor_parallel": tp_layout.refusal, "fsdp1": fsdp1_layout.refusal}.get(rec["engine"], lambda r: None)(rec)
+    why = eng.refusal(rec)
     if why:
         raise UsageError(f"--nproc {nproc}: {cap} cannot be replayed under its layout: {why}; drop --nproc to "
                          "reassemble it on one process")
+
+
+def _engine(rec: dict[str, Any]) -> Engine:
+    """The engine a recipe names (``check`` made sure one does)."""
+    eng = named(str(rec.get("engine")))
+    if eng is None:
+        raise CaptureError(f"the capture's layout names the engine {rec.get('engine')!r}, which this ampdoctor does not know")
+    return eng
 
 
 def _installed(module: str) -> bool:
@@ -230,9 +240,8 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
     res: dict[str, Any] = {}
     try:
         try:  # every rank, first: the mesh (its process groups are collectives)
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (world,))
+            rec = read_manifest(Path(folders[rank]) / MANIFEST)["shards"]["recipe"]  # (check: every rank's is the run's)
+            mesh = _engine(rec).device_mesh(rec)
         except Exception as e:
             res["error"] = _line(e)
             Path(out, f"rank{rank}.json").write_text(json.dumps(res))
@@ -273,7 +282,6 @@ class _Rank:
     """One rank's replay: its capture, the spec, and the recorded recipe."""
 
     def __init__(self, rank: int, spec_path: str, names: tuple[str, ...] | None, folder: Path, mesh: Any) -> None:
-        from ampdoctor.engine.replay import layout_optimizer, read_rank
         from ampdoctor.input.spec import SpecNames, importable, load_spec
 
         self.rank = rank
@@ -285,6 +293,7 @@ class _Rank:
         self.layout: dict[str, Any] = sh["model"]
         self.opt_names: list[str | None] = sh.get("optimizer_params") or []
         self.recipe: dict[str, Any] = sh["recipe"]
+        self.engine = _engine(self.recipe)
         self.build_optimizer = self.spec.build_optimizer or layout_optimizer(self.cap.manifest.get("optimizer_layout"))
         ad = self.cap.manifest.get("autocast_dtype")
         self.autocast = getattr(torch, str(ad)) if ad in ("float16", "bfloat16") else None
@@ -293,22 +302,14 @@ class _Rank:
     def model(self, stage: str) -> nn.Module:
         """The spec's model sharded as the run's was (FP32: without the mixed-precision policy), holding this
         rank's captured pieces; raises CaptureError when a piece sits elsewhere than the capture says."""
-        from ampdoctor.engine import fsdp1_layout, tp_layout
-        from ampdoctor.engine.shards import Shards, dtensor_piece
-        from ampdoctor.watch.hooks import local, user_name
+        from ampdoctor.watch.model_view import local, unwrap, user_name
 
         torch.manual_seed(0)
         model = self.spec.build_model()
         if [int(x) for x in self.mesh.shape] != list(self.recipe["mesh"]):
             raise CaptureError(f"the run's mesh was {self.recipe['mesh']}; this replay's is {list(self.mesh.shape)}")
-        piece = dtensor_piece
-        if self.recipe["engine"] == "tensor_parallel":
-            tp_layout.rebuild(model, self.recipe, self.mesh)
-        elif self.recipe["engine"] == "fsdp1":
-            model = fsdp1_layout.rebuild(model, self.recipe, stage != "fp32")
-            piece = Shards("fsdp1", model, [], self.rank, int(self.mesh.size()))._piece
-        else:
-            self._fully_shard(model, stage)
+        model = self.engine.rebuild(model, self.recipe, self.mesh, stage != "fp32")
+        piece = self.engine.read(unwrap(model), [], self.rank, int(self.mesh.size())).piece
         with torch.no_grad():
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 un = user_name(n)
@@ -324,22 +325,11 @@ class _Rank:
                 local(t).copy_(got)
         return model
 
-    def _fully_shard(self, model: nn.Module, stage: str) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in (self.recipe.get("mp_policy") or {}).items()}
-        policy = MixedPrecisionPolicy(**mp) if stage != "fp32" and mp else MixedPrecisionPolicy()
-        mods = dict(model.named_modules())
-        for name in self.recipe["fully_shard"]:
-            if name not in mods:
-                raise CaptureError(f"the run applied fully_shard to {name!r}, which the spec's model has no module of")
-            fully_shard(mods[name], mesh=self.mesh, mp_policy=policy)
-
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.tensor import DTensor
 
-        from ampdoctor.engine.step import make_optimizer
-        from ampdoctor.watch.hooks import local, user_name
+        from ampdoctor.engine.forward import make_optimizer
+        from ampdoctor.watch.model_view import local, user_name
 
         opt = make_optimizer(self.build_optimizer, model)
         st = self.cap.start.optimizer
@@ -363,10 +353,8 @@ class _Rank:
     def run(self, stage: str) -> dict[str, Any]:
         """The captured batches through this stage on every rank: each step's loss, global norm and skip, and the
         exchange's first fault."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
+        from ampdoctor.engine.forward import batch_loss
         from ampdoctor.engine.monitor import Monitor
-        from ampdoctor.engine.step import batch_loss
         from ampdoctor.input.batches import micro_batches, to_device
 
         model = self.model(stage)
@@ -374,7 +362,7 @@ class _Rank:
         low = stage != "fp32"
         scaler = None
         if low and self.cap.start.scaler is not None:  # tensor parallelism: the ranks' gradients agree, a GradScaler
-            scaler = torch.amp.GradScaler("cpu") if self.recipe["engine"] == "tensor_parallel" else ShardedGradScaler("cpu")
+            scaler = self.engine.grad_scaler()("cpu")
             scaler.load_state_dict(dict(self.cap.start.scaler))
         amp = self.autocast if low else None
         mon = Monitor(model, opt, scaler, log=None, quiet=True, first_step=self.cap.start.step0, alert_min_steps=10**6,

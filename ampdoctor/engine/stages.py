@@ -1,7 +1,8 @@
-"""One triage stage (fp32 | fp16 | amp | bf16) over the cached batches.
+"""One triage stage, a rung of the precision ladder (``ampdoctor.ladder``: fp32 | fp16 | amp | bf16 | ...), over the
+cached batches.
 
-Every stage runs the one step recipe (``engine.step.TrainStep``) under the stage's precision policy,
-so stages differ only in precision; the stage adds what triage needs around it: the same initial
+Every stage runs the one step recipe (``engine.step.TrainStep``) under the stage's rung, so stages differ
+only in precision (and the rung's model transform); the stage adds what triage needs around it: the same initial
 weights and seed, a snapshot of the weights before the first faulty step (for the FP32 re-check),
 the FP16 lost-update share, and stopping once the weights are gone.
 """
@@ -18,21 +19,24 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.driver import Driver, Update
-from ampdoctor.engine.step import Measured, Precision, TrainStep, make_optimizer
+from ampdoctor.engine.forward import make_optimizer
+from ampdoctor.engine.step import Measured, TrainStep
 from ampdoctor.errors import OutputError, SpecError
 from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.rng import restore as restore_rng
 from ampdoctor.input.spec import Spec, call_user, where
-from ampdoctor.judge.rules import kernel_limit
-from ampdoctor.judge.scaler import EXPLODE_RATIO
+from ampdoctor.judge.detectors import kernel_limit
+from ampdoctor.judge.explosion import EXPLODE_RATIO
+from ampdoctor.ladder import Rung, rung
 from ampdoctor.records import StageError, StageResult, StepRecord
 from ampdoctor.report.stages import error_hint
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.blame import GraphRecorder
-from ampdoctor.watch.hooks import Hooks, ModuleTracker
+from ampdoctor.watch.hooks import Hooks
 from ampdoctor.watch.steplog import StepLogWriter
+from ampdoctor.watch.tracker import ModuleTracker
 
 ProgressFn = Callable[[str, int], None]
 
@@ -93,8 +97,9 @@ class _Stage:
     probe: userhooks.Probe | None
 
 
-def _start(name: str, ctx: StageContext, result: StageResult) -> tuple[Precision, nn.Module, nn.Module | None]:
-    """The stage's start: the initial weights and seed (or the run's RNG), its policy, the model it runs."""
+def _start(prec: Rung, ctx: StageContext, result: StageResult) -> tuple[nn.Module, nn.Module | None]:
+    """The stage's start: the initial weights and seed (or the run's RNG); the model the rung runs, and the FP32
+    model when it holds the master weights (a copy in a lower weight dtype runs the forward)."""
     model = ctx.model
     model.load_state_dict(ctx.init_state)
     model.train()
@@ -102,17 +107,16 @@ def _start(name: str, ctx: StageContext, result: StageResult) -> tuple[Precision
     restored = restore_rng(ctx.rng)  # the run's own draws (dropout, a timestep drawn in the step), over the seed
     if ctx.rng_restored is not None:
         ctx.rng_restored[:] = restored
-    prec = Precision.for_stage(name, ctx.config.target)
     result.master_weights = prec.master
-    run_model = prec.cast_model(model)
-    return prec, run_model, model if run_model is not model and prec.master else None
+    run_model = prec.cast_model(model, ctx.device)
+    return run_model, model if prec.low_weights and prec.master else None
 
 
-def _build(name: str, ctx: StageContext, result: StageResult) -> _Stage:
+def _build(prec: Rung, ctx: StageContext, result: StageResult) -> _Stage:
     """The stage's model, optimizer (the spec's, over what this stage trains), scheduler, GradScaler, hooks and
     recipe, from the initial weights."""
     cfg = ctx.config
-    prec, run_model, master_of = _start(name, ctx, result)
+    run_model, master_of = _start(prec, ctx, result)
     master = list(master_of.parameters()) if master_of is not None else None
     # the spec's optimizer over what this stage trains: the FP32 master (fp32, amp, bf16, fp16 with master
     # weights) or the FP16 model itself (pure FP16); build_optimizer may take the model or named parameters
@@ -125,11 +129,11 @@ def _build(name: str, ctx: StageContext, result: StageResult) -> _Stage:
     pname = {id(p): n for n, p in owner.named_parameters()}
     result.weight_decay = {pname[id(p)]: float(g.get("weight_decay") or 0.0) for g in opt.param_groups for p in g["params"]
                            if id(p) in pname and float(g.get("weight_decay") or 0.0) > 0}
-    if name == "fp16":
+    if prec.params == torch.float16:  # raw FP16 weights: the optimizer's constants too
         result.optimizer_underflow = fp16_underflowing_constants(opt)
     scaler = (torch.amp.GradScaler(ctx.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
                                    backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)
-              if prec.loss_scaling else None)
+              if prec.scaler else None)
     if scaler is not None and ctx.scaler_state is not None:
         scaler.load_state_dict(dict(ctx.scaler_state))
     hooks = Hooks(run_model, track=True) if ctx.with_monitor else None
@@ -140,7 +144,7 @@ def _build(name: str, ctx: StageContext, result: StageResult) -> _Stage:
     recipe = TrainStep(run_model, opt, scaler, precision=prec, hooks=hooks, max_norm=cfg.max_norm, master=master,
                        skip_nonfinite=scaler is not None, scheduler=sched)
     driver = Driver(recipe, ctx.spec.loss_fn, ctx.device, stop_at_nonfinite_loss=scaler is None, check_weights=True)
-    if name == "fp16":
+    if prec.params == torch.float16:
         driver.update = _lost_updates_of(recipe, master, list(run_model.parameters()))
     probe = userhooks.Probe(run_model) if ctx.probe_hooks else None
     return _Stage(run_model, master, driver, hooks, tracker, graph, probe)
@@ -200,10 +204,13 @@ class _Snapshots:
             res.snapshot_step = step
 
 
-def run_stage(name: str, ctx: StageContext) -> StageResult:
-    """Run one stage from the initial weights through the driver; never raises for errors in user code."""
+def run_stage(stage: Rung | str, ctx: StageContext) -> StageResult:
+    """Run one stage (a rung, or a registered rung's name) from the initial weights through the driver; never raises
+    for errors in user code."""
+    prec = stage if isinstance(stage, Rung) else rung(stage, ctx.config)
+    name = prec.name
     result = StageResult(name)
-    st = _build(name, ctx, result)
+    st = _build(prec, ctx, result)
     driver, probe = st.driver, st.probe
     snaps = _Snapshots(ctx, result, st.run_model)
 
@@ -243,7 +250,7 @@ def run_stage(name: str, ctx: StageContext) -> StageResult:
 
 def _stage_error(e: Exception, name: str, device: torch.device, step: int, st: _Stage) -> StageError:
     """The exception as data: where it was raised (the module running, or whose backward node raised), with the hint
-    its kind takes (``judge.rules.kernel_limit``)."""
+    its kind takes (``judge.detectors.kernel_limit``)."""
     module = st.tracker.current
     bw = st.graph.blame(e) if module is None and st.graph is not None else None  # raised in backward: whose node raised
     hint = error_hint(kernel_limit(str(e), name, device.type))  # (a device without the op's FP16 kernel: say so)

@@ -1,6 +1,6 @@
 """The one training step every path runs: triage stages, ``ampdoctor layers``, ``Monitor``.
 
-A ``Precision`` policy says how the step computes; ``TrainStep`` runs it in PyTorch's AMP order (the
+A rung of the precision ladder (``ladder.Rung``) says how the step computes; ``TrainStep`` runs it in PyTorch's AMP order (the
 loop around it, over batches and micro-batches, is ``engine.driver``)::
 
     zero_grad → forward + loss (under autocast) → loss check (on the device) → backward (scaled)
@@ -20,184 +20,30 @@ since PyTorch 1.6, with fallbacks.
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from ampdoctor.engine.ranks import SLOTS, RankExchange, RankView
-from ampdoctor.engine.shards import Shards
+from ampdoctor.engine.forward import forward_loss
 from ampdoctor.errors import UsageError
-from ampdoctor.input.batches import UNKNOWN_TARGET, KeyedLoss, cast_floating, filter_kwargs, split
-from ampdoctor.input.loss import is_loss, loss_candidate, model_loss
-from ampdoctor.input.rebuild import TrainingStepLoss
 from ampdoctor.judge import locate
+from ampdoctor.ladder import FP32, Rung
+from ampdoctor.parallel.exchange import SLOTS, RankExchange, RankView
+from ampdoctor.parallel.pieces import Shards
 from ampdoctor.records import StepStats, nonfinite
-from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch.fused import fused_norms
-from ampdoctor.watch.hooks import Hooks, local, named_modules, named_parameters, unwrap
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How a step computes.
-
-    ``autocast``: the autocast dtype (None: no autocast). ``weights``: the dtype of the weights the
-    model runs with. ``master``: an FP32 master copy takes the optimizer's update (the FP16 weights
-    are copied from it after each step); without it the optimizer steps the FP16 weights themselves.
-    ``loss_scaling``: the loss goes through a GradScaler.
-    """
-
-    name: str
-    autocast: torch.dtype | None = None
-    weights: torch.dtype = torch.float32
-    master: bool = True
-    loss_scaling: bool = False
-
-    STAGES: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "amp", "bf16")
-    """The triage stages, each a policy (``for_stage``)."""
-
-    @classmethod
-    def for_stage(cls, stage: str, target: str = "") -> Precision:
-        """The policy of a triage stage: fp32, fp16 (raw ``model.half()``: FP32 master weights, unless fp16 is
-        the target, which trains pure FP16 as ``model.half()`` training does), amp (FP16 autocast with a
-        GradScaler), bf16 (BF16 autocast). A stage name it does not know is a ValueError."""
-        if stage == "fp16":
-            return FP16_PURE if target == "fp16" else FP16_MASTER
-        policies = {"fp32": FP32, "amp": AMP, "bf16": BF16}
-        if stage not in policies:
-            raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(cls.STAGES)}")
-        return policies[stage]
-
-    @classmethod
-    def for_autocast(cls, dtype: torch.dtype | None, loss_scaling: bool) -> Precision:
-        """The policy of a loop that runs FP32 weights under ``torch.autocast(dtype)`` (None: no autocast), with
-        or without a GradScaler: the user's own loop as the Monitor sees it."""
-        name = "amp" if dtype == torch.float16 else "bf16" if dtype == torch.bfloat16 else "fp32"
-        return cls(name, autocast=dtype, loss_scaling=loss_scaling)
-
-    def autocast_on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` with this policy's dtype on ``device`` (disabled without one)."""
-        dt = self.autocast
-        return torch.autocast(device.type, dtype=dt or torch.float32, enabled=dt is not None)
-
-    def cast_model(self, model: nn.Module) -> nn.Module:
-        """The model this policy's forward runs: a copy in the policy's weight dtype (the model itself in FP32)."""
-        return copy.deepcopy(model).to(self.weights) if self.weights != torch.float32 else model
-
-
-FP32 = Precision("fp32")
-FP16_MASTER = Precision("fp16", weights=torch.float16, master=True)
-"""Raw FP16 forward and backward (``model.half()``), FP32 master weights, no loss scaling."""
-FP16_PURE = Precision("fp16", weights=torch.float16, master=False)
-"""Everything in FP16, the optimizer state too: what ``model.half()`` training does."""
-AMP = Precision("amp", autocast=torch.float16, loss_scaling=True)
-BF16 = Precision("bf16", autocast=torch.bfloat16)
-
-
-def forward_probe(output: Any) -> torch.Tensor:
-    """A stand-in loss for a forward whose targets are unknown (a ``ModelInputs`` batch): 0, or NaN when
-    any floating output element is NaN/Inf (0 * inf is NaN), so the loss check sees a non-finite forward.
-    Its gradients are zeros (or NaN through non-finite values): they say nothing of the real loss's."""
-    parts = [t.float().sum() * 0.0 for t in iter_tensors(output) if t.is_floating_point()]
-    if not parts:
-        raise TypeError("the model returned no floating tensor; the replay of a captured forward needs one")
-    return torch.stack(parts).sum()
-
-
-def get_loss(output: Any, target: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
-    """The scalar loss: loss_fn(output, target), or the model's own loss (``input.loss``: a one-element
-    tensor, any shape, is the loss).
-
-    With ``UNKNOWN_TARGET`` (a captured call of the model, its targets outside it): the model's own loss
-    when its output carries one, else ``forward_probe`` (the forward alone is replayed)."""
-    if target is UNKNOWN_TARGET:
-        own = model_loss(output)
-        return own if own is not None else forward_probe(output)
-    loss = loss_fn(output, target) if loss_fn is not None else loss_candidate(output)
-    if loss is None:
-        raise TypeError(
-            f"the model returned {type(output).__name__} with no loss; define loss_fn(output, target) in the spec"
-        )
-    if not is_loss(loss):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TypeError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
-    return loss.reshape(())  # type: ignore[no-any-return]
-
-
-def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, torch.Tensor]:
-    """(the model's output, the scalar loss) of one batch already on the device: ``model(inputs)`` (keyword
-    inputs its forward does not take are left out: ``filter_kwargs``) then ``get_loss``; for a LightningModule's
-    ``TrainingStepLoss``, its ``training_step`` on the whole batch (the output is the loss)."""
-    if isinstance(loss_fn, TrainingStepLoss):
-        loss = loss_fn.of(model, batch)
-        return loss, loss
-    keys = None
-    if isinstance(loss_fn, KeyedLoss):  # --batch-keys: the fields the user named
-        keys, loss_fn = loss_fn.keys, loss_fn.loss_fn
-    args, kwargs, target = split(batch, model, keys)
-    out = model(*args, **filter_kwargs(model, kwargs))
-    return out, get_loss(out, target, loss_fn)
-
-
-def forward_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None,
-                 precision: Precision = FP32) -> tuple[Any, torch.Tensor]:
-    """The forward and the loss of one batch (already on the device) as ``precision`` computes them: its
-    floating inputs cast to the policy's weight dtype, under its autocast; ``model`` runs as given (in the
-    policy's weights: ``Precision.cast_model``). Every forward+loss of ampdoctor's goes through here: the
-    recipe's, triage's replays and checks, the preflight and the dump's repro script."""
-    if precision.weights != torch.float32:
-        batch = cast_floating(batch, precision.weights)
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    with precision.autocast_on(device):
-        return batch_loss(model, batch, loss_fn)
-
-
-def default_optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
-
+from ampdoctor.watch.hooks import Hooks
+from ampdoctor.watch.model_view import local, named_modules, named_parameters, unwrap
 
 # the owned step's clip, taken before the integrations observe ``torch.nn.utils``' clip functions
 # (integrations._attach.ClipObserver): ampdoctor's own clip is not the framework's
 _clip_with_norm = torch.nn.utils.clip_grads_with_norm_
-
-MODEL_ARGS = ("model", "module", "net", "network")
-NAMED_ARGS = ("named_parameters", "named_params")
-
-
-def optimizer_argument(fn: Callable[..., Any], model: nn.Module) -> Any:
-    """What a spec's ``build_optimizer`` takes, read from its first parameter: the model itself
-    (``build_optimizer(model)``: decay / no-decay groups), ``named_parameters`` (a list of
-    (name, parameter)), or else the list of parameters (``build_optimizer(params)``)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    first = params[0] if params else None
-    if first is not None:
-        ann = first.annotation
-        if first.name in MODEL_ARGS or ann is nn.Module or (isinstance(ann, str) and ann.split(".")[-1] == "Module"):
-            return model
-        if first.name in NAMED_ARGS:
-            return list(model.named_parameters())
-    return list(model.parameters())
-
-
-def make_optimizer(fn: Callable[..., Any] | None, model: nn.Module) -> torch.optim.Optimizer:
-    """The spec's optimizer over ``model`` (see ``optimizer_argument``), or AdamW(lr=1e-3)."""
-    if fn is None:
-        return default_optimizer(model.parameters())
-    opt: torch.optim.Optimizer = fn(optimizer_argument(fn, model))
-    return opt
-
 
 @dataclass
 class Measured:
@@ -225,7 +71,7 @@ class Measured:
     tripped: bool = False
     """Sentinel mode, on a step the hooks did not record: a gradient norm is non-finite or beyond the format's max."""
     ranks: RankView | None = None
-    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``engine.ranks``)."""
+    """Under torch.distributed: which ranks saw a non-finite value at this step (see ``parallel.exchange``)."""
     will_skip: bool | None = None
     """What the step will do: with a GradScaler where the caller steps, GradScaler's own verdict (its
     found-inf flags: a non-finite loss with finite gradients is applied); else ``skip``."""
@@ -279,7 +125,7 @@ _PACKED = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "found_inf", "scale"
 
 
 class TrainStep:
-    """One training step under a ``Precision`` policy, with optional ``Hooks``.
+    """One training step under a ``Rung`` of the precision ladder, with optional ``Hooks``.
 
     Args:
         model: the model the forward runs (FP16 weights for the fp16 policies).
@@ -287,7 +133,7 @@ class TrainStep:
             None: a loop that updates the weights by hand (the recipe measures, the caller updates;
             a GradScaler needs an optimizer to unscale).
         scaler: an enabled ``torch.amp.GradScaler`` (None without loss scaling).
-        precision: the policy.
+        precision: the rung (compute dtype, weight dtype, master weights, loss scaling).
         hooks: per-layer statistics (queued during the step, copied with the step's scalars).
         max_norm: clip the global L2 norm to this (None: measure only).
         master: FP32 master parameters, parallel to ``model.parameters()`` (fp16 with master weights).
@@ -307,7 +153,7 @@ class TrainStep:
         optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None = None,
         *,
-        precision: Precision = FP32,
+        precision: Rung = FP32,
         hooks: Hooks | None = None,
         max_norm: float | None = None,
         master: Sequence[torch.nn.Parameter] | None = None,
@@ -376,7 +222,7 @@ class TrainStep:
 
     # the forward -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` with the policy's dtype on the model's device (disabled without one)."""
+        """``torch.autocast`` with the rung's compute dtype on the model's device (disabled without one)."""
         return self.precision.autocast_on(self.device)
 
     def zero_grad(self) -> None:
@@ -726,5 +572,4 @@ class TrainStep:
         return bool(torch.isfinite(torch.stack(torch._foreach_norm([p.detach().float() for p in ws]))).all())
 
 
-__all__ = ["AMP", "BF16", "FP16_MASTER", "FP16_PURE", "FP32", "Measured", "Precision", "TrainStep", "default_optimizer", "make_optimizer", "optimizer_argument",
-           "batch_loss", "forward_loss", "get_loss"]
+__all__ = ["Measured", "TrainStep"]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import itertools
-import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -13,14 +10,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.capture.folder import Captured
+from ampdoctor.capture.read import layout_optimizer, read_capture
+from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.engine import preflight
-from ampdoctor.engine.replay import Captured, layout_optimizer, read_capture
+from ampdoctor.engine.forward import forward_loss, make_optimizer
+from ampdoctor.engine.recheck import hook_check, recheck_fn
 from ampdoctor.engine.ring import history_finding
 from ampdoctor.engine.run import Replay, Run
-from ampdoctor.engine.shard_capture import reassemble
 from ampdoctor.engine.stages import ProgressFn, StageContext, run_stage
-from ampdoctor.engine.step import AMP, FP32, Precision, forward_loss, make_optimizer
-from ampdoctor.errors import CaptureError, SpecError, UsageError
+from ampdoctor.engine.starts import build_model, prepare, prepare_checkpoint, skipping
+from ampdoctor.errors import CaptureError, UsageError
 from ampdoctor.input import origin, rebuild
 from ampdoctor.input.batches import (
     Batches,
@@ -28,36 +28,21 @@ from ampdoctor.input.batches import (
     KeyedLoss,
     ModelInputs,
     as_micro,
-    filter_kwargs,
-    grouped,
     micro_batches,
-    split,
     to_device,
-    unlisted,
 )
-from ampdoctor.input.checkpoint import read_checkpoint
 from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
-from ampdoctor.input.loading import load_batches
 from ampdoctor.input.resume import StartState, load_into
-from ampdoctor.input.spec import Spec, SpecNames, call_user, load_spec, no_spec, spec_importable
-from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
-from ampdoctor.judge.rules import (
-    Diagnosis,
-    HookCheck,
-    HookCheckFn,
-    Recheck,
-    diagnose,
-    not_reproduced,
-    shift_diagnosis,
-    stall_ratio,
-)
+from ampdoctor.input.spec import Spec, SpecNames, load_spec, no_spec, spec_importable
+from ampdoctor.judge.measures import stall_ratio
+from ampdoctor.judge.rules import Diagnosis, diagnose, not_reproduced, shift_diagnosis
+from ampdoctor.ladder import ladder
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
 from ampdoctor.report.build import code_findings, enrich, replayed_scaler, shift_steps, stage_summary, worded
 from ampdoctor.report.model import Report
-from ampdoctor.tensors import iter_tensors
 from ampdoctor.watch import userhooks
 from ampdoctor.watch.steplog import StepLogWriter
 
@@ -65,152 +50,9 @@ MAX_SKIP = 10**9
 """The most batches ``--skip-batches`` skips (each is taken from the dataloader and dropped)."""
 
 
-def build_model(spec: Spec, cfg: TriageConfig, device: torch.device) -> nn.Module:
-    """The spec's model, FP32, on the device (seeded)."""
-    torch.manual_seed(cfg.seed)
-    model = call_user(spec.build_model, what="build_model()", path=spec.path)
-    if not isinstance(model, nn.Module):
-        raise SpecError(f"{spec.path.name}: build_model() returned {type(model).__name__}; return a torch.nn.Module")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise SpecError(f"{spec.path.name}: the model has no trainable parameters")
-    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if meta:
-        raise SpecError(f"{spec.path.name}: build_model() returned a model on the meta device ({meta[0]} has no data"
-                        + (f", and {len(meta) - 1} more" if len(meta) > 1 else "") + "); materialise it before returning "
-                        "it: model.to_empty(device='cpu') and then load or initialise its weights")
-    return model.to(device).float()
-
-
-def prepare(spec: Spec, cfg: TriageConfig, device: torch.device,
-            progress: ProgressFn | None = None) -> tuple[nn.Module, Batches]:
-    """Build the model and batches, and check that they run in FP32 with a scalar loss.
-
-    ``progress("batches", n)`` is called as the batches are taken from the dataloader.
-    """
-    model = build_model(spec, cfg, device)
-    preflight.initial_weights(model, spec.path)
-    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
-    preflight.optimizer(spec, model)
-    preflight.batches_run(spec, model, batches, device)
-    return model, grouped(batches, cfg.steps, cfg.accumulate)
-
-
 def user_hooks(model: nn.Module) -> list[str]:
     """Gradient hooks the user's model carries (they can hide overflows from GradScaler), in words."""
     return [h.describe() for h in userhooks.found(model)]
-
-
-def hook_check(model: nn.Module, spec: Spec, batches: Batches, results: dict[str, StageResult], device: torch.device,
-               hooks: list[UserHook]) -> HookCheckFn:
-    """``check(stage, step)``: the amp stage's step ``step`` (one applied with a non-finite or exploding gradient norm)
-    replayed from the weights before it, with the loss scale it ran at, once with the user's gradient hooks and once
-    without them: which parameters' scaled gradients GradScaler would have found non-finite only without them."""
-
-    def check(stage: str, step: int) -> HookCheck | None:
-        res = results.get(stage)
-        if (stage != "amp" or not hooks or res is None or res.applied_snapshot is None or res.applied_step != step
-                or step >= len(res.records) or res.records[step].scaler_scale is None):
-            return None
-        scale = float(res.records[step].scaler_scale or 1.0)
-        names = {id(p): n for n, p in model.named_parameters()}
-
-        def grads(strip: bool) -> list[str] | None:
-            model.load_state_dict(res.applied_snapshot)  # type: ignore[arg-type]
-            model.train()
-            model.zero_grad(set_to_none=True)
-            if res.applied_rng is not None:
-                torch.set_rng_state(res.applied_rng)
-            micro = micro_batches(batches[step])
-            with contextlib.ExitStack() as stack:
-                if strip:
-                    stack.enter_context(userhooks.disabled(model))
-                try:
-                    for b in micro:
-                        loss = forward_loss(model, to_device(b, device), spec.loss_fn, AMP)[1]
-                        (loss.float() * (scale / len(micro))).backward()
-                except Exception:
-                    return None
-            bad = [names[id(p)] for p in model.parameters()
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-            model.zero_grad(set_to_none=True)
-            return bad
-
-        kept, stripped = grads(strip=False), grads(strip=True)
-        if kept is None or stripped is None:
-            return None
-        return HookCheck(step, scale, kept, stripped)
-
-    return check
-
-
-def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[str, torch.Tensor],
-               results: dict[str, StageResult], device: torch.device, step0: int = 0,
-               start: str = "initial"):  # noqa: ANN201
-    """FP32 replay of a step's batch from the stages' start (``start`` names it: 'initial', 'the captured
-    weights at step 120', 'checkpoint-130') or a stage's snapshot, named with the run's step (``step0 + k``)."""
-
-    def run(stage: str, step: int) -> Recheck | None:
-        if stage == "initial":
-            state, label = init_state, start
-        else:
-            res = results.get(stage)
-            if res is None or res.snapshot is None or res.snapshot_step != step:
-                return None
-            state, label = res.snapshot, f"stage {stage} before step {step0 + step}"
-        model.load_state_dict(state)
-        model.train()
-        model.zero_grad(set_to_none=True)
-        micro = micro_batches(batches[step])
-        lv, worst, worst_abs = 0.0, micro[0], -1.0
-        try:
-            for b in micro:  # an accumulated step: each micro-batch's loss divided by their number
-                loss = forward_loss(model, to_device(b, device), spec.loss_fn)[1] / len(micro)
-                loss.backward()
-                li = float(loss.detach())
-                lv += li
-                if not math.isfinite(li) or abs(li) > worst_abs:  # the op scan looks at the worst micro-batch
-                    worst, worst_abs = b, math.inf if not math.isfinite(li) else abs(li)
-        except Exception:
-            return None
-        keys = spec.loss_fn.keys if isinstance(spec.loss_fn, KeyedLoss) else None
-        args, kwargs, target = split(to_device(worst, device), model, keys)
-        grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-        model.zero_grad(set_to_none=True)
-
-        def ops(module: str) -> list[OpRecord]:
-            model.load_state_dict(state)
-            return scan_module(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
-
-        def nonfinite_op() -> NonfiniteOp | None:
-            return replay_nonfinite_op(model, spec, worst, state, stage, device)
-
-        def masked(module: str) -> MaskedRows | None:
-            model.load_state_dict(state)
-            return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
-
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked)
-
-    return run
-
-
-def replay_nonfinite_op(model: nn.Module, spec: Spec, batch: object, state: dict[str, torch.Tensor], stage: str,
-                       device: torch.device) -> NonfiniteOp | None:
-    """Forward + loss of one batch in ``stage``'s precision from ``state``; the first op going non-finite."""
-    model.load_state_dict(state)
-    prec = Precision.for_stage(stage) if stage in Precision.STAGES else FP32  # ('initial': the FP32 start)
-    run_model = prec.cast_model(model)
-    b = to_device(batch, device)
-    info: dict[str, bool] = {}
-
-    def run() -> None:
-        out, loss = forward_loss(run_model, b, spec.loss_fn, prec)
-        others = [t for t in iter_tensors(out) if t.is_floating_point() and t.data_ptr() != loss.data_ptr()]
-        info["loss_only"] = not bool(torch.isfinite(loss)) and all(bool(torch.isfinite(t).all()) for t in others)
-
-    op = first_nonfinite_op(run_model, run)
-    if op is not None:
-        op.loss_only = info.get("loss_only", False)
-    return op
 
 
 @spec_importable
@@ -269,7 +111,7 @@ def triage(
                                                                             attn_implementation)
     else:
         if skip_batches:
-            spec, said = _skipping(spec, skip_batches)
+            spec, said = skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
@@ -332,11 +174,12 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
                             rng_restored=run.rng_restored, probe_hooks=name == cfg.target and hooked,
                             ref_norms=[r.grad_l2_pre_clip for r in fp32.records] if fp32 is not None and name != "fp32" else None)
 
-    for name in cfg.stage_list():
+    for stage in ladder(cfg):
+        name = stage.name
         log = (StepLogWriter(log_path, mode="overwrite", on_error="raise")  # a full disk: one line, exit 2
                if log_path is not None and name == cfg.target else None)
         try:
-            run.results[name] = run_stage(name, context(name, log, snapshot=name == cfg.target))
+            run.results[name] = run_stage(stage, context(name, log, snapshot=name == cfg.target))
         finally:
             if log is not None:
                 log.close()
@@ -365,125 +208,6 @@ def lint_sources(spec_path: Path | None, script: str | Path | None) -> list[Lint
             raise UsageError(f"--script {res.errors[0]}")
         found += res.findings
     return found
-
-
-def _skipping(spec: Spec, n: int) -> tuple[Spec, list[str]]:
-    """The spec with a dataloader that starts after its first ``n`` batches (where a resumed run was): past
-    the end of an epoch it goes on with the next, as the run did, calling the sampler's ``set_epoch(e)``
-    (DistributedSampler, and any sampler that has it) before each; a seeded ``RandomSampler`` draws each
-    epoch's order from its generator as the run's did. The list gets a sentence (once the dataloader is
-    built) saying how the epochs were re-made and what could not be."""
-    build = spec.build_dataloader
-    said: list[str] = []
-
-    def build_after() -> Any:
-        loader = build()
-        epoch, it, i, taken = 0, _epoch_iter(loader, 0), 0, 0
-        while taken < n:
-            try:
-                next(it)
-            except StopIteration:
-                if i == 0:
-                    raise UsageError(f"--skip-batches {n}: build_dataloader() yields no batch"
-                                     + (f" in epoch {epoch} (after {taken} in the epochs before); give --skip-batches below "
-                                        f"{taken}" if taken else "")) from None
-                epoch, i = epoch + 1, 0
-                it = _epoch_iter(loader, epoch)
-                continue
-            taken += 1
-            i += 1
-        said[:] = [_epoch_words(loader, epoch, i)] if epoch else []
-        return _Epochs(loader, it, epoch)
-
-    return replace(spec, build_dataloader=build_after), said
-
-
-def _epoch_iter(loader: Any, epoch: int) -> Any:
-    """``iter(loader)`` for ``epoch``: ``set_epoch(epoch)`` first on whatever has it (the loader, its sampler,
-    its batch sampler and that one's sampler), as the run's epoch loop does."""
-    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        fn = getattr(obj, "set_epoch", None)
-        if callable(fn):
-            fn(epoch)
-    return iter(loader)
-
-
-def _epoch_words(loader: Any, epoch: int, at: int) -> str:
-    """How the skip reached epoch ``epoch`` (batch ``at`` of it), and whether its order is the run's."""
-    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-    if any(callable(getattr(x, "set_epoch", None)) for x in [loader, *samplers]):
-        how = "set_epoch"
-    else:
-        rnd = next((x for x in samplers if isinstance(x, torch.utils.data.RandomSampler)), None)
-        how = "global_rng" if rnd is not None and rnd.generator is None else "in_order"
-    return stage_report.epochs(epoch, at, how)
-
-
-class _Epochs:
-    """The rest of the skipped-into epoch, then the next epochs (``set_epoch`` before each)."""
-
-    def __init__(self, loader: Any, it: Any, epoch: int) -> None:
-        self.loader, self.it, self.epoch = loader, it, epoch
-
-    def __iter__(self) -> _Epochs:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.it)
-        except StopIteration:
-            self.epoch += 1
-            self.it = _epoch_iter(self.loader, self.epoch)
-            return next(self.it)
-
-
-def prepare_checkpoint(spec: Spec, cfg: TriageConfig, device: torch.device, path: str | Path, skip_batches: int,
-                       progress: ProgressFn | None, attn_implementation: str | None = None,
-                       ) -> tuple[Spec, nn.Module, Batches, StartState, str, list[str]]:
-    """The model with a training checkpoint's weights, its optimizer and scaler state, and the dataloader's
-    batches after ``skip_batches``; a layout ampdoctor cannot read is one line. A spec without
-    ``build_model`` gets the model the checkpoint describes (a Trainer folder's config.json), and one without
-    ``build_optimizer`` the optimizer groups its optimizer state was saved with."""
-    said: list[str] = []
-    if not spec.own_model:
-        rb = rebuild.from_checkpoint(path, rebuild.lightning_hparams(path), attn_implementation)
-        spec = replace(spec, build_model=rb.build)
-        said.append(rb.source)
-    model = build_model(spec, cfg, device)
-    if spec.loss_fn is None and rebuild.is_lightning(model):  # a LightningModule's loss is its own training_step
-        spec = replace(spec, loss_fn=rebuild.TrainingStepLoss())
-        said.append(stage_report.source(stage_report.Source("training_step", type(model).__name__)))
-    if spec.build_optimizer is None and spec.load_checkpoint is None and rebuild.is_lightning(model):
-        spec = replace(spec, build_optimizer=rebuild.lightning_optimizer)
-        groups = rebuild.lightning_optimizer(model).param_groups
-        said.append(stage_report.source(stage_report.Source("lightning_optimizer", type(model).__name__,
-                                                            groups=tuple(len(g["params"]) for g in groups))))
-    elif spec.build_optimizer is None and spec.load_checkpoint is None:
-        saved = read_checkpoint(path, model=model).optimizer
-        if saved is not None:
-            build_opt, how = rebuild.optimizer_from_state(model, saved, str(path))
-            spec = replace(spec, build_optimizer=build_opt)
-            said.append(how)
-    else:
-        preflight.optimizer(spec, model)  # build_optimizer and build_scheduler: one line if they are broken
-    opt = make_optimizer(spec.build_optimizer, model)
-    scaler = torch.amp.GradScaler(device.type)
-    state = read_checkpoint(path, load_checkpoint=spec.load_checkpoint, model=model, optimizer=opt, scaler=scaler)
-    lacks = load_into(state, model, opt, scaler)
-    preflight.initial_weights(model, spec.path)
-    step0 = state.next_step if state.next_step is not None else skip_batches
-    loader_note: list[str] = []
-    if skip_batches:
-        spec, loader_note = _skipping(spec, skip_batches)
-    batches = unlisted(load_batches(spec, cfg.steps * cfg.accumulate, progress), cfg.accumulate)
-    preflight.batches_run(spec, model, batches, device)
-    batches = grouped(batches, cfg.steps, cfg.accumulate)
-    opt_state = opt.state_dict() if state.optimizer is not None else None
-    scaler_state = dict(scaler.state_dict()) if state.scaler is not None else None
-    note = stage_report.checkpoint_start(state.layout, path, state.step, step0, skip_batches,
-                                         [*state.notes, *lacks, *loader_note])
-    return spec, model, batches, StartState(copy.deepcopy(opt_state), scaler_state, step0, rng=state.rng), note, said
 
 
 def _hooks_kept(manifest: dict[str, Any], now: list[UserHook]) -> list[str]:

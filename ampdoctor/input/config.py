@@ -40,6 +40,8 @@ class TriageConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    fp8_recipe: str = "tensorwise"
+    """The FP8 rung's torchao recipe (``--target fp8``): tensorwise, rowwise or rowwise_with_gw_hp."""
     batch_keys: str | None = None
     """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
     None: the rule of docs/spec-format.md."""
@@ -88,9 +90,9 @@ class TriageConfig:
         return tuple(s for s in STAGES if s in want)
 
 
-_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str,
+_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str, "fp8_recipe": str,
          "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
-_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"',
+_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"', "fp8_recipe": '"rowwise"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 

@@ -1,6 +1,6 @@
 """Rebuild the run's model without a spec, from what the run itself recorded.
 
-A capture's manifest holds ``model_identity`` (``engine.capture.model_identity``: the class's import path,
+A capture's manifest holds ``model_identity`` (``capture.state.model_identity``: the class's import path,
 a transformers config with its ``attn_implementation``, a LightningModule's ``hparams``); a transformers
 Trainer checkpoint folder holds ``config.json`` (its ``architectures`` name the class). From those:
 

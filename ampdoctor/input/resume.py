@@ -1,4 +1,4 @@
-"""Start from saved state: a capture folder (``Monitor(capture=...)``, read by ``engine.replay``) or a training
+"""Start from saved state: a capture folder (``Monitor(capture=...)``, read by ``capture.read``) or a training
 checkpoint (``input.checkpoint``), loaded into the model, optimizer and GradScaler the spec builds.
 
 Both readers give a ``Saved``: the weights, the optimizer and GradScaler state, where they came from. ``load_into``
@@ -34,7 +34,7 @@ class StartState:
 
 
 class Saved(Protocol):
-    """Saved state, read: a capture (``engine.replay.Captured``) or a checkpoint (``input.checkpoint.CheckpointState``)."""
+    """Saved state, read: a capture (``capture.folder.Captured``) or a checkpoint (``input.checkpoint.CheckpointState``)."""
 
     @property
     def model(self) -> dict[str, torch.Tensor]:

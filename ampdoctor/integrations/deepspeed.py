@@ -43,10 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.engine.capture import Capture, host_copy
+from ampdoctor.capture.state import host_copy
+from ampdoctor.capture.write import Capture
 from ampdoctor.engine.monitor import Monitor, MonitorRecord
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import cast_floating
+from ampdoctor.parallel.deepspeed import Layout, fragment, layout_optimizer
 from ampdoctor.report.alerts import Off, deepspeed_no_backward, deepspeed_replay_hint
 
 ENGINE = "deepspeed"
@@ -152,93 +154,12 @@ def _lr(engine: Any) -> float | None:
         return None
 
 
-def _torch_class(inner: Any) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class a replay rebuilds DeepSpeed's optimizer as (its own FusedAdam / CPU Adam
-    compute Adam or AdamW: ``adam_w_mode``)."""
-    cls = type(inner)
-    if cls.__module__.startswith("torch.optim") and issubclass(cls, torch.optim.Optimizer):
-        return cls
-    name = cls.__name__.lower()
-    if "adam" in name:
-        return torch.optim.AdamW if getattr(inner, "adam_w_mode", True) else torch.optim.Adam
-    return torch.optim.SGD if "sgd" in name else torch.optim.AdamW
-
-
-_HYPER_SKIP = ("params", "foreach", "fused", "capturable", "differentiable", "torch_adam", "adam_w_mode",
-               "bias_correction", "initial_lr")
-
-
-class _Layout:
-    """Which of the model's parameters sits where in DeepSpeed's flat FP32 partitions, on this rank."""
-
-    def __init__(self, engine: Any, names: dict[int, str]) -> None:
-        self.engine = engine
-        opt = engine.optimizer
-        self.opt = opt
-        self.groups: list[list[tuple[str, nn.Parameter]]] = [[(names[id(p)], p) for p in g] for g in opt.bit16_groups]
-        self.order = [n for g in self.groups for n, _ in g]
-        """The optimizer's parameters, in the order of its state's indices (the manifest's ``optimizer_params``)."""
-
-    def hyper(self) -> list[dict[str, Any]]:
-        out = []
-        for g in self.opt.optimizer.param_groups:
-            h: dict[str, Any] = {}
-            for k, v in g.items():
-                if k in _HYPER_SKIP:
-                    continue
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = v.item()
-                if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
-                    h[k] = list(v)
-                elif isinstance(v, (bool, int, float, str)) or v is None:
-                    h[k] = v
-            out.append(h)
-        return out
-
-    def pieces(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[int, dict[str, Any]]]:
-        """(this rank's piece of each FP32 master weight, where it sits, the optimizer state's pieces by index).
-
-        A piece is elements ``flat ..`` of the flattened parameter, in DeepSpeed's FP32 master partition; a
-        parameter with no element on this rank gets an empty piece."""
-        inner = self.opt.optimizer
-        model: dict[str, torch.Tensor] = {}
-        where: dict[str, Any] = {}
-        state: dict[int, dict[str, Any]] = {}
-        i = 0
-        for gi, group in enumerate(self.groups):
-            flat = self.opt.single_partition_of_fp32_groups[gi]
-            st = inner.state.get(flat, {})
-            for name, p in group:
-                hm = getattr(p, "_hp_mapping", None)
-                shape = [int(x) for x in p.shape]
-                if hm is None:
-                    model[name] = torch.zeros(0, dtype=torch.float32)
-                    where[name] = {"shape": shape, "flat": 0}
-                else:
-                    a = hm.hp_fragment_address
-                    model[name] = flat.detach().narrow(0, a.start, a.numel)
-                    where[name] = {"shape": shape, "flat": int(hm.lp_fragment_address.start)}
-                if st:
-                    ps: dict[str, Any] = {}
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                            ps[k] = (v.detach().narrow(0, hm.hp_fragment_address.start, hm.hp_fragment_address.numel)
-                                     if hm is not None else torch.zeros(0, dtype=v.dtype))
-                        elif isinstance(v, torch.Tensor) and v.numel() == 1:
-                            ps[k] = v.detach()
-                        elif isinstance(v, (int, float)):
-                            ps[k] = v
-                    state[i] = ps
-                i += 1
-        return model, where, state
-
-
 class _RankCapture(Capture):
     """This rank's capture of a DeepSpeed run: its pieces of the FP32 master weights and of the optimizer
-    state (``_Layout.pieces``), the replicated buffers whole; the batches in FP32 (a replay runs the FP32
+    state (``Layout.pieces``), the replicated buffers whole; the batches in FP32 (a replay runs the FP32
     master weights, under autocast)."""
 
-    layout_ds: _Layout
+    layout_ds: Layout
     view: _LossScale | None
 
     def state(self) -> dict[str, Any]:
@@ -275,7 +196,7 @@ class _RankCapture(Capture):
         return super().write(trig, extra=extra, **kw)
 
     def replay_hint(self) -> str:
-        from ampdoctor.engine.capture import spec_hint
+        from ampdoctor.capture.state import spec_hint
 
         return deepspeed_replay_hint(self.written, spec_hint() or "SPEC.py")
 
@@ -348,7 +269,7 @@ class DeepSpeedMonitor(Monitor):
             try:
                 if want is not None:
                     for i, p in enumerate(params):
-                        frag, _ = _fragment(p)
+                        frag, _ = fragment(p)
                         if frag is not None:
                             sq[i] = frag.double().square().sum()
                     sq[-1] = 1.0 if want else 0.0
@@ -368,7 +289,7 @@ class DeepSpeedMonitor(Monitor):
         try:
             off = 0
             for p, n in zip(params, sizes, strict=True):
-                frag, start = _fragment(p) if want is not None and err is None else (None, 0)
+                frag, start = fragment(p) if want is not None and err is None else (None, 0)
                 if frag is not None:
                     buf.narrow(0, off + start, frag.numel()).copy_(frag)
                 off += n
@@ -423,19 +344,6 @@ class DeepSpeedMonitor(Monitor):
         return self.after_step(not applied)
 
 
-def _fragment(p: nn.Parameter) -> tuple[torch.Tensor | None, int]:
-    """This rank's fragment of ``p``'s reduced gradient (FP32, flat) and where it starts in the flattened
-    parameter; (None, 0) when this rank holds none of it."""
-    hm = getattr(p, "_hp_mapping", None)
-    if hm is None:
-        return None, 0
-    a = hm.lp_fragment_address
-    frag = hm.get_lp_grad_fragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
-    if frag.numel() == p.numel() and a.numel != p.numel():  # a whole-parameter buffer: only this rank's fragment counts
-        frag = frag.narrow(0, a.start, a.numel)
-    return frag, int(a.start)
-
-
 def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", capture: str | Path | None = None,
           **monitor_kwargs: Any) -> DeepSpeedMonitor:
     """Attach a ``Monitor`` to a DeepSpeed engine (ZeRO-1/2, fp16, bf16 or fp32); returns it (``close()`` detaches).
@@ -483,10 +391,10 @@ def watch(engine: Any, *, log: str | Path | None = "ampdoctor/steps.csv", captur
         cap = mon.capture
         cap.__class__ = _RankCapture
         assert isinstance(cap, _RankCapture)
-        cap.layout_ds = _Layout(engine, names)
+        cap.layout_ds = Layout(engine, names)
         cap.view = view
         cap.sharded = ENGINE
-        cap.optimizer = _layout_optimizer(engine, cap.layout_ds)
+        cap.optimizer = layout_optimizer(engine, cap.layout_ds)
         cap.settings.update(deepspeed={"zero_stage": int(engine.zero_optimization_stage()),
                                        "precision": "fp16" if fp16 else "bf16" if amp is not None else "fp32"})
     _wrap(mon, engine)
@@ -556,25 +464,6 @@ def _route(mon: DeepSpeedMonitor, grads: list[_Grad]) -> None:
     if mon.ranks is not None:
         mon.ranks.params = [g.name for g in grads]
     mon._pgrad_keys = mon.hooks._pgrad_keys = [(("pgrad", g.name), g) for g in grads]  # type: ignore[attr-defined,misc]
-
-
-def _layout_optimizer(engine: Any, lay: _Layout) -> torch.optim.Optimizer:
-    """A ``torch.optim`` optimizer over the model's parameters with DeepSpeed's groups and hyperparameters,
-    never stepped: the capture's ``optimizer_layout`` (what the replay rebuilds without a spec's optimizer)."""
-    cls = _torch_class(engine.optimizer.optimizer)
-    groups = [{"params": [p for _, p in g], **{k: tuple(v) if isinstance(v, list) else v for k, v in h.items()
-                                               if k in _accepted(cls)}}
-              for g, h in zip(lay.groups, lay.hyper(), strict=False)]
-    return cls(groups)  # type: ignore[call-arg]
-
-
-def _accepted(cls: type) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(cls).parameters) - {"params"}
-    except (TypeError, ValueError):  # pragma: no cover
-        return set()
 
 
 __all__ = ["DeepSpeedMonitor", "watch"]

@@ -47,7 +47,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
 
-from ampdoctor.engine.capture import model_identity
+from ampdoctor.capture.state import model_identity
 from ampdoctor.input.batches import Micro
 from ampdoctor.integrations import _tracker
 from ampdoctor.integrations._attach import Attached, inner_optimizer

@@ -41,7 +41,7 @@ import torch
 from ampdoctor.formats import Format
 from ampdoctor.input.checkpoint import CheckpointState
 from ampdoctor.input.checkpoint_series import optimizer_names
-from ampdoctor.judge.scaler import COLLAPSE_BINADES
+from ampdoctor.judge.scale_facts import COLLAPSE_BINADES
 
 MOMENT_SLACK = 1e-3
 """Relative slack on ``|m| <= C sqrt(v)`` for FP32 rounding: each step rounds v's sum by at most 2u (u = 2^-24),

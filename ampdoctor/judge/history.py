@@ -227,7 +227,7 @@ def _num(v: Any) -> float:
 def story(steps_df: Any, layers_df: Any, fail_step: int, culprit: str | None, fmt_max: float = 65504.0,
           top: int = 5, *, overflow: bool = True) -> dict[str, Any] | None:
     """The figures of the steps before ``fail_step`` from the ring's tables (pandas DataFrames, as
-    ``input.capture_schema.read_ring`` gives them), or None when the ring holds too little.
+    ``capture.schema.read_ring`` gives them), or None when the ring holds too little.
 
     Returns: ``layer`` (the culprit: the one named, else the layer with least headroom at the failing step),
     ``crossed_step`` (its first step with no headroom left), its ``headroom`` series, ``movers`` (layers that left

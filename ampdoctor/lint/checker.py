@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampdoctor.errors import UsageError
-from ampdoctor.lint.checks import CHECKS, Ctx
+from ampdoctor.lint.check_context import Ctx
+from ampdoctor.lint.checks import CHECKS
 from ampdoctor.lint.flow import FileFacts
 from ampdoctor.lint.rules import BY_CODE, RULES
 

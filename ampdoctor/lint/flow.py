@@ -1,5 +1,6 @@
-"""What one file says, read from its syntax tree alone: names, scopes, the training events of each
-function in source order (helpers of the same file inlined), and the autocast regions.
+"""What one file says, read from its syntax tree alone: names, scopes, the functions and what they bind
+(``FileFacts``), and the autocast regions. The training events of each function are ``lint.events``'; the
+names and literals read from a node, ``lint.syntax``'.
 
 Nothing here imports or runs the user's code. Every fact is a guess that can be checked from the text:
 when a name cannot be followed, the fact is left unknown and the rules that need it stay silent.
@@ -11,136 +12,19 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-SCALER_CLASSES = {"GradScaler", "ShardedGradScaler"}
-OPTIMIZERS = {"Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "LBFGS",
-              "SparseAdam", "ASGD", "Adafactor", "Lamb", "LAMB", "FusedAdam", "FusedLAMB", "Lion", "AdamW8bit", "Adam8bit"}
-EPS_OPTIMIZERS = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "FusedAdam",
-                  "Lamb", "LAMB", "FusedLAMB", "AdamW8bit", "Adam8bit"}
-"""Optimizers whose update divides by sqrt(v) + eps (eps=1e-8 by default: 0 in FP16)."""
-CLIP_FUNCS = {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_grad_value"}
-FP16_NAMES = {"torch.float16", "torch.half", "float16", "half"}
-BF16_NAMES = {"torch.bfloat16", "bfloat16"}
-MOVE_METHODS = {"to", "cuda", "half", "float", "train", "eval", "bfloat16", "double", "requires_grad_", "cpu"}
-
-
-def dotted(node: ast.AST | None) -> str | None:
-    """'a.b.c' for a Name/Attribute chain, else None."""
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
-def call_name(node: ast.AST) -> str | None:
-    """The dotted name of a call's function ('torch.nn.utils.clip_grad_norm_'), else None."""
-    return dotted(node.func) if isinstance(node, ast.Call) else None
-
-
-def last(name: str | None) -> str:
-    return name.rsplit(".", 1)[-1] if name else ""
-
-
-def method(node: ast.AST) -> tuple[ast.expr, str] | None:
-    """(receiver, method name) of a call ``recv.m(...)``."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return node.func.value, node.func.attr
-    return None
-
-
-def arg(call: ast.Call, i: int, name: str) -> ast.expr | None:
-    """Positional argument ``i`` or keyword ``name`` of a call."""
-    for kw in call.keywords:
-        if kw.arg == name:
-            return kw.value
-    if i < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: i + 1]):
-        return call.args[i]
-    return None
-
-
-def number(node: ast.AST | None) -> float | None:
-    """A numeric literal, with its sign: -1e9, 1e4, float('-inf') -> float; else None."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return float(node.value)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = number(node.operand)
-        if v is None:
-            return None
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, ast.Call) and call_name(node) == "float" and len(node.args) == 1 \
-            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-        try:
-            return float(node.args[0].value)
-        except ValueError:
-            return None
-    return None
-
-
-def names_in(node: ast.AST) -> set[str]:
-    """Every dotted name (and its prefixes) mentioned in an expression."""
-    out: set[str] = set()
-    for n in ast.walk(node):
-        d = dotted(n) if isinstance(n, (ast.Name, ast.Attribute)) else None
-        if d:
-            parts = d.split(".")
-            out.update(".".join(parts[: i + 1]) for i in range(len(parts)))
-    return out
-
-
-def root_of(node: ast.AST | None) -> str | None:
-    """The model a ``X.parameters()``-like expression comes from: 'model' for model.parameters(),
-    model.module.parameters(), list(model.parameters()), [p for p in model.parameters() if ...]."""
-    if node is None:
-        return None
-    for n in ast.walk(node):
-        m = method(n)
-        if m and m[1] in ("parameters", "named_parameters"):
-            d = dotted(m[0])
-            if d:
-                return d.removesuffix(".module")
-    return None
-
-
-def casts_to_float(node: ast.AST) -> bool:
-    """The expression holds ``.float()``, ``.double()`` or ``.to(torch.float32)``: computed in FP32."""
-    for n in ast.walk(node):
-        m = method(n)
-        if m and m[1] in ("float", "double"):
-            return True
-        if m and m[1] == "to" and any(dotted(a) in ("torch.float32", "torch.float", "torch.float64", "torch.double")
-                                      for a in [*n.args, *(k.value for k in n.keywords)]):  # type: ignore[attr-defined]
-            return True
-    return False
-
-
-def fp16_dtype(node: ast.AST | None) -> str | None:
-    """'fp16' / 'bf16' / 'fp32' for a dtype literal, else None."""
-    d = dotted(node) if node is not None else None
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        d = node.value
-    if d in FP16_NAMES:
-        return "fp16"
-    if d in BF16_NAMES:
-        return "bf16"
-    if d in ("torch.float32", "torch.float", "float32"):
-        return "fp32"
-    return None
-
-
-def device_literal(node: ast.AST | None) -> str | None:
-    """'cuda' / 'cpu' / ... for "cuda:0", torch.device('cuda'), else None."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        kind = node.value.split(":")[0].strip()
-        return kind if kind in ("cuda", "cpu", "mps", "xpu", "hpu", "xla", "npu") else None
-    if isinstance(node, ast.Call) and call_name(node) in ("torch.device", "device") and node.args:
-        return device_literal(node.args[0])
-    return None
-
-
-# --- the file ---------------------------------------------------------------------------------------------------------
+from ampdoctor.lint.syntax import (
+    BF16_NAMES,
+    MOVE_METHODS,
+    OPTIMIZERS,
+    SCALER_CLASSES,
+    arg,
+    call_name,
+    device_literal,
+    dotted,
+    fp16_dtype,
+    last,
+    method,
+)
 
 
 @dataclass
@@ -331,7 +215,7 @@ class FileFacts:
         if got is not None:
             return got
         out: dict[str, list[ast.expr]] = {}
-        for n in _walk_scope(node):
+        for n in walk_scope(node):
             if isinstance(n, ast.Assign):
                 for t in n.targets:
                     d = dotted(t)
@@ -378,7 +262,7 @@ class FileFacts:
         for c in self.calls if out else []:  # a helper's parameter that a caller passes a scaler to
             f = self.resolve(c, self.scope_of(c))
             if f is not None:
-                for p, a in _bind(f, c):
+                for p, a in bind(f, c):
                     if dotted(a) in out:
                         out.add(p)
         return out
@@ -516,7 +400,7 @@ class FileFacts:
 
     def _called_in(self, body: list[ast.stmt], scope: Func) -> Iterator[Func]:
         for stmt in body:
-            for n in _walk_scope(stmt):
+            for n in walk_scope(stmt):
                 if isinstance(n, ast.Call):
                     f = self.resolve(n, scope)
                     if f is not None:
@@ -554,7 +438,7 @@ def _defs(node: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef | as
             yield from _defs(child)
 
 
-def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:
+def walk_scope(node: ast.AST) -> Iterator[ast.AST]:
     """ast.walk that does not enter nested functions, lambdas or classes (their names are their own)."""
     todo = [node]
     first = True
@@ -577,7 +461,7 @@ def _strip_moves(node: ast.expr) -> ast.expr:
             return node
 
 
-def _bind(f: Func, call: ast.Call) -> list[tuple[str, ast.expr]]:
+def bind(f: Func, call: ast.Call) -> list[tuple[str, ast.expr]]:
     """(parameter, argument) pairs of a call to ``f`` (``self`` skipped for methods)."""
     params = list(f.params)
     if f.cls is not None and params and params[0] in ("self", "cls"):
@@ -585,190 +469,3 @@ def _bind(f: Func, call: ast.Call) -> list[tuple[str, ast.expr]]:
     out = [(p, a) for p, a in zip(params, call.args, strict=False) if not isinstance(a, ast.Starred)]
     out += [(k.arg, k.value) for k in call.keywords if k.arg in params]
     return out
-
-
-# --- events -----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Event:
-    """One step of a training loop as the text orders it.
-
-    kind: scale_backward | backward | unscale | clip | step | update | nan_grad | jump | opt_step
-    """
-
-    kind: str
-    node: ast.AST
-    order: int
-    loops: tuple[int, ...]
-    """ids of the enclosing loops, outermost first"""
-    conds: tuple[tuple[int, str], ...]
-    """(if-statement id, branch) of the enclosing branches"""
-    scaler: str | None = None
-    optimizer: str | None = None
-    params: ast.expr | None = None
-    jump_loop: int | None = None
-    """continue/break: the loop it leaves; return: -1"""
-    guard: frozenset[str] = frozenset()
-    """names mentioned in the tests of the enclosing ifs (a guard like ``if scaler is not None``)"""
-
-
-def reachable(items: list[Event], a: Event, b: Event) -> bool:
-    """``b`` can run after ``a`` in one pass: no continue/break/return on every path from ``a`` lies
-    between them (a jump in a block that encloses ``a`` leaves the rest of that iteration)."""
-    for j in items:
-        if j.kind != "jump" or not (a.order < j.order < b.order):
-            continue
-        if j.conds != a.conds[: len(j.conds)]:
-            continue  # the jump is on a branch of its own: not every path from a takes it
-        if j.jump_loop == -1 or (j.jump_loop in a.loops and j.jump_loop in b.loops):
-            return False
-    return True
-
-
-def exclusive(a: Event, b: Event) -> bool:
-    """Two events on different branches of the same if (or try/except): never both in one pass."""
-    ca = dict(a.conds)
-    return any(k in ca and ca[k] != br for k, br in b.conds)
-
-
-class Events:
-    """The events of a function body, in source order, with same-file helpers inlined (two calls deep)."""
-
-    def __init__(self, facts: FileFacts, func: Func) -> None:
-        self.facts = facts
-        self.items: list[Event] = []
-        self._order = 0
-        self._walk_body(self._body(func), func, (), (), frozenset(), {}, 0, set())
-
-    @staticmethod
-    def _body(func: Func) -> list[ast.stmt]:
-        return list(func.node.body)
-
-    def _emit(self, kind: str, node: ast.AST, loops: tuple[int, ...], conds: tuple[tuple[int, str], ...],
-              guard: frozenset[str], **kw: object) -> None:
-        self._order += 1
-        self.items.append(Event(kind, node, self._order, loops, conds, guard=guard, **kw))  # type: ignore[arg-type]
-
-    def _walk_body(self, body: list[ast.stmt], scope: Func, loops: tuple[int, ...], conds: tuple[tuple[int, str], ...],
-                   guard: frozenset[str], subst: dict[str, str], depth: int, stack: set[int]) -> None:
-        for stmt in body:
-            self._walk_stmt(stmt, scope, loops, conds, guard, subst, depth, stack)
-
-    def _walk_stmt(self, stmt: ast.stmt, scope: Func, loops: tuple[int, ...], conds: tuple[tuple[int, str], ...],
-                   guard: frozenset[str], subst: dict[str, str], depth: int, stack: set[int]) -> None:
-        w = self._walk_body
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return
-        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
-            self._exprs(stmt.iter if isinstance(stmt, (ast.For, ast.AsyncFor)) else stmt.test, scope, loops, conds, guard,
-                        subst, depth, stack)
-            w(stmt.body, scope, (*loops, id(stmt)), conds, guard, subst, depth, stack)
-            w(stmt.orelse, scope, loops, conds, guard, subst, depth, stack)
-            return
-        if isinstance(stmt, ast.If):
-            self._exprs(stmt.test, scope, loops, conds, guard, subst, depth, stack)
-            g = guard | frozenset(names_in(stmt.test))
-            w(stmt.body, scope, loops, (*conds, (id(stmt), "body")), g, subst, depth, stack)
-            w(stmt.orelse, scope, loops, (*conds, (id(stmt), "else")), g, subst, depth, stack)
-            return
-        if isinstance(stmt, (ast.With, ast.AsyncWith)):
-            for item in stmt.items:
-                self._exprs(item.context_expr, scope, loops, conds, guard, subst, depth, stack)
-            w(stmt.body, scope, loops, conds, guard, subst, depth, stack)
-            return
-        if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
-            t: ast.Try = stmt  # type: ignore[assignment]
-            w(t.body, scope, loops, (*conds, (id(t), "try")), guard, subst, depth, stack)
-            for h in t.handlers:
-                w(h.body, scope, loops, (*conds, (id(t), f"except{id(h)}")), guard, subst, depth, stack)
-            w(t.orelse, scope, loops, (*conds, (id(t), "try")), guard, subst, depth, stack)
-            w(t.finalbody, scope, loops, conds, guard, subst, depth, stack)
-            return
-        if isinstance(stmt, ast.Match):
-            self._exprs(stmt.subject, scope, loops, conds, guard, subst, depth, stack)
-            for i, case in enumerate(stmt.cases):
-                w(case.body, scope, loops, (*conds, (id(stmt), f"case{i}")), guard, subst, depth, stack)
-            return
-        if isinstance(stmt, (ast.Continue, ast.Break)):
-            self._emit("jump", stmt, loops, conds, guard, jump_loop=loops[-1] if loops else None)
-            return
-        if isinstance(stmt, (ast.Return, ast.Raise)):
-            if stmt.value if isinstance(stmt, ast.Return) else stmt.exc:
-                self._exprs(stmt, scope, loops, conds, guard, subst, depth, stack)
-            if depth == 0:
-                self._emit("jump", stmt, loops, conds, guard, jump_loop=-1)
-            return
-        self._exprs(stmt, scope, loops, conds, guard, subst, depth, stack)
-
-    def _exprs(self, node: ast.AST, scope: Func, loops: tuple[int, ...], conds: tuple[tuple[int, str], ...],
-               guard: frozenset[str], subst: dict[str, str], depth: int, stack: set[int]) -> None:
-        calls = sorted((n for n in _walk_scope(node) if isinstance(n, ast.Call)),
-                       key=lambda c: (getattr(c, "end_lineno", 0), getattr(c, "end_col_offset", 0)))
-        for c in calls:  # inner calls end first: `scaler.scale(loss).backward()` -> scale, then backward
-            self._call(c, scope, loops, conds, guard, subst, depth, stack)
-
-    def _name(self, node: ast.AST | None, subst: dict[str, str]) -> str | None:
-        d = dotted(node)
-        if d is None:
-            return None
-        head, _, rest = d.partition(".")
-        if head in subst:
-            return subst[head] + ("." + rest if rest else "")
-        return d
-
-    def _call(self, c: ast.Call, scope: Func, loops: tuple[int, ...], conds: tuple[tuple[int, str], ...],
-              guard: frozenset[str], subst: dict[str, str], depth: int, stack: set[int]) -> None:
-        f = self.facts
-        name = call_name(c)
-        m = method(c)
-        emit = self._emit
-        if last(name) in CLIP_FUNCS and not (m and f.is_scaler(dotted(m[0]))):
-            owner = dotted(m[0]) if m else None
-            if owner is None or owner in ("torch.nn.utils", "nn.utils", "utils", "clip_grad") or owner.endswith("nn.utils"):
-                emit("clip", c, loops, conds, guard, params=arg(c, 0, "parameters"))
-                return
-        if last(name) in ("nan_to_num", "nan_to_num_") and any(".grad" in (dotted(n) or "") or
-                                                              (isinstance(n, ast.Attribute) and n.attr == "grad")
-                                                              for n in ast.walk(c)):
-            emit("nan_grad", c, loops, conds, guard)
-            return
-        if m is not None:
-            recv, meth = m
-            rname = self._name(recv, subst)
-            if meth == "backward":
-                inner = method(recv)
-                if inner and inner[1] == "scale" and f.is_scaler(self._name(inner[0], subst)):
-                    emit("scale_backward", c, loops, conds, guard, scaler=self._name(inner[0], subst))
-                elif isinstance(recv, ast.Name) and self._scaled_name(recv.id, scope):
-                    emit("scale_backward", c, loops, conds, guard, scaler=self._scaled_name(recv.id, scope))
-                else:
-                    emit("backward", c, loops, conds, guard)
-                return
-            if f.is_scaler(rname):
-                if meth == "unscale_":
-                    emit("unscale", c, loops, conds, guard, scaler=rname, optimizer=self._name(arg(c, 0, "optimizer"), subst))
-                elif meth == "step":
-                    emit("step", c, loops, conds, guard, scaler=rname, optimizer=self._name(arg(c, 0, "optimizer"), subst))
-                elif meth == "update":
-                    emit("update", c, loops, conds, guard, scaler=rname)
-                return
-            if meth == "step" and rname is not None and rname in f.optimizers:
-                emit("opt_step", c, loops, conds, guard, optimizer=rname)
-                return
-        if name == "torch.autograd.backward":
-            emit("backward", c, loops, conds, guard)
-            return
-        if depth < 2:
-            callee = f.resolve(c, scope)
-            if callee is not None and id(callee) not in stack and callee.node is not scope.node:
-                binds = {p: n for p, a in _bind(callee, c) if (n := self._name(a, subst))}
-                self._walk_body(self._body(callee), callee, loops, conds, guard, binds, depth + 1, stack | {id(callee)})
-
-    def _scaled_name(self, var: str, scope: Func) -> str | None:
-        """``scaled = scaler.scale(loss); scaled.backward()``: the scaler behind ``scaled``."""
-        for v in self.facts.assigned(var, scope):
-            m = method(v)
-            if m and m[1] == "scale" and self.facts.is_scaler(dotted(m[0])):
-                return dotted(m[0])
-        return None

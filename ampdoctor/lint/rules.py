@@ -1,5 +1,5 @@
 """The lint rules as data: id, name, title, why, fix, a bad and a good snippet, and the verdicts a
-finding can explain. The checks that find them are in ``lint/checks.py`` (one function per id);
+finding can explain. The checks that find them are ``lint/checks.py``'s ``CHECKS`` (one function per id);
 ``docs/lint.md`` shows the same snippets, and ``tests/test_lint_rules.py`` checks that every bad
 snippet fires its rule at ``bad_at`` and every good one does not.
 """

@@ -12,8 +12,9 @@ from typing import Any
 from ampdoctor.render import common
 from ampdoctor.render.common import num, pct, scale, steps
 from ampdoctor.render.markdown import ENV_KEYS, SHOW_ROWS, _scale_runs, _stage_note, reproduce_command
-from ampdoctor.report import words
 from ampdoctor.report.model import Report
+from ampdoctor.report.words import evidence as evidence_words
+from ampdoctor.report.words import run as run_words
 
 CSS = """
 body{font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
@@ -169,7 +170,7 @@ def _findings(report: Report) -> str:
     if errors:
         items = []
         for f in errors:
-            ev = (f"<br><span class=\"muted\">evidence: {t(' '.join(words.evidence(f.evidence, f.module)))}</span>"
+            ev = (f"<br><span class=\"muted\">evidence: {t(' '.join(evidence_words.evidence(f.evidence, f.module)))}</span>"
                   if f.evidence else "")
             fx = f"<br>fix: {t(f.fix)}" if f.fix else ""
             items.append(f"<li><b>{t(f.title)}</b>{ev}{fx}</li>")
@@ -227,7 +228,7 @@ def render(report: Report, images: Mapping[str, bytes] | None = None, *, missing
         fixes = "<h2>What to change</h2><ol>" + "".join(f"<li>{t(f)}</li>" for f in report.fixes) + "</ol>"
     body = "".join([
         f"<h1>{e(common.CAUSE_TITLES.get(v.cause, v.cause))} <span class=\"muted\">{e(common.spec_name(report))}</span></h1>",
-        f'<p class="muted">{t(words.what_ran(report.tool, report.config, common.ran_steps(report)))}</p>',
+        f'<p class="muted">{t(run_words.what_ran(report.tool, report.config, common.ran_steps(report)))}</p>',
         _verdict(report), _code(report), fixes,
         _plots(images, missing_plots), _stages(report), _layers(report), _scaler(report), _findings(report),
         _reproduce(report), _environment(report),

@@ -32,8 +32,9 @@ from ampdoctor.render.common import (
     step0,
     steps,
 )
-from ampdoctor.report import words
 from ampdoctor.report.model import Report, StageSummary
+from ampdoctor.report.words import evidence as evidence_words
+from ampdoctor.report.words import run as run_words
 
 SHOW_ROWS = 6
 """Rows of a long table shown before the rest folds into <details>."""
@@ -128,7 +129,7 @@ def _verdict(report: Report) -> list[str]:
     step_label = "First bad batch" if v.cause == "data" else "First bad step"
     name = spec_name(report)
     lines = [f"# {title}" + (f" in {text(name)}" if name else ""), "",
-             text(words.what_ran(report.tool, report.config, ran_steps(report))), "",
+             text(run_words.what_ran(report.tool, report.config, ran_steps(report))), "",
              f"> {icon} **Verdict: {title}** (`{v.cause}`)", ">", f"> {text(v.summary)}", ""]
     lines += table(["First module", step_label, "Stage", "Device", "Spec"],
                    [[code(v.first_module), num(v.first_step), v.stage or "-", v.device, code(report.config.get("spec"))]])
@@ -272,7 +273,7 @@ def _findings(report: Report) -> list[str]:
                                           f"step {f.step}" if f.step is not None else "") if x)
             lines.append(f"- **{cell(f.title)}**" + (f" ({where})" if where else ""))
             if f.evidence:
-                lines.append(f"  - evidence: {cell(' '.join(words.evidence(f.evidence, f.module)))}")
+                lines.append(f"  - evidence: {cell(' '.join(evidence_words.evidence(f.evidence, f.module)))}")
             if f.fix:
                 lines.append(f"  - fix: {cell(f.fix)}")
     if other:

@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 
-from ampdoctor.judge.scaler import Envelope, LogDigest
+from ampdoctor.judge.log_digest import Envelope, LogDigest
 
 
 def _series(env: Envelope) -> tuple[list[float], list[float]]:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampdoctor.fmt import pow2
-from ampdoctor.judge.scaler import LogDigest
+from ampdoctor.judge.log_digest import LogDigest
 from ampdoctor.report.scaler import ScaleDiagnosis
 
 MAX_LEDGER_ROWS = 20

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampdoctor.judge.history import Forecast, Spike
-from ampdoctor.judge.rules import forward_overflow_fixes
+from ampdoctor.judge.rules_target import forward_overflow_fixes
 from ampdoctor.report.words import deepspeed as ds_words
-from ampdoctor.report.words import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words import monitor as words
+from ampdoctor.report.words.lookback import forecast_message, history_lines, history_title, spike_message
 from ampdoctor.report.words.monitor import (
     capture_without_batch,
     first_fault,
@@ -29,11 +29,11 @@ from ampdoctor.report.words.monitor import (
 
 @dataclass(frozen=True)
 class FirstRank:
-    """The rank that went non-finite first at a step (``engine.ranks.RankView.first``), and what the others did."""
+    """The rank that went non-finite first at a step (``parallel.exchange.RankView.first``), and what the others did."""
 
     rank: int
     kind: str
-    """input | forward | loss | backward | grad (``engine.ranks.KINDS``)."""
+    """input | forward | loss | backward | grad (``parallel.exchange.KINDS``)."""
     module: str | None
     others_clean: bool
     spread: bool = False
@@ -49,7 +49,7 @@ class Failure:
     scale: float | None
     """The scale the step used (None without a GradScaler)."""
     reason: str
-    """The trigger (``engine.capture.Trigger.reason``): nonfinite_loss, nonfinite_grad, ..., ``<what>_spike``."""
+    """The trigger (``capture.trigger.Trigger.reason``): nonfinite_loss, nonfinite_grad, ..., ``<what>_spike``."""
     detail: str
     """The trigger's figures, as it gives them."""
     skipped: bool
@@ -69,7 +69,7 @@ class Failure:
     run_scale: float | None = None
     """The scale ``run_first`` used."""
     why: str = ""
-    """``engine.capture.Trigger.why``: unscaled | jump ('' for the other triggers)."""
+    """``capture.trigger.Trigger.why``: unscaled | jump ('' for the other triggers)."""
     need: float | None = None
 
 

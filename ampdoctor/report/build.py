@@ -20,8 +20,9 @@ from ampdoctor.judge import locate
 from ampdoctor.judge.rules import Diagnosis
 from ampdoctor.lint import BY_CODE, LintFinding
 from ampdoctor.records import NCOLS, Col, StageResult, StepStats
-from ampdoctor.report import words
 from ampdoctor.report.model import CodeFinding, Finding, LayerStep, Report, ScalerStory, StageSummary, Verdict
+from ampdoctor.report.words import diagnosis as diagnosis_words
+from ampdoctor.report.words import run as run_words
 
 Key = tuple[str, str]
 """(module or parameter name, kind)"""
@@ -168,7 +169,7 @@ def _stopped(res: StageResult, step0: int) -> str | None:
     if res.stopped is None or not res.records:
         return res.stopped
     last = res.records[-1]
-    return words.stage_stopped("loss" if last.params_finite else "weights", last.step + step0)
+    return run_words.stage_stopped("loss" if last.params_finite else "weights", last.step + step0)
 
 
 def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
@@ -189,7 +190,7 @@ def shift_steps(report: Report, offset: int, *, judged: bool = True) -> Report:
     for row in report.layers:
         if row.first_nonfinite_step is not None:
             row.first_nonfinite_step += offset
-    if judged and report.scaler is not None:  # else the story was told in the run's steps (rules.scaler_story)
+    if judged and report.scaler is not None:  # else the story was told in the run's steps (context.scaler_story)
         for e in report.scaler.skips:
             e.step += offset
     for ls in report.layer_steps:
@@ -205,8 +206,8 @@ def code_findings(found: Iterable[LintFinding], cause: str) -> list[CodeFinding]
 
 
 def worded(diag: Diagnosis) -> tuple[Verdict, list[Finding], list[str], ScalerStory | None]:
-    """The diagnosis in words: the verdict, the findings, the fixes and GradScaler's story (``words.write``)."""
-    return words.write(diag)
+    """The diagnosis in words: the verdict, the findings, the fixes and GradScaler's story (``diagnosis_words.write``)."""
+    return diagnosis_words.write(diag)
 
 
 def replayed_scaler(story: ScalerStory, amp: StageResult | None, steps: int, manifest: dict[str, Any]) -> None:
@@ -217,4 +218,4 @@ def replayed_scaler(story: ScalerStory, amp: StageResult | None, steps: int, man
     if first is not None:  # the captured scale, not the spec's default
         story.init_scale = first
     story.calibration_skips = 0
-    story.explanation = words.replay_scaler(story.init_scale, steps, manifest)
+    story.explanation = run_words.replay_scaler(story.init_scale, steps, manifest)

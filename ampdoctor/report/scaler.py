@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ampdoctor.judge import scale_facts
 from ampdoctor.judge import scaler as judge
 from ampdoctor.report.words import scaler as words
 
@@ -34,7 +35,7 @@ class ScaleDiagnosis:
     final_scale: float = math.nan
 
 
-def worded(d: judge.ScaleFacts) -> ScaleDiagnosis:
+def worded(d: scale_facts.ScaleFacts) -> ScaleDiagnosis:
     """The facts with their words."""
     return ScaleDiagnosis(d.pattern, words.explain(d.finding), d.calibration_skips, d.later_skips, d.growths, d.backoffs,
                           words.recommendations(d), d.settings, d.growth_interval, d.backoff_factor, d.min_scale,
@@ -63,4 +64,4 @@ def diagnose_scale(
 
 def no_scale_history() -> ScaleDiagnosis:
     """The diagnosis of a run without a GradScaler."""
-    return worded(judge.empty(no_scaler=True))
+    return worded(scale_facts.empty(no_scaler=True))

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ampdoctor.report import words as all_words
+from ampdoctor.report.words import run as run_words
 from ampdoctor.report.words import stages as words
 
 
 def error_hint(kind: str | None) -> str:
-    """The hint a stage's ``StageError`` carries: by the kernel the device lacks (``judge.rules.kernel_limit``'s
+    """The hint a stage's ``StageError`` carries: by the kernel the device lacks (``judge.detectors.kernel_limit``'s
     code), None for any other exception."""
     return words.error_hint(kind)
 
@@ -119,5 +119,5 @@ __all__ = ["Source", "checkpoint_start", "epochs", "error_hint", "layout", "note
 
 
 def hooks_kept(kept: list[str], lost: list[str], total: int) -> list[str]:
-    """The note on the user's gradient hooks the stages kept and lost (``words.hooks_kept``)."""
-    return all_words.hooks_kept(kept, lost, total)
+    """The note on the user's gradient hooks the stages kept and lost (``words.run.hooks_kept``)."""
+    return run_words.hooks_kept(kept, lost, total)

@@ -11,7 +11,7 @@ Two kinds of object listen, each a ``Protocol`` below:
 
 - a ``CallListener`` (``watch.hooks.Hooks``, ``watch.tap.ForwardTap``) is told after each call
   (``after_call``); one that raises is stopped and handed the error (``on_error``): never the user's forward;
-- a ``CallTracker`` (``watch.hooks.ModuleTracker``, ``watch.blame.GraphRecorder``, ``ForwardTap`` for the
+- a ``CallTracker`` (``watch.tracker.ModuleTracker``, ``watch.blame.GraphRecorder``, ``ForwardTap`` for the
   start of a training call) is told as each call begins (``enter_call``) and, when that returned True, as it
   ends (``leave_call``). An exception in the call skips ``leave_call``: what was entered stays (the module
   it came from).

@@ -52,58 +52,12 @@ from ampdoctor.watch.calls import (
     listen_calls,
     listener_failed,
     remove_hooks,
-    track_calls,
     unlisten_calls,
     uses_compile,
 )
+from ampdoctor.watch.model_view import is_compiled, local, named_modules, named_parameters, unwrap
 from ampdoctor.watch.stats import StatsBuffer, _thresholds, scaled_stats
-
-_WRAPPERS = ("DistributedDataParallel", "DataParallel")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module a wrapper runs: a ``torch.compile``d model's ``_orig_mod``, a ``DistributedDataParallel``
-    or ``DataParallel``'s ``module`` (in any nesting), else the model itself. Names are the inner
-    module's, so a rank's log and capture read like a single-process run."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS:
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-ENGINE_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-"""Name parts the engines insert between the user's modules (FSDP1's wrapper, activation checkpointing's, a
-compiled submodule's): never the user's own names."""
-
-
-def user_name(name: str) -> str:
-    """A parameter or module name as the user wrote the model: ``_fsdp_wrapped_module.embed._fsdp_wrapped_module.weight``
-    → ``embed.weight`` (see ``ENGINE_PARTS``; a wrapper's leading ``module.`` is dropped by ``unwrap``)."""
-    if "_" not in name:
-        return name
-    return ".".join(p for p in name.split(".") if p not in ENGINE_PARTS)
-
-
-def named_parameters(root: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``root.named_parameters()`` under the user's names (``user_name``)."""
-    return [(user_name(n), p) for n, p in root.named_parameters()]
-
-
-def named_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``root.named_modules()`` under the user's names: an engine's wrapper and the module it wraps share one."""
-    return [(user_name(n), m) for n, m in root.named_modules()]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: a DTensor's local shard (FSDP2, tensor parallelism; no collective),
-    else the tensor itself (FSDP1's parameters already are the local shard)."""
-    if type(t) is torch.Tensor or type(t) is nn.Parameter:
-        return t
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+from ampdoctor.watch.tracker import ModuleTracker
 
 
 def _plain(obj: Any) -> Any:
@@ -126,17 +80,6 @@ def _plain(obj: Any) -> Any:
 
 def _plain_call(fast: Callable[..., bool], module: nn.Module, args: tuple, kwargs: dict, output: Any) -> bool:
     return fast(module, _plain(args), _plain(kwargs), _plain(output))
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether a ``torch.compile``d module is anywhere in the wrapping (DDP around compiled, or the reverse)."""
-    while True:
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            return True
-        inner = getattr(model, "module", None) if type(model).__name__ in _WRAPPERS else None
-        if not isinstance(inner, nn.Module):
-            return False
-        model = inner
 
 
 def _training(ref: weakref.ref[nn.Module]) -> bool:
@@ -197,7 +140,7 @@ class Hooks:
         """With ``track=True``: which module is running (names the module an exception came from)."""
         self._attached = False
         root = unwrap(model)
-        self._compiled = _is_compiled(model)
+        self._compiled = is_compiled(model)
         """A compiled model runs its modules inside dynamo's graph: no forward hook (see the module doc)."""
         self._training_only = False
         self._root = weakref.ref(root)
@@ -645,74 +588,3 @@ def _scalar_rows(values: torch.Tensor, device: torch.device, width: int = NCOLS)
     return out.view(nrows, width)
 
 
-class ModuleTracker:
-    """Which module is running, to name where an exception came from.
-
-    ``current`` is the innermost module whose forward has started and not finished: after an
-    exception escapes the forward, the module that raised it. Like ``Hooks``, it is told of every call, held
-    weakly, and keeps only the model's own modules: a ``CallTracker`` of the ``__call__`` wrapper
-    (``watch.calls``), else process-wide pre/post forward hooks. Nothing is stored on the model.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        root = unwrap(model)
-        self._compiled = _is_compiled(model)
-        """A compiled model: no hooks (dynamo would trace them), so no module is named."""
-        self._wrap_call = call_wrapping_enabled() and not uses_compile(root)
-        """Through the ``__call__`` wrapper (as ``Hooks``), else process-wide pre/post forward hooks."""
-        self._names: dict[int, str] = {id(m): n or MODEL for n, m in root.named_modules()}
-        self.stack: list[str] = []
-        self._handles: list[Any] = []
-        self._listening = False
-        weakref.finalize(self, remove_hooks, self._handles)
-        weakref.finalize(self, unlisten_calls, None)
-
-    def attach(self) -> None:
-        if self._handles or self._listening or self._compiled:
-            return
-        self.stack.clear()
-        ref = weakref.ref(self)
-        if self._wrap_call:
-            self._listening = True
-            track_calls(self)
-            return
-        self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(partial(_tracker_enter, ref)))
-        self._handles.append(torch.nn.modules.module.register_module_forward_hook(partial(_tracker_leave, ref)))
-
-    def detach(self) -> None:
-        if self._listening:
-            self._listening = False
-            unlisten_calls(self)
-        remove_hooks(self._handles)
-
-    @property
-    def current(self) -> str | None:
-        return self.stack[-1] if self.stack else None
-
-    def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
-        """A call begins (``watch.calls.CallTracker``): the model's own module goes on the stack."""
-        name = self._names.get(id(module))
-        if name is None:
-            return False
-        self.stack.append(name)
-        return True
-
-    def leave_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """The call returned: off the stack."""
-        if self.stack:
-            self.stack.pop()
-
-
-def _tracker_enter(ref: weakref.ref[ModuleTracker], module: nn.Module, *_: Any) -> None:
-    t = ref()
-    if t is not None and not torch.compiler.is_compiling():
-        name = t._names.get(id(module))
-        if name is not None:
-            t.stack.append(name)
-
-
-def _tracker_leave(ref: weakref.ref[ModuleTracker], module: nn.Module, *_: Any) -> None:
-    # hooks must return None, or they would replace the module's output
-    t = ref()
-    if t is not None and not torch.compiler.is_compiling() and id(module) in t._names and t.stack:
-        t.stack.pop()

@@ -29,8 +29,17 @@ from typing import Any
 import numpy as np
 
 from ampdoctor.formats import Format
-from ampdoctor.input.capture_schema import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
 from ampdoctor.records import MODEL, NCOLS, Col, StepStats
+
+# the ring's two tables in a capture folder (read back by ``capture.schema.read_ring``)
+RING_STEPS_FILE = "ring_steps.csv"
+RING_LAYERS_FILE = "ring_layers.csv"
+RING_STEP_COLUMNS: tuple[str, ...] = ("step", "loss", "grad_norm", "scale", "skipped", "lr", "input_numel", "input_absmax",
+                                      "recorded")
+"""``ring_steps.csv``: one row per kept step, oldest first (an empty cell: not known at that step)."""
+RING_LAYER_COLUMNS: tuple[str, ...] = ("step", "layer", "absmax", "headroom", "overflow_frac", "flush_frac",
+                                       "nonfinite_frac", "grad_norm", "update_norm", "exp_avg_sq_min")
+"""``ring_layers.csv``: one row per layer and recorded step (docs/capture-format.md)."""
 
 DEFAULT_STEPS = 256
 """Steps the ring keeps (``Monitor(ring=...)``)."""

@@ -20,31 +20,14 @@ import torch
 from ampdoctor.formats import FP16, Format
 from ampdoctor.records import BINADE_MIN, NBINADES, NCOLS, Col
 from ampdoctor.watch import fused
+from ampdoctor.watch.bits import INF_BITS, _f32_bits, _thresholds
 from ampdoctor.watch.fused import fused_stats
 
 _NCAT = 10  # bucket categories before folding signs, see _boundaries
 
 
-INF_BITS = 0x7F800000
-"""FP32 +inf as int32 bits: an |x| below it is finite (the on-device kernels compare bits)."""
 _NEG_INF_BITS = -8388608  # 0xFF800000 as int32
 _INT_MAX = 0x7FFFFFFF
-
-
-def _f32_bits(x: float) -> int:
-    """The IEEE bit pattern of a float32 as an int (non-negative x: ordered like the values)."""
-    return int(struct.unpack("<i", struct.pack("<f", x))[0])
-
-
-@lru_cache(maxsize=64)
-def _thresholds(fmt: Format) -> tuple[int, int, int]:
-    """Bit-pattern thresholds on |x| for the cast categories (exact: float32 |x| orders like its bits)."""
-    uf_next = float(torch.nextafter(torch.tensor(fmt.underflow_threshold), torch.tensor(1.0)))
-    return (
-        _f32_bits(uf_next),  # |x| >= this: does not underflow
-        _f32_bits(fmt.subnormal_threshold),  # |x| >= this: normal
-        _f32_bits(fmt.overflow_threshold),  # |x| >= this: overflows
-    )
 
 
 @lru_cache(maxsize=32)

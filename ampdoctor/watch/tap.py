@@ -21,7 +21,7 @@ from torch import nn
 from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.loss import model_loss
 from ampdoctor.watch.calls import call_wrapping_enabled, listen_calls, remove_hooks, track_calls, unlisten_calls, uses_compile
-from ampdoctor.watch.hooks import unwrap
+from ampdoctor.watch.model_view import unwrap
 
 
 def output_loss(output: Any) -> torch.Tensor | None:

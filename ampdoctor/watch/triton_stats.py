@@ -1,7 +1,7 @@
 """One-pass statistics on CUDA: a Triton kernel, where Triton is installed; the eager path otherwise.
 
 The rule is the C++ kernel's (``watch.fused``): the category of each element is read from the float32 bit
-pattern of |x| against the bit patterns of the format's thresholds (``stats._thresholds``); NaN is every
+pattern of |x| against the bit patterns of the format's thresholds (``bits._thresholds``); NaN is every
 pattern above +inf's; the largest finite |x| and the smallest non-zero finite |x| are kept as ordered integer
 bits. The tensors are concatenated as float32 (FP16 and BF16 widen exactly; a loss scale multiplies first, as
 ``eager_stats`` does), and the work is cut into blocks that never straddle two tensors, so each program reduces
@@ -22,7 +22,7 @@ import torch
 
 from ampdoctor.formats import Format
 from ampdoctor.records import NCOLS
-from ampdoctor.watch.stats import INF_BITS
+from ampdoctor.watch.bits import INF_BITS, _thresholds
 
 BLOCK = 1024
 
@@ -109,8 +109,6 @@ def triton_stats(tensors: list[torch.Tensor], fmt: Format, scale: float = 1.0) -
         return None
     if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in tensors):
         return None
-    from ampdoctor.watch.stats import _thresholds
-
     sizes = tuple(t.numel() for t in tensors)
     n = len(sizes)
     with torch.no_grad():

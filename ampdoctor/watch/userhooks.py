@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampdoctor.records import MODEL, UserHook
-from ampdoctor.watch.hooks import unwrap
+from ampdoctor.watch.model_view import unwrap
 
 _KINDS = (
     ("parameter", "_backward_hooks", "gradient hook"),

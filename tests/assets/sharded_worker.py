@@ -130,7 +130,7 @@ def local_nan(mode: str, model: nn.Module, rank: int, step: list[int]) -> None:
 
 def full_weights(mode: str, model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights under the user's names, gathered by the engine's own means."""
-    from ampdoctor.watch.hooks import user_name
+    from ampdoctor.watch.model_view import user_name
 
     if mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel

@@ -1,4 +1,4 @@
-"""One CPU process over gloo (world 1): a tensor-parallel plan recorded by ``engine.tp_layout.recipe`` and rebuilt
+"""One CPU process over gloo (world 1): a tensor-parallel plan recorded by ``parallel.tp.recipe`` and rebuilt
 on a fresh model by ``rebuild``; prints one JSON line.
 
     python tests/assets/tp_layout_worker.py
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampdoctor.engine import tp_layout
+from ampdoctor.parallel import tp as tp_layout
 from ampdoctor.report.stages import layout
 
 

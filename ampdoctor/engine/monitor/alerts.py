@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Any
 
-from ampdoctor.engine.capture import Trigger
+from ampdoctor.capture.trigger import Trigger
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import MonitorRecord, SkipRateError, SkipRateWarning
 from ampdoctor.engine.step import Measured

@@ -1,6 +1,6 @@
-"""The monitor's calls into ``engine.capture``: arming it, keeping each step's batch, writing it at a failure.
+"""The monitor's calls into ``capture.write``: arming it, keeping each step's batch, writing it at a failure.
 
-What a capture holds and how it is written is ``engine.capture``'s; this is when the monitor calls it and
+What a capture holds and how it is written is ``capture.write``'s; this is when the monitor calls it and
 with what: the settings it records, the scaler's state before the step, the lookback ring's tables.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.engine.capture import Capture, CaptureWarning, Trigger
+from ampdoctor.capture.trigger import Trigger
+from ampdoctor.capture.write import Capture, CaptureWarning
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import MonitorRecord
 from ampdoctor.engine.step import Measured
@@ -21,7 +22,7 @@ from ampdoctor.watch.ring import LAYERS_FILE, STEPS_FILE
 from ampdoctor.watch.tap import ForwardTap, output_loss
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def arm(mon: Monitor, cfg: MonitorConfig, folder: str | Path) -> Capture:

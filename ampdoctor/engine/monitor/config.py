@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
-from ampdoctor.engine.capture import DEFAULT_MAX_BYTES
+from ampdoctor.capture.write import DEFAULT_MAX_BYTES
 from ampdoctor.engine.monitor.records import STEP_CONVENTIONS
 from ampdoctor.engine.ring import SPIKE_WINDOW
 from ampdoctor.errors import UsageError
@@ -170,4 +171,20 @@ def _check_lookback(c: MonitorConfig) -> None:
         raise UsageError(f"spike_window={window} needs ring of at least {window + 8} steps, got ring={steps}")
 
 
-__all__ = ["MonitorConfig", "steps"]
+def check_types(model: Any, optimizer: Any, scaler: Any) -> None:
+    """Misuse of the constructor is a ``UsageError`` naming the argument, at once."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model: Monitor takes the nn.Module you train, got {type(model).__name__}")
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
+        raise UsageError(f"optimizer: Monitor takes a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "unscale_", "update", "is_enabled")):
+        raise UsageError(f"scaler: Monitor takes a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+
+
+def check_loss(loss: Any, where: str) -> None:
+    """A loss handed to the Monitor must be the tensor the loop calls ``.backward()`` on: a ``UsageError`` at once."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(f"{where}(loss): the loss must be the tensor you call .backward() on, got {type(loss).__name__}")
+
+
+__all__ = ["MonitorConfig", "check_loss", "check_types", "steps"]

@@ -1,4 +1,4 @@
-"""The distributed first fault: the monitor's use of ``engine.ranks.RankExchange``.
+"""The distributed first fault: the monitor's use of ``parallel.exchange.RankExchange``.
 
 Under torch.distributed every rank's monitor joins one small all-reduce per step, inside the step's one host
 copy, that tells every rank which rank saw a non-finite value first (``FirstFault``). A rank whose monitor
@@ -14,12 +14,12 @@ import torch
 
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.engine.monitor.records import FirstFault
-from ampdoctor.engine.ranks import OFF, SLOTS, RankExchange
 from ampdoctor.engine.step import Measured
 from ampdoctor.errors import UsageError
+from ampdoctor.parallel.exchange import OFF, SLOTS, RankExchange
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def dist_rank() -> tuple[int, int]:

@@ -29,7 +29,7 @@ from ampdoctor.records import StepRecord
 from ampdoctor.report.saving import on_record_failed
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 PREFIX = "ampdoctor/"
 

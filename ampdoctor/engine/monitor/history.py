@@ -17,7 +17,7 @@ from ampdoctor.report.scaler import ScaleDiagnosis, diagnose_scale, no_scale_his
 if TYPE_CHECKING:
     import torch
 
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 class History:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ampdoctor.engine.monitor.config import MonitorConfig
 from ampdoctor.errors import UsageError
-from ampdoctor.watch.hooks import local, named_parameters, unwrap
+from ampdoctor.watch.model_view import local, named_parameters, unwrap
 
 
 class Injection:

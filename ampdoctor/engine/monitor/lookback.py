@@ -15,7 +15,7 @@ from ampdoctor.engine.step import Measured
 from ampdoctor.judge.history import Spike
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 
 def build(mon: Monitor, cfg: MonitorConfig) -> Lookback | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ampdoctor.engine.step import Measured
 from ampdoctor.errors import AmpDoctorError
+from ampdoctor.parallel.registry import engines
 from ampdoctor.records import StepRecord
 from ampdoctor.report.alerts import first_fault
 
@@ -16,7 +17,7 @@ CAPTURE_COLUMNS: tuple[str, ...] = ("capture_held_bytes",)
 and the batches since; bounded by ``capture_hold_bytes``)."""
 RANK_COLUMNS: tuple[str, ...] = ("rank", "ranks")
 """Under torch.distributed, after ``EXTRA_COLUMNS``: this rank, and every rank that saw a non-finite
-value at the step as ``rank:kind:module`` (``engine.ranks.RankView.column``), the same on every rank."""
+value at the step as ``rank:kind:module`` (``parallel.exchange.RankView.column``), the same on every rank."""
 STEP_COLUMNS: tuple[str, ...] = ("step_convention",)
 """Under a framework, after ``EXTRA_COLUMNS``: which number the ``step`` column is (``STEP_CONVENTIONS``)."""
 STEP_CONVENTIONS: dict[str, int] = {
@@ -49,16 +50,11 @@ class MonitorOffWarning(UserWarning):
     itself off and the training goes on without it."""
 
 
-UNSUPPORTED = {
-    "deepspeed": "DeepSpeed",
-}
-"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning."""
-SHARDED = {
-    "fsdp1": "FSDP1 (FullyShardedDataParallel)",
-    "fsdp2": "FSDP2 (fully_shard)",
-    "tensor_parallel": "tensor parallelism (DTensor parameters)",
-}
-"""Sharding engines read through their pieces (``engine.shards``): norms and rows reduced across the ranks."""
+UNSUPPORTED = {e.name: e.label for e in engines() if e.sharded and not e.monitored}
+"""Sharding engines the monitor cannot read correctly yet: it turns itself off on them, with one warning (DeepSpeed)."""
+SHARDED = {e.name: e.label for e in engines() if e.sharded and e.monitored}
+"""Sharding engines read through their pieces (``parallel.pieces``): norms and rows reduced across the ranks (every
+engine module of ``ampdoctor.parallel`` that says so: ``parallel.protocol.Engine.monitored``)."""
 
 
 class _Unreadable(Exception):
@@ -76,7 +72,7 @@ class FirstFault:
     step: int
     rank: int
     kind: str
-    """input | forward | loss | backward | grad (see ``engine.ranks.KINDS``)."""
+    """input | forward | loss | backward | grad (see ``parallel.exchange.KINDS``)."""
     module: str | None
     others_clean: bool
     """No other rank saw it in its own batch, forward, loss or activation gradients: one rank's

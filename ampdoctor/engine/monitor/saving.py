@@ -18,7 +18,7 @@ from ampdoctor.records import StepRecord
 from ampdoctor.report.saving import SaveDamage, save_message
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.monitor import Monitor
+    from ampdoctor.engine.monitor.monitor import Monitor
 
 MAX_NAMED = 3
 

@@ -13,9 +13,9 @@ import os
 import torch
 
 from ampdoctor.engine.monitor.config import MonitorConfig
-from ampdoctor.engine.ranks import RankExchange
-from ampdoctor.engine.shards import trip_stats
 from ampdoctor.engine.step import Measured, TrainStep
+from ampdoctor.parallel.exchange import RankExchange
+from ampdoctor.parallel.pieces import trip_stats
 from ampdoctor.records import StepStats, nonfinite
 from ampdoctor.watch import fused
 from ampdoctor.watch.hooks import Hooks

@@ -1,4 +1,4 @@
-"""The skips judged by what the gradients did (``engine.capture.FailingStep``): the figure it reads from each applied
+"""The skips judged by what the gradients did (``capture.trigger.FailingStep``): the figure it reads from each applied
 step, the first skip of a run of skips, and the report of skipping that goes on after the run's first failure.
 
 An applied step's largest *unscaled* gradient is worked out only when a skip needs it (from that step's recorded
@@ -20,7 +20,7 @@ from ampdoctor.records import Col, StepStats
 from ampdoctor.report import alerts as words
 
 if TYPE_CHECKING:
-    from ampdoctor.engine.capture import Trigger
+    from ampdoctor.capture.trigger import Trigger
     from ampdoctor.engine.monitor import Monitor
     from ampdoctor.engine.monitor.records import MonitorRecord
     from ampdoctor.engine.step import Measured

@@ -30,7 +30,7 @@ def first_fault(step: int, rank: int, kind: str, module: str | None, others_clea
 
 
 def failure_what(reason: str, detail: str, loss: float, module: str | None, bad_count: int) -> str:
-    """What failed at the run's first failing step, by its trigger (``engine.capture.Trigger.reason``)."""
+    """What failed at the run's first failing step, by its trigger (``capture.trigger.Trigger.reason``)."""
     if reason == "nonfinite_loss":
         return f"the loss is {loss:g}"
     if reason == "nonfinite_grad":
@@ -151,7 +151,7 @@ def capture_without_batch(path: Any, step: int) -> str:
 
 
 def skip_cause(why: str, need: float | None) -> str:
-    """Why a skip is a failure and not GradScaler backing off (``engine.capture.Trigger.why``), or ''."""
+    """Why a skip is a failure and not GradScaler backing off (``capture.trigger.Trigger.why``), or ''."""
     if why == "unscaled":
         return "the gradients overflow FP16 unscaled, at a scale <= 1"
     if why == "jump" and need is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ampdoctor.fmt import pow2 as _fmt_pow2
 from ampdoctor.fmt import sentences
-from ampdoctor.judge.scaler import (
+from ampdoctor.judge.scale_facts import (
     Advice,
     Calibrating,
     Climbing,

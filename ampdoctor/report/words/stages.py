@@ -17,7 +17,7 @@ ERROR_HINTS: Mapping[str | None, str] = {
     "no_half_kernel": "this op has no FP16 kernel on this device: a device limitation, not a NaN cause.",
     None: "the stage stopped at this exception; fix it and rerun (the other stages still ran).",
 }
-"""By the kernel the device lacks (``judge.rules.kernel_limit``); None: any other exception."""
+"""By the kernel the device lacks (``judge.detectors.kernel_limit``); None: any other exception."""
 
 
 def error_hint(kind: str | None) -> str:

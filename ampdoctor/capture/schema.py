@@ -2,10 +2,10 @@
 validator that the schema drives, and the checks of the tensor files (``state.pt``, ``snapshot.pt``,
 ``batches.pt``) that JSON Schema cannot express. See docs/capture-format.md.
 
-A capture is a file users mail to each other: the reader (``engine.replay.read_capture``) validates
+A capture is a file users mail to each other: the reader (``capture.read.read_capture``) validates
 every field before using one, and the writer can validate what it is about to write::
 
-    from ampdoctor.input.capture_schema import validate_manifest, validate_state
+    from ampdoctor.capture.schema import validate_manifest, validate_state
     validate_manifest(manifest, folder / "manifest.json")   # raises CaptureError naming the field
     validate_state(state, folder / "state.pt")
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.errors import CaptureError
+from ampdoctor.watch.ring import RING_LAYER_COLUMNS, RING_LAYERS_FILE, RING_STEP_COLUMNS, RING_STEPS_FILE
 
 SCHEMA_FILE = Path(__file__).resolve().parent.parent / "schema" / "capture.schema.json"
 CAPTURE_VERSION = 1
@@ -32,6 +33,13 @@ MAX_MANIFEST_BYTES = 64 << 20
 """A manifest larger than this is refused before it is parsed (a real one is kilobytes)."""
 AGAIN = "the capture is damaged or was edited; capture the run again (or fix that field)"
 
+MICRO_KEY = "ampdoctor_micro_batches"
+"""A captured step that accumulated gradients: ``{MICRO_KEY: [micro-batch, ...]}``."""
+MANIFEST = "manifest.json"
+"""The capture's manifest, in every capture folder."""
+MODEL_INPUTS_KEY = "ampdoctor_model_inputs"
+"""A batch taken from the model's own call (``Monitor`` without ``batch=``): ``{MODEL_INPUTS_KEY:
+{"args": [...], "kwargs": {...}}}`` (read back as ``input.batches.ModelInputs``)."""
 STATE_FILE = "state.pt"
 """The state before a skipped failing step (model, optimizer, scaler): its replay runs that step alone."""
 SNAPSHOT_FILE = "snapshot.pt"
@@ -316,14 +324,6 @@ def validate_batches(batches: Any, path: str | Path) -> None:
 
 # the lookback ring's tables -----------------------------------------------------------------------
 
-RING_STEPS_FILE = "ring_steps.csv"
-RING_LAYERS_FILE = "ring_layers.csv"
-RING_STEP_COLUMNS: tuple[str, ...] = ("step", "loss", "grad_norm", "scale", "skipped", "lr", "input_numel", "input_absmax",
-                                      "recorded")
-"""``ring_steps.csv``: one row per kept step, oldest first (an empty cell: not known at that step)."""
-RING_LAYER_COLUMNS: tuple[str, ...] = ("step", "layer", "absmax", "headroom", "overflow_frac", "flush_frac",
-                                       "nonfinite_frac", "grad_norm", "update_norm", "exp_avg_sq_min")
-"""``ring_layers.csv``: one row per layer and recorded step (docs/capture-format.md)."""
 MAX_RING_BYTES = 256 << 20
 
 

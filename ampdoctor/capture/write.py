@@ -39,26 +39,22 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
-import statistics
 import threading
-from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from ampdoctor._version import __version__
-from ampdoctor.input import origin
-from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.input.capture_schema import (
+from ampdoctor.capture.identity import run_id
+from ampdoctor.capture.schema import (
     BATCHES_FILE,
     CAPTURE_VERSION,
+    MANIFEST,
+    MICRO_KEY,
     RNG_FILE,
     SNAPSHOT_FILE,
     STATE_FILE,
@@ -67,112 +63,36 @@ from ampdoctor.input.capture_schema import (
     validate_manifest,
     validate_state,
 )
-from ampdoctor.judge.scaler import DEFAULT_GROWTH_INTERVAL, EXPLODE_RATIO, EXPLODE_WINDOW, explodes
-from ampdoctor.notify import say, shown_path, warn_user
+from ampdoctor.capture.state import (
+    engine_recipe,
+    host_copy,
+    local_state,
+    model_fingerprint,
+    model_identity,
+    nbytes,
+    optimizer_layout,
+    optimizer_names,
+    process_rank,
+    raw_rng,
+    rng_states,
+    spec_hint,
+    stats_json,
+)
+from ampdoctor.capture.trigger import FailingStep, Trigger
+from ampdoctor.input import origin
+from ampdoctor.input.batches import Micro
+from ampdoctor.notify import say, warn_user
 from ampdoctor.records import StepStats
 from ampdoctor.watch import userhooks
-from ampdoctor.watch.hooks import local, named_parameters, unwrap, user_name
 
 log = logging.getLogger("ampdoctor")
 
-MICRO_KEY = "ampdoctor_micro_batches"
-"""A captured step that accumulated gradients: ``{MICRO_KEY: [micro-batch, ...]}``."""
-MANIFEST = "manifest.json"
+
 DEFAULT_MAX_BYTES = 4 << 30
 
 
 class CaptureWarning(UserWarning):
     """Writing a capture failed; training goes on."""
-
-
-MODEL_INPUTS_KEY = "ampdoctor_model_inputs"
-"""A batch taken from the model's own call (``Monitor`` without ``batch=``): ``{MODEL_INPUTS_KEY:
-{"args": [...], "kwargs": {...}}}`` (read back as ``input.batches.ModelInputs``)."""
-
-
-def host_copy(obj: Any) -> Any:
-    """A detached host copy of every tensor in a nested structure; Mappings become dicts (so the copy
-    loads with ``weights_only=True``); non-tensor leaves of other types are kept when they are plain
-    Python values and dropped (None) otherwise."""
-    if isinstance(obj, ModelInputs):
-        return {MODEL_INPUTS_KEY: {"args": [host_copy(v) for v in obj.args],
-                                   "kwargs": {str(k): host_copy(v) for k, v in obj.kwargs.items()}}}
-    if isinstance(obj, torch.Tensor):
-        if _is_dtensor(obj):
-            obj = obj.to_local()  # type: ignore[attr-defined]  # this rank's shard: no collective
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        return t.to("cpu", non_blocking=True)  # off the critical path; synchronised before writing
-    if isinstance(obj, Mapping):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(host_copy(v) for v in obj)
-    if isinstance(obj, list):
-        return [host_copy(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if hasattr(obj, "to_tuple") or hasattr(obj, "items"):  # ModelOutput / BatchEncoding-like
-        try:
-            return {k: host_copy(v) for k, v in dict(obj).items()}
-        except (TypeError, ValueError):
-            return None
-    return None
-
-
-def nbytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested structure."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Mapping):
-        return sum(nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(v) for v in obj)
-    return 0
-
-
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def sharded_engine(model: nn.Module) -> str | None:
-    """Which sharding engine holds the model's parameters: ``"fsdp1"`` (``FullyShardedDataParallel``
-    modules), ``"fsdp2"`` (``fully_shard``: DTensor parameters on an ``FSDPModule``), ``"tensor_parallel"``
-    (DTensor parameters otherwise), ``"deepspeed"`` (a ``DeepSpeedEngine``), or None (one process's
-    whole model, DDP included)."""
-    kinds = {type(m).__name__ for m in model.modules()}
-    if "DeepSpeedEngine" in kinds:
-        return "deepspeed"
-    if "FullyShardedDataParallel" in kinds:
-        return "fsdp1"
-    if any(_is_dtensor(p) for p in model.parameters()):
-        return "fsdp2" if any(k.startswith("FSDP") for k in kinds) else "tensor_parallel"
-    return None
-
-
-def local_state(model: nn.Module) -> dict[str, Any]:
-    """The model's state as this process holds it, with no collective: ``state_dict()`` for a whole model
-    (DDP and compiled: the inner module's names); under a sharding engine, whose ``state_dict()`` gathers
-    across ranks (a collective only one rank would join), each parameter's and buffer's local shard."""
-    inner = unwrap(model)
-    if sharded_engine(inner) is None:
-        return dict(inner.state_dict())
-    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.hooks.user_name``)
-    for n, p in [*inner.named_parameters(), *inner.named_buffers()]:
-        out[user_name(n)] = local(p).detach()
-    return out
-
-
-def spec_hint() -> str | None:
-    """The running script, when it is itself a spec (defines ``build_model`` and ``build_dataloader``): the
-    file to name in the replay command; else None."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    f = getattr(main, "__file__", None)
-    if f and callable(getattr(main, "build_model", None)) and callable(getattr(main, "build_dataloader", None)):
-        return shown_path(f)
-    return None
 
 
 def default_hold_bytes(max_bytes: int) -> int:
@@ -184,121 +104,6 @@ def default_hold_bytes(max_bytes: int) -> int:
     return max(1, min(max_bytes, ram // 32))
 
 
-def raw_rng() -> tuple[Any, ...]:
-    """The RNG states as the libraries hand them out (cheap: no conversion; reading changes none of them)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
-
-
-def rng_states(raw: tuple[Any, ...] | None = None) -> dict[str, Any]:
-    """Torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only-safe): now, or
-    ``raw`` (``raw_rng()``) taken earlier."""
-    t, cuda, np_state, py_state = raw if raw is not None else raw_rng()
-    out: dict[str, Any] = {"torch": t}
-    if cuda is not None:
-        out["cuda"] = cuda
-    kind, keys, pos, has_gauss, cached = np_state
-    out["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    version, state, gauss = py_state
-    out["python"] = {"version": int(version), "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss}
-    return out
-
-
-def stats_json(st: StepStats | None) -> dict[str, Any]:
-    """The per-layer statistics of one step, as JSON (rows are ``records.Col`` columns)."""
-    if st is None:
-        return {}
-    return {
-        "step": st.step,
-        "calls": [{"module": c.module, "inputs": c.inputs, "outputs": c.outputs} for c in st.calls],
-        "act": {str(k): _row(v) for k, v in st.act.items()},
-        "grad": {str(k): _row(v) for k, v in st.grad.items()},
-        "grad_order": st.grad_order,
-        "pgrad": {k: _row(v) for k, v in st.pgrad.items()},
-        "param": {k: _row(v) for k, v in st.param.items()},
-        "model_inputs": st.model_inputs,
-        "model_outputs": st.model_outputs,
-    }
-
-
-def _row(r: np.ndarray) -> list[float | str]:
-    return [float(x) if math.isfinite(float(x)) else str(float(x)) for x in r]
-
-
-_IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-"""Optimizer options that choose an implementation, not the arithmetic: left out of the layout."""
-
-
-def _plain(v: Any, depth: int = 0) -> Any:
-    """A JSON value for ``v`` (nested dicts/lists of plain values), or None when it has none."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else str(v)
-    if isinstance(v, torch.dtype):
-        return str(v)
-    if depth < 6 and isinstance(v, (list, tuple)):
-        return [_plain(x, depth + 1) for x in v]
-    if depth < 6 and isinstance(v, Mapping):
-        return {str(k): _plain(x, depth + 1) for k, x in v.items()}
-    return None
-
-
-def model_identity(model: nn.Module) -> dict[str, Any]:
-    """What the run knows of how to rebuild its model without a spec: the class's import path, and for a
-    transformers ``PreTrainedModel`` its config (``to_dict()``, with ``attn_implementation``), for a
-    LightningModule its ``hparams``. Plain JSON; reading it imports nothing."""
-    inner = unwrap(model)
-    cls = type(inner)
-    out: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
-    cfg = getattr(inner, "config", None)
-    if cfg is not None and callable(getattr(cfg, "to_dict", None)):
-        try:
-            out["transformers_config"] = _plain(cfg.to_dict())
-            out["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
-        except Exception:  # a config that cannot say itself: the class alone
-            pass
-    hp = getattr(inner, "hparams", None)
-    if hp is not None and isinstance(hp, Mapping):
-        try:
-            out["lightning_hparams"] = _plain(dict(hp))
-        except Exception:
-            pass
-    if len(out) == 1:  # a plain nn.Module: its folder and constructor's arguments (issue 45: replay without a spec)
-        try:
-            out.update(origin.record(inner))
-        except Exception:  # what cannot be read is left out: the replay asks for a spec
-            pass
-    return out
-
-
-def optimizer_layout(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> dict[str, Any] | None:
-    """The optimizer's class and parameter groups (parameter names, hyperparameters), so a replay can
-    rebuild it when the spec has no ``build_optimizer`` (a framework made it: the Trainer's decay and
-    no-decay groups). None when a parameter is not the model's."""
-    if optimizer is None:
-        return None
-    names = {id(p): n for n, p in named_parameters(unwrap(model))}
-    groups = []
-    for g in optimizer.param_groups:
-        ps = [names.get(id(p)) for p in g["params"]]
-        if any(n is None for n in ps):
-            return None
-        hyper: dict[str, Any] = {}
-        for k, v in g.items():
-            if k == "params" or k in _IMPL_FLAGS:
-                continue
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
-                hyper[k] = list(v)
-            elif v is None or isinstance(v, (bool, int, float, str)):
-                hyper[k] = v
-        groups.append({"params": ps, "hyper": hyper})
-    return {"class": type(optimizer).__name__, "module": type(optimizer).__module__, "groups": groups}
-
-
 def free_path(path: Path) -> Path:
     """``path`` if nothing is there, else ``path-1``, ``path-2``...: a capture never overwrites one."""
     if not path.exists():
@@ -307,176 +112,6 @@ def free_path(path: Path) -> Path:
     while Path(f"{path}-{i}").exists():
         i += 1
     return Path(f"{path}-{i}")
-
-
-@dataclass
-class Trigger:
-    """Why a step counts as the failing step."""
-
-    reason: str
-    """nonfinite_loss | nonfinite_grad | skip_rate_alert | nonfinite_update | exploding_update | hidden_overflow"""
-    detail: str = ""
-    first: int | None = None
-    """A failure judged at a skip that follows other skips since the last applied step: the first of them (the
-    skipped steps changed neither the weights nor the optimizer state, so the failure starts there)."""
-    why: str = ""
-    """A skip judged by the gradients (``FailingStep``): ``unscaled`` (the gradients overflow FP16 at a scale <= 1)
-    or ``jump`` (the overflow needs the gradients to have grown ``JUMP_RATIO`` times since the last applied step)."""
-    need: float | None = None
-    """``jump``: the least growth of the largest gradient since the last applied step that the skips imply."""
-
-    @property
-    def provisional(self) -> bool:
-        """A judgement of a rate or a statistic, not of a step that went wrong: its capture does not spend the
-        capture (a later failure still gets one)."""
-        return self.reason == "skip_rate_alert" or self.reason.endswith("_spike")
-
-
-NORMAL_SKIPS = ("calibration", "growth_probe", "backoff", "isolated")
-"""GradScaler working as designed (``FailingStep.phase``): none of them is a failure. (``isolated``: the name of a
-back-off in captures written before the gradients judged it.)"""
-JUMP_RATIO = EXPLODE_RATIO
-"""A skip needs the largest gradient to have grown at least this many times since the last applied step: a jump the
-scale does not explain (three orders of magnitude, the ratio that calls an applied update exploding)."""
-
-
-@dataclass
-class FailingStep:
-    """Which step is the run's failing one: a skip judged by what the gradients did (docs/diagnosis.md, "Which
-    skip is a failure").
-
-    GradScaler skips a step when a *scaled* FP16 gradient overflows: ``s * G > F`` (``s`` the scale, ``G`` the
-    largest unscaled gradient in the backward's FP16 tensors, ``F`` FP16's max). The last applied step ``a`` had
-    ``s_a * G_a <= F`` (``grad_max``: the Monitor's figure of it). A skip at scale ``s`` therefore needs the
-    gradient to have grown at least ``need = F / (s * G_a)`` times since ``a``. It is GradScaler's normal working
-    (**calibration** above every scale that carried a step, the **growth probe** at a doubled scale, a
-    **backoff** while the gradients grow) while ``need < JUMP_RATIO`` and the scale is above 1, however often it
-    happens. It is a failure when the scale does not explain it: ``need >= JUMP_RATIO`` (a jump: each further
-    consecutive skip halves ``s`` and doubles ``need``, so an overflow that persists is judged within
-    ``log2(JUMP_RATIO)`` skips), or a skip at a scale ``<= 1`` (the unscaled gradients themselves leave FP16, the
-    definition of ``fp16_grad_overflow``). Such a failure judged at a skip that follows other skips since ``a``
-    starts at the first of them (``Trigger.first``). Other failures: a non-finite loss; a non-finite step applied
-    (no GradScaler); the skip-rate alert; an update applied although its gradient norm is non-finite (every
-    element finite, so GradScaler found no inf: something made the overflowed values finite, a gradient hook's
-    ``nan_to_num`` or a clamp) or ``EXPLODE_RATIO`` times the median of the last applied norms (an exploding
-    update: the weights take it); an update applied although a gradient recorded in its backward is non-finite,
-    on a model carrying the user's gradient hooks (``hidden``: the hooks, in words).
-    ``every_skip=True``: every skip of non-finite gradients is a failure (``Monitor(capture_on="skip")``).
-    """
-
-    growth_interval: int = DEFAULT_GROWTH_INTERVAL
-    every_skip: bool = False
-    fmt_max: float = 65504.0
-    """The largest finite value of the format the backward runs in (FP16)."""
-    phase: str = ""
-    """What the last judged step was: '' | 'calibration' | 'growth_probe' | 'backoff' | 'failure'."""
-    _peak_applied: float = 0.0
-    _prev_scale: float | None = None
-    _last_isolated: int | None = None
-    _norms: deque[float] = field(default_factory=lambda: deque(maxlen=EXPLODE_WINDOW))
-    _grad: Any = None
-    """The last applied step's largest unscaled gradient: a float, or a callable that works it out (on a skip)."""
-    run_first: int | None = None
-    """The first skipped step since the last applied one (None after an applied step)."""
-    run_scale: float | None = None
-    """The scale ``run_first`` used."""
-    run_failed: bool = False
-    """The run of skips since ``run_first`` has been judged a failure."""
-    need: float | None = None
-    """The last skip's ``need`` (None when no applied step's gradient is known)."""
-
-    def judge(self, *, skipped: bool, reason: str, scale: float | None, alert: bool, nonfinite: bool = False,
-              step: int = 0, injected: bool = False, norm: float | None = None, hidden: str = "",
-              grad_max: Any = None) -> Trigger | None:
-        """Whether this step is a failing one; updates the scale history (``phase`` says what it was).
-        ``injected``: the fault is known not to come from the loss scale (injected, or another rank's batch,
-        forward or loss): a skip of it is a failure whatever the scaler's phase. ``grad_max`` (an applied step):
-        its largest unscaled gradient, or a callable returning it (called only if a skip needs it)."""
-        grew = scale is not None and self._prev_scale is not None and scale > self._prev_scale
-        if scale is not None and math.isfinite(scale):
-            self._prev_scale = scale
-        if skipped and self.run_first is None:
-            self.run_first, self.run_scale, self.run_failed = step, scale, False
-        self.phase = ""
-        trig: Trigger | None = None
-        if skipped and reason == "nonfinite_loss":
-            trig = Trigger("nonfinite_loss")  # the forward: no scale explains it
-        elif skipped:
-            label, why = ("", "") if injected else self._skip_phase(scale, grew)
-            if not label or self.every_skip:
-                first = self.run_first if why and self.run_first is not None and self.run_first < step else None
-                trig = Trigger("nonfinite_grad", reason, first=first, why=why,
-                               need=self.need if why == "jump" else None)
-            self.phase = label
-        else:
-            trig = self._applied(reason, nonfinite, norm, hidden, alert)
-        if not skipped:
-            self.run_first = self.run_scale = None
-            self.run_failed = False
-            if grad_max is not None:
-                self._grad = grad_max
-        if not skipped and scale is not None and math.isfinite(scale):
-            self._peak_applied = max(self._peak_applied, scale)
-        if not skipped and norm is not None and math.isfinite(norm):
-            self._norms.append(norm)
-        if trig is not None and not self.phase:
-            self.phase = "failure"  # (every_skip keeps the label of a normal skip it captures anyway)
-        if trig is not None and skipped:
-            self.run_failed = True
-        return trig
-
-    def _applied(self, reason: str, nonfinite: bool, norm: float | None, hidden: str, alert: bool) -> Trigger | None:
-        if nonfinite:  # applied anyway (no GradScaler, the loop did not skip): the weights take it
-            return Trigger("nonfinite_loss" if reason == "applied:nonfinite_loss" else "nonfinite_grad", reason)
-        if hidden:
-            # backward made a non-finite gradient, GradScaler found none in the parameters', and the model carries the
-            # user's gradient hooks: one of them made the overflow finite
-            return Trigger("hidden_overflow", hidden)
-        if norm is not None and not math.isfinite(norm) and not math.isnan(norm):
-            # applied with every element finite (GradScaler found no inf) and yet a norm beyond FP32: values made
-            # finite at the edge of the format (nan_to_num's float max), the overflow hidden from the scaler
-            return Trigger("nonfinite_update", f"gradient norm {norm:g} applied")
-        if norm is not None and self._exploded(norm):
-            return Trigger("exploding_update", f"gradient norm {norm:.4g} applied, {norm / self._typical():.3g}x the "
-                                               f"median of the last {len(self._norms)} applied")
-        if alert:
-            return Trigger("skip_rate_alert")
-        return None
-
-    def grad_max(self) -> float | None:
-        """The last applied step's largest unscaled gradient (None when no applied step measured one)."""
-        g = self._grad
-        if callable(g):
-            try:
-                g = g()
-            except Exception:  # a figure the judgement can go without
-                g = None
-            self._grad = g
-        return float(g) if g is not None and math.isfinite(g) and g > 0 else None
-
-    def _typical(self) -> float:
-        return float(statistics.median(self._norms))  # (as np.median: the mean of the middle two of an even count)
-
-    def _exploded(self, norm: float) -> bool:
-        return explodes(norm, self._norms)  # (the definition triage applies to FP32's steps: judge.scaler)
-
-    def _skip_phase(self, scale: float | None, grew: bool) -> tuple[str, str]:
-        """(the normal phase, '') of a skip the scale explains, else ('', why)."""
-        self.need = None
-        if scale is None:  # no GradScaler: the loop skipped a non-finite step itself
-            return "", ""
-        if scale <= 1.0:
-            return "", "unscaled"  # s * G > F with s <= 1: G > F, the gradients leave FP16 unscaled
-        g = self.grad_max()
-        if g is not None:
-            self.need = self.fmt_max / (scale * g)
-            if self.need >= JUMP_RATIO:
-                return "", "jump"
-        if scale > self._peak_applied:
-            return "calibration", ""  # above every scale that carried a step: still probing from init_scale
-        if grew:
-            return "growth_probe", ""  # the first step at a doubled scale overflowed: the scale backs off again
-        return "backoff", ""  # the gradients grew to the scale's limit: GradScaler backs off, as designed
 
 
 @dataclass
@@ -502,10 +137,10 @@ class Capture:
     quiet: bool = False
     """``Monitor(quiet=True)``: nothing on the default stderr handler (see ``ampdoctor.notify``)."""
     sharded: str | None = None
-    """The sharding engine of the model (``sharded_engine``): the capture then holds this rank's shard."""
+    """The sharding engine of the model (``parallel.registry.sharded_engine``): the capture then holds this rank's shard."""
     layout: dict[str, Any] | None = None
     """Under a sharding engine: where each tensor of this rank's state sits in the whole one
-    (``engine.shards.Shards.layout``), written to the manifest so the ranks' captures are reassembled."""
+    (``parallel.pieces.Shards.layout``), written to the manifest so the ranks' captures are reassembled."""
     hold_bytes: int = 0
     """What the capture may hold on the host between snapshots (the snapshot and the batches since): 0 means
     ``default_hold_bytes(max_bytes)``. Past it a snapshot is taken early, so the held batches restart."""
@@ -524,8 +159,6 @@ class Capture:
     def __post_init__(self) -> None:
         if self.hold_bytes <= 0:
             self.hold_bytes = default_hold_bytes(self.max_bytes)
-        from ampdoctor.engine.run_identity import run_id
-
         self.run_id = run_id()  # at arming, every rank alive: the id the ranks' captures share
         self._rng: tuple[Any, ...] | None = None
         self._rng_step: int | None = None
@@ -651,9 +284,9 @@ class Capture:
         return f"captured to {where}\n  replay it: {cmd}{tail}"
 
     def _shards(self) -> dict[str, Any]:
-        """The manifest's ``shards`` (``engine.shard_capture`` describes it): where this rank's pieces sit, the
+        """The manifest's ``shards`` (``capture.reassemble`` describes it): where this rank's pieces sit, the
         optimizer state's parameter names, and how the engine sharded the model."""
-        return {"model": self.layout, "optimizer_params": _opt_names(self.optimizer, self.model), "recipe": _recipe(self.model)}
+        return {"model": self.layout, "optimizer_params": optimizer_names(self.optimizer, self.model), "recipe": engine_recipe(self.model)}
 
     def _write(self, trig: Trigger, *, step: int, skipped: bool, record: dict[str, Any], stats: StepStats | None,
                scaler_before: dict[str, Any] | None, extra: dict[str, Any], tables: dict[str, str]) -> Path:
@@ -678,7 +311,7 @@ class Capture:
             "files": sorted([*files, MANIFEST, *([STATS_FILE] if stats is not None else []), *tables]),
             "left_out": left_out,
         }
-        # what is written is what a reader accepts (input.capture_schema): a capture that would not replay is a
+        # what is written is what a reader accepts (capture.schema): a capture that would not replay is a
         # warning now, not a surprise for the person it is mailed to
         text = json.dumps(manifest, indent=2) + "\n"
         validate_manifest(json.loads(text), self.path / MANIFEST)
@@ -764,7 +397,7 @@ class Capture:
     def _manifest(self, trig: Trigger, step: int, skipped: bool, record: dict[str, Any],
                   scaler_before: dict[str, Any] | None) -> dict[str, Any]:
         """The manifest's fields that say what failed and what ran: the step, its figures, the versions, the ranks."""
-        rank, world = _rank()
+        rank, world = process_rank()
         return {
             "schema_version": CAPTURE_VERSION,
             "tool": "ampdoctor capture",
@@ -789,7 +422,7 @@ class Capture:
             "world_size": world,
             "sharded": self.sharded,
             "run_id": self.run_id,
-            "model_fingerprint": _fingerprint(self.model, self.layout),
+            "model_fingerprint": model_fingerprint(self.model, self.layout),
             **({"shards": self._shards()} if self.sharded and self.layout is not None else {}),
         }
 
@@ -857,47 +490,8 @@ def _num(x: Any) -> float | str | None:
     return v if math.isfinite(v) else str(v)
 
 
-def _opt_names(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> list[str | None]:
-    """The user's name of each optimizer parameter, in the order of its state's indices."""
-    if optimizer is None:
-        return []
-    names = {id(p): n for n, p in named_parameters(unwrap(model))}
-    return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-
-
-def _recipe(model: nn.Module) -> dict[str, Any] | None:
-    """How the engine sharded the model (FSDP2: ``engine.shards.recipe``; tensor parallelism:
-    ``engine.tp_layout.recipe``; FSDP1: ``engine.fsdp1_layout.recipe``), for a replay under the same layout; None
-    when it is not known (the capture is written all the same, and reassembles on one process)."""
-    from ampdoctor.engine import fsdp1_layout, tp_layout
-    from ampdoctor.engine.shards import recipe
-
-    other = {"tensor_parallel": tp_layout.recipe, "fsdp1": fsdp1_layout.recipe}.get(sharded_engine(unwrap(model)) or "")
-    try:
-        return recipe(model) or (other(model) if other is not None else None)
-    except Exception:
-        return None
-
-
-def _fingerprint(model: nn.Module, layout: dict[str, Any] | None) -> str | None:
-    from ampdoctor.engine.run_identity import fingerprint
-
-    try:
-        return fingerprint(model, layout)
-    except Exception:
-        return None
-
-
 def _module_of(skip_reason: str) -> str | None:
     return skip_reason.split(":", 1)[1] if skip_reason.startswith("nonfinite_grad:") else None
 
 
-def _rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:  # pragma: no cover
-        pass
-    return 0, 1
+__all__ = ["Capture", "CaptureWarning", "default_hold_bytes", "DEFAULT_MAX_BYTES", "free_path"]

@@ -3,7 +3,7 @@
 Under ``torch.distributed`` the ranks agree on the id through the process group's own key-value store
 (``compare_set``: the first rank to ask sets it, every rank reads that one back). That is no collective: no rank
 waits for another, and a rank that never asks holds nobody up. One process alone draws its own. A capture then says
-which run and which model it belongs to, and the reader (``engine.shard_capture``) refuses to put together the
+which run and which model it belongs to, and the reader (``capture.reassemble``) refuses to put together the
 shards of two runs.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.watch.model_view import unwrap, user_name
 
 KEY = "ampdoctor/run_id"
 

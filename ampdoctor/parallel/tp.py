@@ -1,5 +1,8 @@
-"""A tensor-parallel layout: recorded at capture time (plain JSON, the manifest's ``shards.recipe``) and rebuilt
-on the spec's model for a replay on N ranks (``engine.shard_replay``).
+"""Tensor parallelism (DTensor parameters from ``parallelize_module``, no FSDP) as a parallel engine
+(``parallel.protocol.Engine``): a rank's pieces are its DTensors' local shards (``parallel.pieces.BlockReader``),
+and the ranks run one batch (the exchange names the rank whose forward went bad first). Its layout is recorded at
+capture time (plain JSON, the manifest's ``shards.recipe``) and rebuilt on the spec's model for a replay on N ranks
+(``engine.shard_replay``).
 
 What is recorded, read off the model with no collective:
 
@@ -20,13 +23,16 @@ Placements and styles are written as strings, so the manifest stays JSON and a c
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from ampdoctor.engine.shards import _is_dtensor
 from ampdoctor.errors import CaptureError
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.parallel.pieces import BlockReader, assemble, dtensor_holds, is_dtensor, world_mesh
+from ampdoctor.parallel.protocol import Engine
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
 STYLES = ("ColwiseParallel", "RowwiseParallel")
 """The parallelize styles a replay rebuilds."""
@@ -87,7 +93,7 @@ def recipe(model: nn.Module) -> dict[str, Any] | None:
     placements: dict[str, list[str]] = {}
     mesh: list[int] | None = None
     for n, p in inner.named_parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             placements[user_name(n)] = [placement_code(x) for x in p.placements]  # type: ignore[attr-defined]
             mesh = mesh or [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
     if mesh is None:
@@ -117,10 +123,11 @@ def refusal(rec: dict[str, Any]) -> str | None:
     return None
 
 
-def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any) -> None:
+def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any, low: bool = True) -> nn.Module:
     """Apply the recorded plan to the spec's ``model`` on ``mesh`` (``parallelize_module`` with each module's
     style, then ``distribute_tensor`` for a recorded parameter no style placed); CaptureError when the model
-    lacks a recorded module or parameter, or a parameter ends up placed otherwise than recorded."""
+    lacks a recorded module or parameter, or a parameter ends up placed otherwise than recorded. ``low``: unused
+    (the plan is the same in every precision). Returns ``model``, laid out in place."""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -139,7 +146,7 @@ def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any) -> None:
         if p is None:
             raise CaptureError(f"the run's parameter {name!r} is not in the spec's model")
         want = [placement(c) for c in codes]
-        if not _is_dtensor(p):
+        if not is_dtensor(p):
             owner, _, leaf = name.rpartition(".")
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, want), requires_grad=p.requires_grad)
             mods[owner].register_parameter(leaf, new)
@@ -147,6 +154,40 @@ def rebuild(model: nn.Module, rec: dict[str, Any], mesh: Any) -> None:
         have = [placement_code(x) for x in p.placements]  # type: ignore[attr-defined]
         if have != list(codes):
             raise CaptureError(f"{name}: rebuilt, it is placed {have}; the run placed it {list(codes)}")
+    return model
 
 
-__all__ = ["STYLES", "placement", "placement_code", "rebuild", "recipe", "refusal"]
+class TensorParallel:
+    """Tensor parallelism, the engine (``parallel.protocol.Engine``)."""
+
+    name = "tensor_parallel"
+    label = "tensor parallelism (DTensor parameters)"
+    sharded = True
+    monitored = True
+    priority = 10
+    shares_batch = True
+    casts_inputs = False
+    replay_requires = "torch.distributed.tensor.parallel"
+
+    def holds(self, model: nn.Module) -> bool:
+        return dtensor_holds(model)
+
+    def read(self, model: nn.Module, params: Sequence[torch.Tensor], rank: int, world: int) -> BlockReader:
+        return BlockReader([*params, *(p for _, p in named_parameters(model))], rank, world)
+
+    recipe = staticmethod(recipe)
+    assemble = staticmethod(assemble)
+    refusal = staticmethod(refusal)
+    rebuild = staticmethod(rebuild)
+
+    def device_mesh(self, rec: dict[str, Any]) -> Any:
+        return world_mesh(rec)
+
+    def grad_scaler(self) -> type[torch.amp.GradScaler]:
+        return torch.amp.GradScaler  # the ranks' gradients agree: a plain GradScaler
+
+
+ENGINE: Engine = TensorParallel()
+
+
+__all__ = ["ENGINE", "STYLES", "TensorParallel", "placement", "placement_code", "rebuild", "recipe", "refusal"]

@@ -1,28 +1,21 @@
-"""Read a capture folder (``Monitor(capture=...)``) into the state triage replays from.
-
-The spec builds the architecture (``build_model``, ``build_optimizer``); the weights, optimizer
-state, GradScaler state and batches come from the capture. The replay starts from the state before
-the failing step when the capture has it (``state.pt``: the step was skipped, so nothing was
-applied) and runs the failing batch alone; otherwise from the last periodic snapshot through every
-batch since, the failing one last. Errors are one line (``CaptureError``), never a traceback.
+"""One capture folder read into the state a replay starts from (``Captured``): its manifest, the model's (or this
+rank's pieces of the) weights, the optimizer and GradScaler state, the batches and the RNG states, every file checked
+against the format (``capture.schema``) before anything is used. Errors are one line (``CaptureError``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from ampdoctor.engine.capture import MANIFEST, MICRO_KEY, MODEL_INPUTS_KEY
-from ampdoctor.engine.step import Precision
-from ampdoctor.errors import CaptureError
-from ampdoctor.input.batches import Micro, ModelInputs
-from ampdoctor.input.capture_schema import (
+from ampdoctor.capture.schema import (
     BATCHES_FILE,
+    MANIFEST,
+    MICRO_KEY,
+    MODEL_INPUTS_KEY,
     RNG_FILE,
     SNAPSHOT_FILE,
     STATE_FILE,
@@ -31,8 +24,10 @@ from ampdoctor.input.capture_schema import (
     validate_batches,
     validate_state,
 )
+from ampdoctor.errors import CaptureError
+from ampdoctor.input.batches import Micro, ModelInputs
 from ampdoctor.input.resume import StartState
-from ampdoctor.watch.hooks import unwrap, user_name
+from ampdoctor.ladder import registered, rung
 
 
 @dataclass
@@ -51,7 +46,7 @@ class Captured:
     assembled: str | None = None
     """A sharded run's capture: how the ranks' shards were put back together (the report says it)."""
     ring: Any = None
-    """The lookback ring's tables (steps, layers) as DataFrames (``input.capture_schema.read_ring``), or None."""
+    """The lookback ring's tables (steps, layers) as DataFrames (``capture.schema.read_ring``), or None."""
 
     @property
     def optimizer(self) -> dict[str, Any] | None:
@@ -78,10 +73,10 @@ class Captured:
 
     @property
     def precision(self) -> str:
-        """The run's own precision as the triage stage that replays it (``Precision.for_stage``): amp | bf16 | fp32,
+        """The run's own precision as the triage stage that replays it (``ladder.rung``): amp | bf16 | fp32,
         what the Monitor saw (an FP16 autocast without a GradScaler, ``fp16_autocast``, replays as amp)."""
         p = str(self.manifest.get("precision", "amp"))
-        return p if p in Precision.STAGES and Precision.for_stage(p).weights == torch.float32 else "amp"
+        return p if p in registered() and not rung(p).low_weights else "amp"
 
 
 def _load(path: Path, name: str) -> Any:
@@ -93,26 +88,6 @@ def _load(path: Path, name: str) -> Any:
     except Exception as e:
         raise CaptureError(f"{path}: {name} cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); "
                            "the file is truncated or not an ampdoctor capture") from None
-
-
-def read_capture(path: str | Path) -> Captured:
-    """Read and check a capture folder; raise CaptureError (one line) saying what is wrong.
-
-    Every manifest field is validated against ``ampdoctor/schema/capture.schema.json`` and every tensor
-    file's layout (``input.capture_schema``) before anything is used: a capture is a file users mail to
-    each other, and a damaged one is one line naming the file and the field."""
-    p = Path(path)
-    group = rank_captures(p)
-    if group:  # every rank's shard of a sharded step, put together (engine.shard_capture: the one reader)
-        from ampdoctor.engine.shard_capture import reassemble_group
-
-        return reassemble_group(p, group)
-    if not p.is_dir():
-        raise CaptureError(f"{p}: no such capture folder; pass the folder Monitor(capture=...) wrote")
-    mf = p / MANIFEST
-    if not mf.exists():
-        raise CaptureError(f"{p}: no {MANIFEST}; this is not an ampdoctor capture folder")
-    return _read_one(p)
 
 
 def read_rank(p: Path) -> Captured:
@@ -166,13 +141,6 @@ def _budget_left_out(p: Path, manifest: dict[str, Any], batches: Any) -> None:
                            "again with a larger Monitor(capture_max_bytes=...)")
 
 
-def rank_captures(p: Path) -> dict[int, Path]:
-    """The per-rank capture folders of one sharded step beside ``p`` (``engine.shard_capture.rank_folders``)."""
-    from ampdoctor.engine.shard_capture import rank_folders
-
-    return rank_folders(p)
-
-
 def _batch(b: Any, where: Path, i: int) -> Any:
     """A stored batch back into what the stages run: an accumulated step's micro-batches (``Micro``), a
     call of the model taken without ``batch=`` (``ModelInputs``), else the batch as the loader yielded it."""
@@ -189,20 +157,4 @@ def _batch(b: Any, where: Path, i: int) -> Any:
     return b
 
 
-def layout_optimizer(layout: dict[str, Any] | None) -> Callable[[nn.Module], torch.optim.Optimizer] | None:
-    """``build_optimizer(model)`` rebuilding the captured optimizer (its ``torch.optim`` class and parameter
-    groups, by parameter name), for a spec that has none; None when the class is not in ``torch.optim``."""
-    if not layout or layout.get("module", "").split(".")[:2] != ["torch", "optim"]:
-        return None
-    cls = getattr(torch.optim, str(layout.get("class")), None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        return None
-    groups = layout.get("groups") or []
-
-    def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        named = {user_name(n): p for n, p in unwrap(model).named_parameters()}  # (an engine's wrapper: the user's names)
-        built = [{"params": [named[n] for n in g["params"] if n in named],
-                  **{k: tuple(v) if isinstance(v, list) else v for k, v in g["hyper"].items()}} for g in groups]
-        return cls(built)  # type: ignore[call-arg]
-
-    return build_optimizer
+__all__ = ["Captured", "read_rank"]

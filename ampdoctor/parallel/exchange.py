@@ -8,7 +8,7 @@ rank's own graph, before the bucket all-reduce touches parameter gradients). ``R
 those facts into ``SLOTS`` numbers per rank, on the device, and sums one ``world_size x SLOTS``
 float64 tensor across ranks (each rank writes only its own row): one all-reduce of
 ``40 * world_size`` bytes per step, queued before the step's host copy and brought back with it (a
-sharded model adds its sums of squares and parameter rows to it: ``engine.shards``).
+sharded model adds its sums of squares and parameter rows to it: ``parallel.pieces``).
 After it every rank knows, at the same step, which ranks saw a non-finite value, what kind, and in
 which module.
 
@@ -281,7 +281,7 @@ class RankExchange:
         """Every rank's row, summed into one ``world x SLOTS`` tensor: the step's one collective.
 
         ``sums``: more numbers summed across ranks in the same collective (a sharded model's sums of
-        squares and counts, ``engine.shards``); ``maxes``: numbers reduced by MAX, in a second collective.
+        squares and counts, ``parallel.pieces``); ``maxes``: numbers reduced by MAX, in a second collective.
         Returns ``world x SLOTS`` numbers, then the summed ``sums``, then the ``maxes``, as one vector."""
         import torch.distributed as dist
 

@@ -1,11 +1,13 @@
-"""A sharded model's statistics, reduced across its ranks inside the step's one exchange.
+"""A sharded model's statistics, reduced across its ranks inside the step's one exchange; and a capture's pieces
+put back together on one process. What an engine decides (which piece counts, where a piece sits) is its
+``Reader``'s (``parallel.protocol``); what is reduced, and how, is here, the same for every engine.
 
 Under FSDP2 (``fully_shard``), tensor parallelism (DTensor parameters) and FSDP1
 (``FullyShardedDataParallel(use_orig_params=True)``) a rank holds a piece of each parameter and of its
 gradient: a DTensor's local shard (``to_local()``, no collective), or FSDP1's slice of the flattened
 parameter (which may be empty). Everything the monitor measures of parameters is measured on the pieces
 and then reduced across the ranks, in the collective the ranks' exchange runs anyway
-(``engine.ranks.RankExchange.exchange``):
+(``parallel.exchange.RankExchange.exchange``):
 
 - **norms**: each parameter's sum of squares (``P`` float64, SUM): the global norm is the square root of
   the total, exactly what ``clip_grad_norm_`` computes; a sentinel and the first non-finite parameter read
@@ -18,7 +20,7 @@ A piece that is a replica (a ``Replicate`` placement, a plain parameter of a ten
 name (every rank has every name; a rank may hold an empty slice, or, under FSDP1, no gradient at all).
 
 ``layout`` says where each piece of the model's state sits in the whole tensor (plain JSON), so a capture
-of every rank's pieces is reassembled on one process (``engine.replay``).
+of every rank's pieces is reassembled on one process (``capture.reassemble``, with ``assemble``).
 """
 
 from __future__ import annotations
@@ -32,43 +34,14 @@ import torch
 from torch import nn
 
 from ampdoctor.records import NCOLS, Col, StepStats
-from ampdoctor.watch.hooks import named_parameters, unwrap, user_name
+from ampdoctor.watch.model_view import named_parameters, unwrap, user_name
 
-ENGINES = ("fsdp1", "fsdp2", "tensor_parallel")
-"""The sharding engines whose pieces this module reads."""
 NSUM = Col.NAN + 2
 """Columns of a row reduced by SUM: the counts (``Col.NUMEL`` .. ``Col.NAN``) and one for 'a rank holds it'."""
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def _fsdp1_flat(inner: nn.Module) -> dict[int, tuple[list[int], int]]:
-    """FSDP1 (``use_orig_params=True``): id of each original parameter → (its shape, where this rank's slice
-    starts in it, flattened), read from the flat parameters' ``_fqns``/``_shapes``/``_shard_param_infos``."""
-    out: dict[int, tuple[list[int], int]] = {}
-    for m in inner.modules():
-        fp = getattr(m, "_flat_param", None)
-        infos = getattr(fp, "_shard_param_infos", None)
-        params = getattr(fp, "_params", None)
-        shapes = getattr(fp, "_shapes", None)
-        if infos is None or params is None or shapes is None:
-            continue
-        for p, shape, info in zip(params, shapes, infos, strict=False):
-            start = int(info.intra_param_start_idx or 0) if info.in_shard else 0
-            out[id(p)] = ([int(x) for x in shape], start)
-    return out
-
-
-def _fsdp1_strategy(inner: nn.Module) -> tuple[str, int | None]:
-    for m in inner.modules():
-        if type(m).__name__ == "FullyShardedDataParallel":
-            strat = getattr(m, "sharding_strategy", None)
-            pg = getattr(m, "process_group", None)
-            size = pg.size() if pg is not None and hasattr(pg, "size") else None
-            return str(getattr(strat, "name", strat)), size
-    return "", None
 
 
 class Shards:
@@ -77,43 +50,29 @@ class Shards:
     ``params``: the optimizer's parameters (the norms' order); ``names``: id → the user's name."""
 
     def __init__(self, engine: str, model: nn.Module, params: Sequence[torch.Tensor], rank: int, world: int) -> None:
+        from ampdoctor.parallel.registry import named
+
         self.engine = engine
         self.rank = rank
         self.world = world
         inner = unwrap(model)
-        self.flat = _fsdp1_flat(inner) if engine == "fsdp1" else {}
-        self.problem: str | None = None
-        """Why this layout cannot be reduced correctly (the monitor then turns off), else None."""
-        replica = False
-        if engine == "fsdp1":
-            strat, size = _fsdp1_strategy(inner)
-            if strat.startswith("HYBRID") or (size is not None and size != world):
-                self.problem = f"a {strat or 'process'} group of {size} rank(s) in a world of {world}"
-            replica = strat == "NO_SHARD"
-            if any(getattr(p, "_is_flat_param", False) or type(p).__name__ == "FlatParameter" for p in params):  # (their pieces are no parameter's alone)
-                self.problem = "flat parameters (use_orig_params=False; pass use_orig_params=True)"
-        self._replica_plain = engine != "fsdp1" or replica
+        eng = named(engine)
+        if eng is None:
+            raise ValueError(f"no parallel engine is named {engine!r}")
+        self.reader = eng.read(inner, params, rank, world)
+        """This rank's pieces as the engine reads them (``parallel.protocol.Reader``)."""
         self.named = named_parameters(inner)
         """(user name, parameter) of the model: the rows' order."""
         self.index = {n: i for i, (n, _) in enumerate(self.named)}
-        self.counts = [self._counts(p) for p in params]
+        self.counts = [self.reader.counts(p) for p in params]
         """Per optimizer parameter: whether this rank's piece counts in the sums (False: a replica)."""
-        self.row_counts = [self._counts(p) for _, p in self.named]
+        self.row_counts = [self.reader.counts(p) for _, p in self.named]
         self._w: dict[torch.device, torch.Tensor] = {}
 
-    def _counts(self, p: torch.Tensor) -> bool:
-        if _is_dtensor(p):
-            mesh = p.device_mesh  # type: ignore[attr-defined]
-            if mesh.ndim != 1 and self.problem is None:
-                self.problem = (f"a {mesh.ndim}-D device mesh {tuple(int(x) for x in mesh.shape)} (HSDP, data parallel x "
-                                "tensor parallel: the exchange would judge a replica's batch as the whole run's)")
-            if mesh.size() != self.world and self.problem is None:
-                self.problem = (f"a DTensor mesh of {mesh.size()} rank(s) in a world of {self.world} (the replicas "
-                                "outside the mesh would count twice)")
-            coord = mesh.get_coordinate() or []
-            return all(c == 0 for c, pl in zip(coord, p.placements, strict=False)  # type: ignore[attr-defined]
-                       if not pl.is_shard())
-        return self.rank == 0 if self._replica_plain else True
+    @property
+    def problem(self) -> str | None:
+        """Why this layout cannot be reduced correctly (the monitor then turns off), else None."""
+        return self.reader.problem
 
     # norms ------------------------------------------------------------------------------------------
     def weights(self, device: torch.device) -> torch.Tensor:
@@ -198,10 +157,7 @@ class Shards:
         return out
 
     def _piece(self, t: torch.Tensor) -> dict[str, Any]:
-        hit = self.flat.get(id(t))
-        if hit is not None:
-            return {"shape": hit[0], "flat": hit[1]}
-        return dtensor_piece(t)
+        return self.reader.piece(t)
 
 
 def trip_stats(hooks: Any, step: int, inv_scale: float | None, shards: Shards | None, ranks: Any) -> StepStats:
@@ -258,7 +214,7 @@ def trip_stats(hooks: Any, step: int, inv_scale: float | None, shards: Shards | 
 def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
     """Where this rank's piece of ``t`` sits in the whole tensor: a DTensor's shard at its global offset, or a
     plain tensor whole (``{"shape": [...], "offset": [...]}``)."""
-    if _is_dtensor(t):
+    if is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
@@ -266,36 +222,64 @@ def dtensor_piece(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": [int(x) for x in t.shape], "offset": [0] * t.dim()}
 
 
-def _dtype_name(dt: Any) -> str | None:
+def dtype_name(dt: Any) -> str | None:
     return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else None
 
 
-def recipe(model: nn.Module) -> dict[str, Any] | None:
-    """How FSDP2 sharded the model, as much as a replay under the same layout needs (plain JSON, the manifest's
-    ``shards.recipe``): the modules ``fully_shard`` was applied to (the user's names, ``""`` the model, children
-    first), their ``MixedPrecisionPolicy`` and the mesh's shape. None for any other layout (FSDP1's wrapping and
-    a tensor-parallel plan: ``engine.fsdp1_layout``, ``engine.tp_layout``)."""
-    inner = unwrap(model)
-    mods: list[str] = []
-    mp: dict[str, Any] | None = None
-    mesh: list[int] | None = None
-    for name, m in inner.named_modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        if get is None:
-            continue
-        mods.append(user_name(name))
-        group = getattr(get(), "_fsdp_param_group", None)
-        pol = getattr(group, "mp_policy", None)
-        if pol is not None and mp is None:
-            mp = {k: _dtype_name(getattr(pol, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
-            mp["cast_forward_inputs"] = bool(getattr(pol, "cast_forward_inputs", True))
-    for p in inner.parameters():
-        if _is_dtensor(p):
-            mesh = [int(x) for x in p.device_mesh.shape]  # type: ignore[attr-defined]
-            break
-    if not mods or mesh is None:
+class BlockReader:
+    """A rank's pieces that are blocks of the whole tensors (``parallel.protocol.Reader``): a DTensor's local
+    shard at its global offset, or a plain tensor whole (a replica: it counts on rank 0 only, unless
+    ``plain_shards``). A DTensor's piece counts where its mesh coordinate is 0 along every dimension it is not
+    sharded on; a mesh that is not 1-D, or not the whole world, is a ``problem``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], rank: int, world: int, plain_shards: bool = False) -> None:
+        self.rank = rank
+        self.world = world
+        self.plain_shards = plain_shards
+        self.problem: str | None = None
+        self.groups: list[int] | None = None  # a 1-D layout: the engine's shares_batch decides
+        for t in tensors:
+            self.problem = self.problem or self.mesh_problem(t)
+
+    def mesh_problem(self, p: torch.Tensor) -> str | None:
+        """Why ``p``'s mesh cannot be reduced over the world (a fragment), or None."""
+        if not is_dtensor(p):
+            return None
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        if mesh.ndim != 1:
+            return (f"a {mesh.ndim}-D device mesh {tuple(int(x) for x in mesh.shape)} (HSDP, data parallel x "
+                    "tensor parallel: the exchange would judge a replica's batch as the whole run's)")
+        if mesh.size() != self.world:
+            return (f"a DTensor mesh of {mesh.size()} rank(s) in a world of {self.world} (the replicas "
+                    "outside the mesh would count twice)")
         return None
-    return {"engine": "fsdp2", "fully_shard": mods[::-1], "mp_policy": mp, "mesh": mesh}
+
+    def counts(self, p: torch.Tensor) -> bool:
+        if is_dtensor(p):
+            coord = p.device_mesh.get_coordinate() or []  # type: ignore[attr-defined]
+            return all(c == 0 for c, pl in zip(coord, p.placements, strict=False)  # type: ignore[attr-defined]
+                       if not pl.is_shard())
+        return self.plain_shards or self.rank == 0
+
+    def piece(self, t: torch.Tensor) -> dict[str, Any]:
+        return dtensor_piece(t)
+
+
+def dtensor_holds(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def world_mesh(rec: dict[str, Any]) -> Any:
+    """The 1-D DeviceMesh of the recorded shape on the CPU (every rank calls it: its process group is a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(int(x) for x in rec["mesh"]))
+
+
+def module_kinds(model: nn.Module) -> set[str]:
+    """The class names of ``model``'s modules (how an engine knows its wrappers without importing them)."""
+    return {type(m).__name__ for m in model.modules()}
 
 
 def claimed_shape(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str], key: str) -> list[int]:
@@ -345,7 +329,7 @@ def _fits(shape: list[int], dtype: torch.dtype, name: str) -> None:
 
 def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where: list[str] | None = None,
              key: str | None = None) -> torch.Tensor:
-    """The whole tensor from every rank's piece and its layout (``engine.shard_capture`` describes the format);
+    """The whole tensor from every rank's piece and its layout (``capture.reassemble`` describes the format);
     ValueError (naming the tensor, the rank's manifest in ``where`` and the field) when the pieces disagree on its
     shape, one runs past it, they hold fewer elements than it claims, it does not fit in free memory, or an element is
     in no piece. Nothing is allocated before those checks: at most what the pieces hold. ``key``: the layout's
@@ -374,4 +358,6 @@ def assemble(pieces: list[tuple[torch.Tensor, dict[str, Any]]], name: str, where
     return full
 
 
-__all__ = ["ENGINES", "NSUM", "Shards", "assemble", "claimed_shape", "dtensor_piece", "recipe", "trip_stats"]
+__all__ = ["NSUM", "BlockReader", "Shards", "assemble", "claimed_shape", "dtensor_holds", "dtensor_piece", "dtype_name", "is_dtensor",
+           "module_kinds",
+           "trip_stats", "world_mesh"]

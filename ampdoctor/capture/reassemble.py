@@ -29,91 +29,19 @@ are not installed.
 
 from __future__ import annotations
 
-import glob
-import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampdoctor.engine.replay import Captured, StartState, read_rank
-from ampdoctor.engine.shards import assemble, claimed_shape
+from ampdoctor.capture.folder import Captured, read_rank
+from ampdoctor.capture.rank_folders import RANK_FOLDER, group_of
+from ampdoctor.capture.schema import MANIFEST, SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
 from ampdoctor.errors import CaptureError
-from ampdoctor.input.capture_schema import SNAPSHOT_FILE, STATE_FILE, read_manifest, validate_state
-
-MANIFEST = "manifest.json"
-_RANK = re.compile(r"^(?P<base>.*)\.rank(?P<rank>\d+)(?P<n>-\d+)?$")
-"""``<base>.rank<N>``, or ``<base>.rank<N>-<k>``: the numbered name a capture takes when its own is taken (a second
-job capturing under the same name into the same folder, ``engine.capture.free_path``)."""
-
-
-def _candidates(folder: Path, base: str) -> dict[int, list[Path]]:
-    """Every rank's capture folders named ``<base>.rank<N>[-<k>]`` in ``folder``, by rank (unnumbered first)."""
-    out: dict[int, list[Path]] = {}
-    for q in sorted(folder.glob(f"{glob.escape(base)}.rank*"), key=lambda q: (len(q.name), q.name)):
-        mm = _RANK.match(q.name)
-        if mm is not None and mm.group("base") == base and (q / MANIFEST).is_file():
-            out.setdefault(int(mm.group("rank")), []).append(q)
-    return out
-
-
-def identity(m: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    """What makes captures one step of one run: (run id, step, world size, model fingerprint); a field an older
-    capture lacks is None."""
-    return m.get("run_id"), m.get("step"), m.get("world_size"), m.get("model_fingerprint")
-
-
-def _suffix(q: Path) -> str:
-    mm = _RANK.match(q.name)
-    return (mm.group("n") or "") if mm else ""
-
-
-def _pick(qs: list[Path], suffix: str, want: tuple[Any, ...]) -> Path:
-    """Of one rank's folders, the one of the same run and step as the named folder (its run id), else the one
-    numbered as it (``-1``...), else the first: a mix is then refused naming both folders (``_read_all``)."""
-    same = [q for q in qs if _suffix(q) == suffix]
-    if want[0] is not None:
-        for q in [*same, *qs]:
-            try:
-                if identity(read_manifest(q / MANIFEST))[:2] == want[:2]:
-                    return q
-            except CaptureError:
-                continue
-    return same[0] if same else qs[0]
-
-
-def group_of(p: Path) -> dict[int, Path]:
-    """The per-rank folders of the step ``p`` names (``p`` one of them, or the ``capture=`` name the run was given):
-    by rank, the folder of the same run and step (its manifest's ``run_id``), a second job's numbered folders
-    (``cap.rank0-1``, ``cap.rank1-1``) grouped together."""
-    m = _RANK.match(p.name)
-    base = m.group("base") if m else p.name
-    suffix = (m.group("n") or "") if m else ""
-    found = _candidates(p.parent, base)
-    one = p if m else next((qs[0] for qs in found.values()), None)
-    if one is None or not (one / MANIFEST).is_file():
-        return {}
-    want = identity(read_manifest(one / MANIFEST))
-    return {r: (one if m and r == int(m.group("rank")) and one in qs else _pick(qs, suffix, want))
-            for r, qs in sorted(found.items())}
-
-
-def rank_folders(p: Path) -> dict[int, Path]:
-    """The per-rank capture folders of one sharded step (``group_of``), when ``p`` names a sharded capture with a
-    layout; else empty (a whole model's capture, or one rank's of DDP, is read alone)."""
-    m = _RANK.match(p.name)
-    if m and not (p / MANIFEST).is_file():
-        return {}
-    if not m and p.is_dir():
-        return {}
-    found = group_of(p)
-    one = p if m else (next(iter(found.values())) if found else None)
-    if one is None:
-        return {}
-    own = read_manifest(one / MANIFEST)
-    if not own.get("sharded") or not own.get("shards"):
-        return {}
-    return found
+from ampdoctor.input.resume import StartState
+from ampdoctor.parallel.pieces import assemble, claimed_shape
+from ampdoctor.parallel.registry import named as engine_named
 
 
 def _layout(cap: Captured) -> tuple[dict[str, Any], list[str | None]]:
@@ -173,7 +101,7 @@ def check_pieces(p: Path, group: dict[int, Path]) -> None:
 def _read_all(p: Path, group: dict[int, Path], m: dict[str, Any]) -> list[Captured]:
     """Every rank's capture, rank 0 first, checked to be the same step of the same run."""
     world = int(m.get("world_size") or 1)
-    named = _RANK.match(p.name)
+    named = RANK_FOLDER.match(p.name)
     base = named.group("base") if named else p.name
     caps: list[Captured] = []
     for r in range(world):
@@ -206,15 +134,17 @@ def _same_run(q: Path, cm: dict[str, Any], p: Path, m: dict[str, Any]) -> None:
 
 def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
     """One process's view of a sharded step (see the module): raises ``CaptureError`` (one line)."""
-    given = group.get(int(_RANK.match(p.name).group("rank"))) if _RANK.match(p.name) else None  # type: ignore[union-attr]
+    given = group.get(int(RANK_FOLDER.match(p.name).group("rank"))) if RANK_FOLDER.match(p.name) else None  # type: ignore[union-attr]
     m = read_manifest((given or group.get(0) or next(iter(group.values()))) / MANIFEST)
     caps = _read_all(p, group, m)
     layouts = [_layout(c) for c in caps]
     want = caps[0].manifest.get("first_rank")
-    named = _RANK.match(p.name)
+    named = RANK_FOLDER.match(p.name)
     lead = int(want) if isinstance(want, int) and 0 <= want < len(caps) else (int(named.group("rank")) if named else 0)
     lead = lead if lead < len(caps) else 0
     model: dict[str, torch.Tensor] = {}
+    eng = engine_named(str(m.get("sharded")))
+    join = eng.assemble if eng is not None else assemble  # (the engine's own, where it has other pieces)
     try:
         for n in layouts[lead][0]:
             pieces = []
@@ -224,8 +154,8 @@ def reassemble_group(p: Path, group: dict[int, Path]) -> Captured:
                     raise ValueError(f"{n}: {c.path.name}'s {where} has no piece of it (rank "
                                      f"{caps[lead].manifest.get('rank')}'s field shards.model names it)")
                 pieces.append((c.model[n], lay[n]))
-            model[n] = assemble(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
-        optimizer = _optimizer(caps, layouts)
+            model[n] = join(pieces, n, [f"{c.path.name}/{MANIFEST}" for c in caps])
+        optimizer = _optimizer(caps, layouts, join)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CaptureError(f"{p}: the ranks' pieces do not make the whole model ({e}); the captures are damaged or "
                            "from different runs (capture again)") from None
@@ -242,7 +172,7 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
     done in words). A capture ``read_capture`` already reassembled is returned as it is."""
     if cap.assembled is not None:
         return cap, cap.assembled
-    named = _RANK.match(cap.path.name)
+    named = RANK_FOLDER.match(cap.path.name)
     if named is None or int(named.group("rank")) != int(cap.manifest.get("rank") or 0):
         raise CaptureError(f"{cap.path}: a {cap.manifest.get('sharded')} capture of rank {cap.manifest.get('rank')} of "
                            f"{cap.manifest.get('world_size')}, but its folder is not named <name>.rank<N>, so the other "
@@ -252,9 +182,10 @@ def reassemble(cap: Captured) -> tuple[Captured, str]:
     return whole, whole.assembled
 
 
-def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str | None]]]) -> dict[str, Any] | None:
+def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[str | None]]],
+               join: Callable[..., torch.Tensor] = assemble) -> dict[str, Any] | None:
     """The whole optimizer state: each entry's tensors shaped like the rank's piece of its parameter assembled like
-    it; the rest (a step count) from the first rank that has the entry."""
+    it (``join``: the engine's ``assemble``); the rest (a step count) from the first rank that has the entry."""
     states = [c.start.optimizer for c in caps]
     if any(s is None for s in states):
         return None
@@ -273,8 +204,8 @@ def _optimizer(caps: list[Captured], layouts: list[tuple[dict[str, Any], list[st
         for k, v in have[0][1].items():  # type: ignore[union-attr]
             r0 = have[0][0]
             if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(caps[r0].model[name].shape):
-                entry[k] = assemble([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}",  # type: ignore[index]
-                                    [f"{caps[r].path.name}/{MANIFEST}" for r, _ in have], key=name)
+                entry[k] = join([(e[k], layouts[r][0][name]) for r, e in have], f"optimizer state {k} of {name}",  # type: ignore[index]
+                                [f"{caps[r].path.name}/{MANIFEST}" for r, _ in have], key=name)
             else:
                 entry[k] = v
         out[idx] = entry
@@ -289,4 +220,4 @@ def _entry(state: dict[str, Any] | None, idx: int) -> dict[str, Any] | None:
     return got if isinstance(got, dict) else None
 
 
-__all__ = ["assemble", "check_pieces", "group_of", "identity", "rank_folders", "reassemble", "reassemble_group"]
+__all__ = ["check_pieces", "reassemble", "reassemble_group"]
