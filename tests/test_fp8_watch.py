@@ -75,3 +75,53 @@ def test_no_forecast_for_a_steady_run() -> None:
     w = Fp8Watch.attach(model)
     _train(model, 12, w)
     assert not [a for a in _train.alerts if a.kind == "forecast"]  # type: ignore[attr-defined]
+
+
+def _monitored(model: nn.Module, steps: int, log, zero_b: bool = False) -> list[torch.Tensor]:
+    import ampdoctor
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    mon = ampdoctor.Monitor(model, opt, log=log) if log is not None else None
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        if mon is not None:
+            mon.after_backward()
+        opt.step()
+        if mon is not None:
+            mon.after_step()
+        opt.zero_grad()
+    if mon is not None:
+        mon.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_monitor_logs_per_gemm_statistics_and_changes_nothing(tmp_path) -> None:
+    a = _converted()
+    b = copy.deepcopy(a)
+    log = tmp_path / "steps.csv"
+    watched = _monitored(a, 4, log)
+    plain = _monitored(b, 4, None)
+    assert all(torch.equal(p, q) for p, q in zip(watched, plain, strict=True))
+    rows = list(csv.DictReader((tmp_path / "steps.fp8.csv").open()))
+    assert [int(r["step"]) for r in rows[::6]] == [0, 1, 2, 3]  # 2 Linears x 3 operands a step
+    assert {(r["module"], r["operand"]) for r in rows} == {(m, o) for m in ("0", "2") for o in ("input", "weight", "grad_output")}
+
+
+def test_monitor_says_a_degenerate_scale_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linear whose weight is all zero, cast with no amax floor (ao#3356's arithmetic): one Fp8Warning naming it."""
+    from torchao.float8 import float8_utils
+
+    from ampdoctor.engine.monitor.fp8 import Fp8Warning
+
+    monkeypatch.setattr(float8_utils, "EPS", 0.0)
+    model = _converted()
+    with torch.no_grad():
+        model[2].weight.zero_()
+    with pytest.warns(Fp8Warning) as got:
+        _monitored(model, 3, tmp_path / "steps.csv")
+    said = [str(w.message) for w in got if issubclass(w.category, Fp8Warning)]
+    assert len([m for m in said if "the weight of 2" in m and "degenerate scale" in m]) == 1, said
