@@ -125,3 +125,42 @@ def test_monitor_says_a_degenerate_scale_once(tmp_path, monkeypatch: pytest.Monk
         _monitored(model, 3, tmp_path / "steps.csv")
     said = [str(w.message) for w in got if issubclass(w.category, Fp8Warning)]
     assert len([m for m in said if "the weight of 2" in m and "degenerate scale" in m]) == 1, said
+
+
+def test_capture_of_an_fp8_failure_replays_to_its_verdict(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Monitor captures the failing step of a converted model (the recipe in the manifest); ``triage --from
+    --target fp8`` replays it from the captured weights and batch: the cause, Linear, operand and the run's step."""
+    import importlib.util
+    import json
+
+    from torchao.float8 import float8_utils
+    from typer.testing import CliRunner
+
+    import ampdoctor
+    from ampdoctor.cli.app import app
+    from ampdoctor.ladder.fp8 import Float8Transform
+
+    from .conftest import SAMPLES
+
+    monkeypatch.setattr(float8_utils, "EPS", 0.0)  # what the sample does on import (no amax floor: ao#3356)
+    spec = importlib.util.spec_from_file_location("fp8_degenerate_scale", SAMPLES / "fp8_degenerate_scale.py")
+    s = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(s)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    model = Float8Transform("rowwise").apply(s.build_model(), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cap = tmp_path / "cap"
+    mon = ampdoctor.Monitor(model, opt, capture=cap, first_step=500, quiet=True)
+    for x, y in s.build_dataloader()[:2]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = s.loss_fn(model(x).float(), y)
+        mon.step(loss, batch=(x, y))
+    mon.close()
+    manifest = json.loads((cap / "manifest.json").read_text())
+    assert manifest["step"] == 500 and manifest["fp8"]["casts"]["input"] == "fp8_e4m3/rowwise"
+    res = CliRunner().invoke(app, ["triage", str(SAMPLES / "fp8_degenerate_scale.py"), "--from", str(cap), "--target", "fp8",
+                                   "--json", "-"])
+    assert res.exit_code == 1, res.output
+    rep = json.loads(res.stdout)
+    assert (rep["cause"], rep["module"], rep["operand"], rep["step"], rep["recipe"]) == (
+        "fp8_degenerate_scale", "0.lora_b", "weight", 500, "rowwise")

@@ -126,7 +126,7 @@ class Fp8Watch:
         out = []
         for r in rows:
             s = r.stats
-            if not math.isfinite(s["scale"]) or s["scale"] == 0:
+            if s["nonfinite"] == 0 and (not math.isfinite(s["scale"]) or s["scale"] == 0):  # (NaN arriving: upstream's)
                 out.append(GemmAlert("degenerate", r.step, r.module, r.operand, r.fmt, s["scale"]))
             elif s["saturated"] > 0:
                 out.append(GemmAlert("saturated", r.step, r.module, r.operand, r.fmt, s["saturated"]))

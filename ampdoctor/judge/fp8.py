@@ -3,7 +3,7 @@
 Each rule follows from how a scaled FP8 cast works (``ampdoctor.scaled``): ``q = cast(x * s)``, ``s = max / amax``.
 
 1. FP32 or BF16 already fails: not an FP8 problem (``model_bug``; ``bf16_failure``: the BF16 triage names it).
-2. **Degenerate scale** (``fp8_degenerate_scale``): an operand's scale is infinite, NaN or 0. With amax 0 and no
+2. **Degenerate scale** (``fp8_degenerate_scale``): a finite operand's scale is infinite, NaN or 0. With amax 0 and no
    floor, ``max / 0`` is inf and ``0 * inf`` is NaN (pytorch/ao#3356); an infinite amax gives the scale 0.
 3. **Saturation** (``fp8_saturation``): elements whose ``|x * s|`` reach the format's overflow threshold are
    clamped to ±max. A scale computed from the operand's own amax saturates nothing, so any saturated element
@@ -97,7 +97,7 @@ def _keep(module: str) -> Fix:
 
 
 def degenerate(lad: Fp8Ladder, rows: list[GemmRow]) -> Outcome | None:
-    r = _first(rows, lambda r: not math.isfinite(r.stats["scale"]) or r.stats["scale"] == 0)
+    r = _first(rows, lambda r: r.stats["nonfinite"] == 0 and (not math.isfinite(r.stats["scale"]) or r.stats["scale"] == 0))
     if r is None:
         return None
     return _outcome("fp8_degenerate_scale", r, [Fix("fp8_amax_floor", {"module": r.module, "operand": r.operand}),

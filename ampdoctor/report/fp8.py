@@ -143,7 +143,8 @@ def gemm_table(rows: list[GemmRow], focus: str | None = None, limit: int = 12) -
     return out[:limit]
 
 
-def build(o: Outcome, lad: Fp8Ladder) -> Fp8Report:
+def build(o: Outcome, lad: Fp8Ladder, first: int = 0) -> Fp8Report:
+    """The report; ``first``: the run's step number of the ladder's step 0 (a replayed capture), added to every step."""
     rungs = []
     for name, r in lad.rungs.items():
         last = next((v for v in reversed(r.losses) if math.isfinite(v)), math.nan)
@@ -151,6 +152,15 @@ def build(o: Outcome, lad: Fp8Ladder) -> Fp8Report:
                       "loss": r.losses[-1] if r.losses else math.nan, "last_finite_loss": last, "error": r.error})
     fp8 = lad.rungs.get("fp8")
     table = gemm_table(fp8.gemms if fp8 else [], o.module)
+    if first:
+        o = Outcome(o.cause, o.module, None if o.step is None else o.step + first, o.stage,
+                    {**o.facts, **({"step": o.facts["step"] + first} if o.facts.get("step") is not None else {})},
+                    o.findings, o.fixes)
+        for g in table:
+            g["step"] += first
+        for r in rungs:
+            if r["first_nonfinite"] is not None:
+                r["first_nonfinite"] += first
     return Fp8Report(o.cause, TITLES.get(o.cause, o.cause), o.module, o.facts.get("operand"), o.step, o.stage,
                      summary(o, lad), lad.recipe, lad.emulated, rungs, table,
                      [fix_words(f.code, f.facts, lad.recipe) for f in o.fixes], dict(o.facts))
