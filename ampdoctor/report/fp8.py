@@ -145,11 +145,12 @@ def gemm_table(rows: list[GemmRow], focus: str | None = None, limit: int = 12) -
 
 def build(o: Outcome, lad: Fp8Ladder, first: int = 0) -> Fp8Report:
     """The report; ``first``: the run's step number of the ladder's step 0 (a replayed capture), added to every step."""
-    rungs = []
-    for name, r in lad.rungs.items():
-        last = next((v for v in reversed(r.losses) if math.isfinite(v)), math.nan)
-        rungs.append({"rung": name, "steps": len(r.losses), "first_nonfinite": r.first_nonfinite,
-                      "loss": r.losses[-1] if r.losses else math.nan, "last_finite_loss": last, "error": r.error})
+    rungs: list[dict[str, Any]] = []
+    for name, run in lad.rungs.items():
+        last = next((v for v in reversed(run.losses) if math.isfinite(v)), math.nan)
+        bad = run.first_nonfinite
+        rungs.append({"rung": name, "steps": len(run.losses), "first_nonfinite": None if bad is None else bad + first,
+                      "loss": run.losses[-1] if run.losses else math.nan, "last_finite_loss": last, "error": run.error})
     fp8 = lad.rungs.get("fp8")
     table = gemm_table(fp8.gemms if fp8 else [], o.module)
     if first:
@@ -158,9 +159,6 @@ def build(o: Outcome, lad: Fp8Ladder, first: int = 0) -> Fp8Report:
                     o.findings, o.fixes)
         for g in table:
             g["step"] += first
-        for r in rungs:
-            if r["first_nonfinite"] is not None:
-                r["first_nonfinite"] += first
     return Fp8Report(o.cause, TITLES.get(o.cause, o.cause), o.module, o.facts.get("operand"), o.step, o.stage,
                      summary(o, lad), lad.recipe, lad.emulated, rungs, table,
                      [fix_words(f.code, f.facts, lad.recipe) for f in o.fixes], dict(o.facts))
