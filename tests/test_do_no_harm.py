@@ -177,7 +177,7 @@ def test_a_failure_inside_ampdoctor_turns_it_off_and_the_step_still_happens(wher
 ])
 def test_an_unsupported_sharded_setup_is_one_warning_and_training_goes_on(monkeypatch: pytest.MonkeyPatch, engine: str,
                                                                          said: str) -> None:
-    import ampdoctor.engine.monitor as monitor_mod
+    from ampdoctor.engine.monitor import building, monitor
     from ampdoctor.parallel.pieces import Shards
 
     class Unreducible(Shards):  # a layout the reduction cannot count right (replicas outside the mesh)
@@ -185,8 +185,8 @@ def test_an_unsupported_sharded_setup_is_one_warning_and_training_goes_on(monkey
             super().__init__(*a, **k)  # type: ignore[arg-type]
             self.problem = "a DTensor mesh of 1 rank(s) in a world of 2 (the replicas outside the mesh would count twice)"
 
-    monkeypatch.setattr(monitor_mod, "sharded_engine", lambda m: engine)
-    monkeypatch.setattr(monitor_mod, "Shards", Unreducible)
+    monkeypatch.setattr(monitor, "sharded_engine", lambda m: engine)
+    monkeypatch.setattr(building, "Shards", Unreducible)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()
@@ -289,12 +289,12 @@ def test_the_forward_only_replay_says_so_and_a_sharded_capture_is_one_line(tmp_p
 
 
 def test_a_monitor_that_cannot_be_set_up_is_one_warning_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ampdoctor.engine.monitor as monitor_mod
+    from ampdoctor.engine.monitor import building
 
     def broken(*a: object, **k: object) -> None:
         raise RuntimeError("no hooks for this model")
 
-    monkeypatch.setattr(monitor_mod, "Hooks", broken)
+    monkeypatch.setattr(building, "Hooks", broken)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(MonitorOffWarning, match="setting up the monitor failed at step 0"):

@@ -73,7 +73,7 @@ def local_state(model: nn.Module) -> dict[str, Any]:
     inner = unwrap(model)
     if sharded_engine(inner) is None:
         return dict(inner.state_dict())
-    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.hooks.user_name``)
+    out: dict[str, Any] = {}  # (the user's names: no engine wrapper's part, ``watch.model_view.user_name``)
     for n, p in [*inner.named_parameters(), *inner.named_buffers()]:
         out[user_name(n)] = local(p).detach()
     return out
@@ -177,6 +177,9 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
             out.update(origin.record(inner))
         except Exception:  # what cannot be read is left out: the replay asks for a spec
             pass
+    modules = origin.structure(inner)  # every model: the settings a replay's model must match (a dropout rate)
+    if modules:
+        out["modules"] = modules
     return out
 
 

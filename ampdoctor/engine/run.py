@@ -32,6 +32,8 @@ class Replay:
     """Loss, gradient norm and scale of the failing step in each replay."""
     ring: Any = None
     """The capture's lookback ring: (steps, layers) DataFrames (``capture.schema.read_ring``), or None."""
+    differs: list[tuple[str, str, str]] = field(default_factory=list)
+    """Modules whose settings differ between the run's model and the replay's (``input.origin.differences``)."""
 
 
 @dataclass

@@ -44,6 +44,7 @@ from ampdoctor.report import stages as stage_report
 from ampdoctor.report.build import code_findings, enrich, replayed_scaler, shift_steps, stage_summary, worded
 from ampdoctor.report.model import Report
 from ampdoctor.watch import userhooks
+from ampdoctor.watch.model_view import unwrap
 from ampdoctor.watch.steplog import StepLogWriter
 
 MAX_SKIP = 10**9
@@ -187,8 +188,11 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
         # transient or persistent: the failing step in the run's own precision, from the captured state, twice
         again = run_stage(cfg.target, context(cfg.target))
         replays = [run.results[cfg.target], again]
+        ident = cap.manifest.get("model_identity")
+        differs = origin.differences(ident.get("modules") if isinstance(ident, dict) else None, unwrap(run.model))
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
-                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring)
+                            sum(1 for r in replays if _failed(r)), len(replays), [_last(r) for r in replays], cap.ring,
+                            differs)
 
 
 def lint_sources(spec_path: Path | None, script: str | Path | None) -> list[LintFinding]:
@@ -415,7 +419,8 @@ def _diagnosis(run: Run, start_words: str) -> Diagnosis:
                     resumed=run.start_kind != "init",
                     captured=(str(rp.manifest.get("reason")), int(rp.manifest["step"]) - rp.step0) if rp is not None else None)
     if rp is not None:
-        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device))
+        transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device),
+                                   rp.differs)
         if transient is not None:
             diag = replace(transient, layers=diag.layers, scaler=diag.scaler, scaler_note=diag.scaler_note)
     if step0:
@@ -429,7 +434,7 @@ def _notes(run: Run) -> list[str]:
     rp, batches = run.replay, run.batches
     replay = None if rp is None else {
         "capture": rp.capture, "manifest": rp.manifest, "n_steps": len(batches.items), "step0": rp.step0,
-        "precision": rp.precision, "reproduced": rp.reproduced, "replays": rp.replays}
+        "precision": rp.precision, "reproduced": rp.reproduced, "replays": rp.replays, "differs": rp.differs}
     model_inputs = rp is not None and any(isinstance(b, ModelInputs) for it in batches.items for b in micro_batches(it))
     rng_note = (stage_report.rng(rp is not None, run.rng_restored, run.config.seed, rp.step0 if rp is not None else run.step0,
                                  rp.manifest if rp is not None else None) if rp is not None or run.start else None)

@@ -20,6 +20,7 @@ code).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -105,10 +106,37 @@ def _script_call(cls: type) -> tuple[list[str | None], dict[str, str | None]] | 
 _ABSENT = object()
 
 
-def _attr_literal(value: Any) -> str | None:
-    """``repr`` of a plain value (numbers, strings, booleans, None, and tuples/lists of them) that reads back."""
+DATACLASS = "__dataclass__"
+"""The key of a constructor argument recorded as a dataclass of literals: ``{"__dataclass__": "model.GPTConfig",
+"fields": {...}}`` (``self.config = config``, nanoGPT's ``GPT(GPTConfig(...))``)."""
+
+
+def _dataclass_literal(value: Any, owner: type | None) -> str | None:
+    """A dataclass instance whose fields are all plain literals, defined in the model class's own module
+    (``owner``'s: the one the replay imports anyway), as the literal of a dict that ``init_kwargs`` reads back."""
+    if owner is None or not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return None
+    cls = type(value)
+    if cls.__module__ != owner.__module__ or "<locals>" in cls.__qualname__:
+        return None
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name, _ABSENT)
+        text = _attr_literal(v)
+        if text is None:
+            return None
+        fields[f.name] = ast.literal_eval(text)
+    text = repr({DATACLASS: f"{cls.__module__}.{cls.__qualname__}", "fields": fields})
+    return text if len(text) <= MAX_LITERAL else None
+
+
+def _attr_literal(value: Any, owner: type | None = None) -> str | None:
+    """``repr`` of a plain value (numbers, strings, booleans, None, and tuples/lists of them) that reads back; with
+    ``owner`` (the model class), a dataclass of such values defined beside it (``_dataclass_literal``)."""
     if value is _ABSENT:
         return None
+    if owner is not None and dataclasses.is_dataclass(value):
+        return _dataclass_literal(value, owner)
     if isinstance(value, (bool, int, float, str, type(None))) or (
             isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str, type(None))) for v in value)):
         text = repr(value)
@@ -138,14 +166,14 @@ def _init_args(cls: type, instance: Any) -> tuple[dict[str, str], list[str], str
         given.update(kw)
         for p in params:
             if p.name in given:
-                v = given[p.name] or _attr_literal(own.get(p.name, _ABSENT))
+                v = given[p.name] or _attr_literal(own.get(p.name, _ABSENT), cls)
                 if v is None:
                     unknown.append(p.name)
                 else:
                     args[p.name] = v
         return args, unknown, "script"
     for p in params:
-        v = _attr_literal(own.get(p.name, _ABSENT))
+        v = _attr_literal(own.get(p.name, _ABSENT), cls)
         if v is not None:
             args[p.name] = v
         else:
@@ -241,13 +269,39 @@ def init_kwargs(identity: Mapping[str, Any], where: str) -> tuple[dict[str, Any]
             out[k] = ast.literal_eval(v)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise SpecError(f"{where}: the capture's init_args[{k!r}] is not a Python literal; the capture is damaged") from None
+        if isinstance(out[k], dict) and DATACLASS in out[k]:
+            out[k] = _dataclass_of(out[k], str(identity.get("class", "")), where, k)
     unknown = identity.get("init_unknown")
     return out, [str(u) for u in unknown] if isinstance(unknown, list) else []
 
 
+def _dataclass_of(rec: Mapping[str, Any], model_class: str, where: str, arg: str) -> Any:
+    """The dataclass a recorded argument describes, built from its fields. Only a dataclass of the model class's own
+    module (already imported to build the model: nothing else is imported or run because a capture names it)."""
+    path, fields = rec.get(DATACLASS), rec.get("fields")
+    mod, _, qual = str(path).rpartition(".")
+    own_mod = model_class.rpartition(".")[0]
+    module = sys.modules.get(mod)
+    cls = getattr(module, qual, None) if module is not None and mod == own_mod and "." not in qual else None
+    if not (isinstance(fields, dict) and dataclasses.is_dataclass(cls) and isinstance(cls, type)):
+        raise SpecError(f"{where}: the capture's init_args[{arg!r}] names {str(path)[:80]!r}, which is not a dataclass "
+                        f"of the model's own module {own_mod or '?'}; the capture is damaged")
+    try:
+        return cls(**fields)
+    except Exception as e:  # its own checks (__post_init__) refuse the recorded fields
+        raise SpecError(f"{where}: {qual}(**recorded fields) raised {type(e).__name__}: {e}"[:300]) from None
+
+
+def _arg_words(v: Any, raw: str | None) -> str:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        inner = ", ".join(f"{f.name}={getattr(v, f.name)!r}" for f in dataclasses.fields(v))
+        return f"{type(v).__qualname__}({inner})"
+    return raw if raw is not None else repr(v)
+
+
 def call_words(name: str, kwargs: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
-    """'Net(d=64, layers=3)' (as the capture wrote the literals)."""
-    return f"{name}({', '.join(f'{k}={raw.get(k, repr(v))}' for k, v in kwargs.items())})"
+    """'Net(d=64, layers=3)' (as the capture wrote the literals; a dataclass argument as its call)."""
+    return f"{name}({', '.join(f'{k}={_arg_words(v, raw.get(k))}' for k, v in kwargs.items())})"
 
 
 
@@ -351,3 +405,75 @@ def replay_needs(manifest: Mapping[str, Any]) -> list[str]:
 
 
 __all__ = ["OUTSIDE_FLAG", "replay_needs", "call_words", "import_folder", "init_kwargs", "loss_fn_of", "loss_recipe", "record", "refuse_capture_code"]
+
+
+MAX_MODULES = 20000
+"""The most modules whose settings a capture records (``structure``); a larger model records none."""
+
+
+def structure(model: Any) -> dict[str, str]:
+    """Each module's class and settings as ``repr`` says them without its children (``Dropout(p=0.2)``,
+    ``LayerNorm((64,), eps=1e-05, elementwise_affine=True)``), by name: what the weights' shapes do not show and a
+    replay must match (a dropout rate, an epsilon, an activation's approximation). {} for a model of more than
+    ``MAX_MODULES`` modules, or one whose modules cannot say themselves."""
+    out: dict[str, str] = {}
+    try:
+        for name, m in model.named_modules():
+            if len(out) >= MAX_MODULES:
+                return {}
+            out[name] = f"{type(m).__name__}({m.extra_repr()})"[:MAX_LITERAL]
+    except Exception:  # a module whose extra_repr raises: nothing is recorded, nothing is compared
+        return {}
+    return out
+
+
+def differences(recorded: Any, model: Any) -> list[tuple[str, str, str]]:
+    """Where the model a replay built differs from the run's (``structure`` recorded in the capture): (module name,
+    the run's, this one's), "" for a module one side lacks; [] when the capture recorded none."""
+    if not isinstance(recorded, Mapping) or not recorded:
+        return []
+    now = structure(model)
+    if not now:
+        return []
+    names = list(recorded) + [n for n in now if n not in recorded]
+    return [(str(n), str(recorded.get(n, "")), now.get(n, "")) for n in names
+            if not _same_settings(str(recorded.get(n, "")), now.get(n, ""))]
+
+
+def _parts(text: str) -> tuple[str, list[str], dict[str, str]]:
+    """``LayerNorm((4,), eps=1e-05, bias=True)`` -> ("LayerNorm", ["(4,)"], {"eps": "1e-05", "bias": "True"}): the
+    top-level comma list of the settings, split outside brackets and quotes."""
+    cls, _, rest = text.partition("(")
+    body = rest[:-1] if rest.endswith(")") else rest
+    items, depth, quote, cur = [], 0, "", ""
+    for ch in body:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    if cur.strip():
+        items.append(cur.strip())
+    pos = [i for i in items if "=" not in i.split("(")[0]]
+    kw = dict(i.split("=", 1) for i in items if "=" in i.split("(")[0])
+    return cls, pos, {k.strip(): v.strip() for k, v in kw.items()}
+
+
+def _same_settings(a: str, b: str) -> bool:
+    """Equal, or equal where both say a setting: another PyTorch version may say one more (``LayerNorm``'s
+    ``bias=`` is newer), which is not a difference of the model."""
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    ca, pa, ka = _parts(a)
+    cb, pb, kb = _parts(b)
+    return ca == cb and len(pa) == len(pb) and pa == pb and all(ka[k] == kb[k] for k in ka.keys() & kb.keys())

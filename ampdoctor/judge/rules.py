@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -225,9 +226,14 @@ def warnings(c: Ctx) -> list[Finding]:
 
 
 def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, last: list[dict[str, float | None]],
-                   precision: str, step0: int, device: str) -> Diagnosis | None:
+                   precision: str, step0: int, device: str,
+                   differs: Sequence[tuple[str, str, str]] = ()) -> Diagnosis | None:
     """A captured failure that the replay in the run's own precision, from the captured state, does not
     repeat: a transient (nondeterminism, a hardware fault), not a property of the weights and the batch.
+
+    ``differs``: the modules whose settings differ between the run's model and the one the replay built
+    (``input.origin.differences``: a dropout rate, an epsilon the weights' shapes do not show). Then the replay ran
+    another model, and its clean steps say nothing of the run's: ``replay_mismatch``, never a transient.
 
     None when at least one replay failed again. ``step0`` is the run's number of the first replayed step;
     every step here counts from it (replay-relative), as the records do: ``shift_diagnosis`` adds it back.
@@ -243,6 +249,13 @@ def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, l
     rel = step - step0
     facts = {"variant": "not_reproduced", "step": rel, "reason": manifest.get("reason"), "precision": precision,
              "replays": replays, "losses": [x.get("loss") for x in last]}
+    if differs:
+        shown = [list(d) for d in differs[:3]]
+        facts.update(variant="replay_mismatch", differs=shown, differs_count=len(differs))
+        ev["differs"] = [list(d) for d in differs[:20]]
+        return Diagnosis(Outcome("replay_mismatch", mod, rel, precision, facts,
+                                 [Finding("replay_mismatch", "error", stage=precision, module=mod, step=rel, evidence=ev)],
+                                 [Fix("spec_model", facts)]), [], None, device)
     out = Outcome("not_reproduced", mod, rel, precision, facts,
                   [Finding("not_reproduced", "error", stage=precision, module=mod, step=rel, evidence=ev)], [Fix("transient")])
     return Diagnosis(out, [], None, device)

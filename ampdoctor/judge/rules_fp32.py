@@ -198,7 +198,7 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
 
 def fp32_exploded(c: Ctx) -> Outcome | None:
     """A captured ``exploding_update`` that FP32 shares: FP32's own applied steps explode by the Monitor's definition
-    (``judge.scaler.explodes``) at or before the captured step, so the failure does not depend on the precision: the
+    (``judge.explosion.explodes``) at or before the captured step, so the failure does not depend on the precision: the
     training itself diverges (a model bug, however finite its numbers stay)."""
     if c.captured is None or c.captured[0] != "exploding_update" or c.fp32.error is not None:
         return None

@@ -86,14 +86,14 @@ class Layout:
                     model[name] = torch.zeros(0, dtype=torch.float32)
                     where[name] = {"shape": shape, "flat": 0}
                 else:
-                    a = hm.hpfragment_address
+                    a = hm.hp_fragment_address
                     model[name] = flat.detach().narrow(0, a.start, a.numel)
-                    where[name] = {"shape": shape, "flat": int(hm.lpfragment_address.start)}
+                    where[name] = {"shape": shape, "flat": int(hm.lp_fragment_address.start)}
                 if st:
                     ps: dict[str, Any] = {}
                     for k, v in st.items():
                         if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                            ps[k] = (v.detach().narrow(0, hm.hpfragment_address.start, hm.hpfragment_address.numel)
+                            ps[k] = (v.detach().narrow(0, hm.hp_fragment_address.start, hm.hp_fragment_address.numel)
                                      if hm is not None else torch.zeros(0, dtype=v.dtype))
                         elif isinstance(v, torch.Tensor) and v.numel() == 1:
                             ps[k] = v.detach()
@@ -110,8 +110,8 @@ def fragment(p: nn.Parameter) -> tuple[torch.Tensor | None, int]:
     hm = getattr(p, "_hp_mapping", None)
     if hm is None:
         return None, 0
-    a = hm.lpfragment_address
-    frag = hm.get_lp_gradfragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
+    a = hm.lp_fragment_address
+    frag = hm.get_lp_grad_fragment(getattr(p, "_index_in_param_group")).to(torch.float32).flatten()  # noqa: B009
     if frag.numel() == p.numel() and a.numel != p.numel():  # a whole-parameter buffer: only this rank's fragment counts
         frag = frag.narrow(0, a.start, a.numel)
     return frag, int(a.start)
@@ -147,7 +147,7 @@ class Reader(BlockReader):
         hm = getattr(t, "_hp_mapping", None)
         if hm is None:
             return super().piece(t)
-        return {"shape": [int(x) for x in t.shape], "flat": int(hm.lpfragment_address.start)}
+        return {"shape": [int(x) for x in t.shape], "flat": int(hm.lp_fragment_address.start)}
 
 
 class DeepSpeed:

@@ -61,6 +61,8 @@ class Shards:
             raise ValueError(f"no parallel engine is named {engine!r}")
         self.reader = eng.read(inner, params, rank, world)
         """This rank's pieces as the engine reads them (``parallel.protocol.Reader``)."""
+        self.problem: str | None = self.reader.problem
+        """Why this layout cannot be reduced correctly (the monitor then turns off), else None."""
         self.named = named_parameters(inner)
         """(user name, parameter) of the model: the rows' order."""
         self.index = {n: i for i, (n, _) in enumerate(self.named)}
@@ -68,11 +70,6 @@ class Shards:
         """Per optimizer parameter: whether this rank's piece counts in the sums (False: a replica)."""
         self.row_counts = [self.reader.counts(p) for _, p in self.named]
         self._w: dict[torch.device, torch.Tensor] = {}
-
-    @property
-    def problem(self) -> str | None:
-        """Why this layout cannot be reduced correctly (the monitor then turns off), else None."""
-        return self.reader.problem
 
     # norms ------------------------------------------------------------------------------------------
     def weights(self, device: torch.device) -> torch.Tensor:

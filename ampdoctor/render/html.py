@@ -35,7 +35,7 @@ figure.wide{grid-column:1/-1}.plots.two{grid-template-columns:repeat(2,minmax(0,
 .muted{color:#57606a}ol li,ul li{margin:3px 0}details{margin:6px 0}summary{cursor:pointer;color:#0969da}
 """
 
-_COLOR = {"healthy": "#1a7f37", "inconclusive": "#9a6700", "not_reproduced": "#9a6700"}
+_COLOR = {"healthy": "#1a7f37", "inconclusive": "#9a6700", "not_reproduced": "#9a6700", "replay_mismatch": "#9a6700"}
 
 
 def e(x: Any) -> str:

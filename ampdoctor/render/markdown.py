@@ -125,7 +125,7 @@ def _headroom(h: float) -> str:
 def _verdict(report: Report) -> list[str]:
     v = report.verdict
     title = CAUSE_TITLES.get(v.cause, v.cause)
-    icon = "✅" if v.cause == "healthy" else "❓" if v.cause in ("inconclusive", "not_reproduced") else "❌"
+    icon = "✅" if v.cause == "healthy" else "❓" if v.cause in ("inconclusive", "not_reproduced", "replay_mismatch") else "❌"
     step_label = "First bad batch" if v.cause == "data" else "First bad step"
     name = spec_name(report)
     lines = [f"# {title}" + (f" in {text(name)}" if name else ""), "",

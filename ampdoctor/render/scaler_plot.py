@@ -1,5 +1,5 @@
 """The figure of ``ampdoctor scaler --plot``: GradScaler's scale (log2 axis, skips marked) and the loss against step,
-drawn from a step log's digest (``judge.scaler.LogDigest``'s envelopes). Nothing here prints or touches files."""
+drawn from a step log's digest (``judge.log_digest.LogDigest``'s envelopes). Nothing here prints or touches files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The terminal text of ``ampdoctor scaler``: a step log's digest (``judge.scaler.LogDigest``) and its worded scale
+"""The terminal text of ``ampdoctor scaler``: a step log's digest (``judge.log_digest.LogDigest``) and its worded scale
 diagnosis (``report.scaler.ScaleDiagnosis``), printed to the command's console."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def _code(report: Report, console: Console) -> None:
 def render(report: Report, console: Console) -> None:
     v = report.verdict
     ok = v.cause == "healthy"
-    color = "green" if ok else "red" if v.cause not in ("inconclusive", "not_reproduced") else "yellow"
+    color = "green" if ok else "red" if v.cause not in ("inconclusive", "not_reproduced", "replay_mismatch") else "yellow"
     head = Text(CAUSE_TITLES.get(v.cause, v.cause), style=f"bold {color}")
     lines = [head, Text(v.summary)]
     facts = []

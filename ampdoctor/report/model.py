@@ -21,6 +21,7 @@ CAUSES = (
     "amp_misuse",
     "inconclusive",
     "not_reproduced",
+    "replay_mismatch",
 )
 
 

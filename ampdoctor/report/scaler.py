@@ -17,7 +17,7 @@ from ampdoctor.report.words import scaler as words
 
 @dataclass
 class ScaleDiagnosis:
-    """``judge.scaler.ScaleFacts`` in words: its figures, each as the facts define it, with the class's
+    """``judge.scale_facts.ScaleFacts`` in words: its figures, each as the facts define it, with the class's
     ``explanation`` and the ``recommendations`` in place of the finding and advice codes."""
 
     pattern: str

@@ -21,6 +21,7 @@ from ampdoctor.ladder import Rung
 from ampdoctor.notify import alert, say
 from ampdoctor.parallel.exchange import rank_path
 from ampdoctor.parallel.pieces import Shards
+from ampdoctor.parallel.registry import named
 from ampdoctor.report import alerts as words
 from ampdoctor.watch.fused import start_build
 from ampdoctor.watch.hooks import Hooks
@@ -88,9 +89,10 @@ def build_shards(mon: Monitor) -> None:
     rx = mon.ranks
     rank, world = (rx.rank, rx.world) if rx is not None else exchange.dist_rank()
     mon.recipe.shards = sh = Shards(mon.engine, mon.model, mon._params, rank, world)
-    if rx is not None:
-        rx.by_position = mon.engine == "tensor_parallel"  # ranks share a batch: order by the forward
-        rx.derived_inputs = mon.engine in ("fsdp1", "fsdp2")  # (their mixed precision casts the batch)
+    eng = named(mon.engine)
+    if rx is not None and eng is not None:  # (the engine's own facts: parallel.protocol.Engine)
+        rx.by_position = eng.shares_batch  # ranks share a batch (tensor parallelism): order by the forward
+        rx.derived_inputs = eng.casts_inputs  # (FSDP's mixed precision casts the batch)
     if sh.problem is not None:
         raise _Unreadable(f"{SHARDED[mon.engine]} over {sh.problem} is not supported yet")
 

@@ -37,7 +37,7 @@ def arm(mon: Monitor, cfg: MonitorConfig, folder: str | Path) -> Capture:
                   hold_bytes=cfg.capture_hold_bytes or 0,
                   layout=mon.recipe.shards.layout(mon.model) if mon.recipe.shards is not None else None)
     cap.step_starts(cfg.first_step)
-    mon.tap = ForwardTap(mon.model, None, inputs=True, on_start=mon._forward_starts)
+    mon.tap = ForwardTap(mon.model, None, inputs=True, on_start=lambda: forward_starts(mon))
     mon.tap.on_error = mon._hook_failed
     return cap
 
@@ -136,3 +136,9 @@ def step_done(mon: Monitor) -> None:
 
 
 __all__ = ["arm", "keep_batch", "step_done", "write"]
+
+
+def forward_starts(mon: Monitor) -> None:
+    """A training forward starts: the capture marks the step's start (before its backward is known)."""
+    if mon.capture is not None and mon._pending is None:
+        mon.capture.step_starts(mon.step_num, forward=True)

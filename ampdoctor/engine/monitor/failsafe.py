@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ampdoctor.engine.driver import blank_record
 from ampdoctor.engine.monitor import exchange
 from ampdoctor.engine.monitor.records import MonitorOffWarning, MonitorRecord
 from ampdoctor.notify import alert
@@ -71,4 +72,11 @@ def plain_step(mon: Monitor, loss: torch.Tensor | None) -> MonitorRecord:
             torch.nn.utils.clip_grad_norm_(params, mon.max_norm)
         opt.step()
     opt.zero_grad(set_to_none=True)
-    return mon._blank()
+    return blank(mon)
+
+
+def blank(mon: Monitor) -> MonitorRecord:
+    """The record of a step taken while the monitor is off (no measurement)."""
+    rec = blank_record(mon.step_num, mon.rank)
+    mon.step_num += 1
+    return rec

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampdoctor.engine.monitor import capturing, failsafe
+from ampdoctor.engine.monitor import capturing, exchange, failsafe
 from ampdoctor.engine.monitor.records import SkipRateError, _Pending
 from ampdoctor.errors import UsageError
 from ampdoctor.input.batches import Micro, as_micro
@@ -45,7 +45,7 @@ def after_backward(mon: Monitor, loss: torch.Tensor | None, batch: Any, observe:
     except Exception as e:
         failsafe.fail(mon, "measuring the step", e)
         if rx is not None and rx.calls == calls:  # this step's exchange is still to be joined
-            mon._pay_exchange()
+            exchange.pay(mon)
         return None
 
 

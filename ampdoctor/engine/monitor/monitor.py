@@ -17,7 +17,7 @@ from torch import nn
 
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
-from ampdoctor.engine.driver import Driver, blank_record
+from ampdoctor.engine.driver import Driver
 from ampdoctor.engine.fp8_watch import Fp8Watch
 from ampdoctor.engine.monitor import (
     building,
@@ -377,10 +377,6 @@ class Monitor:
         return self._pending.m.skip
 
     # failing safe ------------------------------------------------------------------------------
-    def _forward_starts(self) -> None:
-        if self.capture is not None and self._pending is None:
-            self.capture.step_starts(self.step_num, forward=True)
-
     def _fail(self, where: str, exc: BaseException) -> None:  # (the framework integrations fail safe through these)
         failsafe.fail(self, where, exc)
 
@@ -389,15 +385,6 @@ class Monitor:
 
     def _hook_failed(self, exc: BaseException) -> None:
         failsafe.fail(self, "recording the forward", exc)
-
-    def _pay_exchange(self) -> None:
-        exchange.pay(self)
-
-    def _blank(self) -> MonitorRecord:
-        """The record of a step taken while the monitor is off (no measurement)."""
-        rec = blank_record(self.step_num, self.rank)
-        self.step_num += 1
-        return rec
 
     # fault injection ---------------------------------------------------------------------------
     def spike(self, target: torch.Tensor) -> torch.Tensor:
@@ -529,7 +516,7 @@ class Monitor:
             capturing.seen_loss(self, loss)
         batch = measuring.step_batch(self, batch)
         if self._owe_exchange:
-            self._pay_exchange()
+            exchange.pay(self)
         if self._off is not None:
             return
         if loss is not None:
@@ -537,7 +524,7 @@ class Monitor:
                 self.recipe.note_loss(loss)
             except Exception as e:
                 failsafe.fail(self, "the loss check", e)
-                self._pay_exchange()
+                exchange.pay(self)
                 return
         measuring.after_backward(self, loss, batch, observe=True)
 
@@ -561,7 +548,7 @@ class Monitor:
         Writes the log row, updates the skip rate and history; may warn or raise (see the class).
         """
         if self._off is not None:
-            return self._blank()
+            return failsafe.blank(self)
         if skipped is None and self.scaler is None and not self._asked:
             skipped = False
         return recording.after_step(self, skipped)

@@ -22,7 +22,7 @@ def after_step(mon: Monitor, skipped: bool | None) -> MonitorRecord:
         raise
     except Exception as e:
         failsafe.fail(mon, "writing the step's record", e)
-        return mon._blank()
+        return failsafe.blank(mon)
 
 
 def _after_step(mon: Monitor, skipped: bool | None) -> MonitorRecord:

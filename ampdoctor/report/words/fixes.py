@@ -107,6 +107,10 @@ FIXES: dict[str, Callable[[Facts], str]] = {
         "look for nondeterminism (torch.use_deterministic_algorithms(True), data-loader workers, atomics in "
         "custom kernels) and hardware faults (ECC errors and Xid events in nvidia-smi -q, or rerun the capture "
         "on another GPU)."),
+    "spec_model": lambda f: (
+        "Make the spec's build_model() build the run's model "
+        f"({f['differs'][0][0] or 'the model'}: {f['differs'][0][1] or 'absent'} in the run), then replay the capture "
+        "again; or replay without build_model() where the capture recorded how the model was built."),
     "bf16_tried": _bf16_tried,
     "beyond_range_batch": lambda f: (
         f"Fix batch {f['batch']} in build_dataloader(): {f['field']}[{', '.join(map(str, f['position']))}] = "

@@ -6,7 +6,7 @@ RNG. The engine hands codes and figures (``engine.stages``, ``engine.triage``);
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # a stage that raised: what to do about it -------------------------------------------------------------------
@@ -40,8 +40,9 @@ MODEL_INPUTS = ("the capture kept the model's own inputs (no batch= was passed),
 
 
 def replayed(capture: Any, manifest: Mapping[str, Any], n_steps: int, step0: int, precision: str, reproduced: int,
-             replays: int) -> str:
-    """The replay of a capture: which step, which rank, how many replays failed again."""
+             replays: int, differs: Sequence[Sequence[str]] = ()) -> str:
+    """The replay of a capture: which step, which rank, how many replays failed again; where the replay's model
+    differs from the run's (``differs``: module, the run's settings, the replay's)."""
     m = manifest
     world = int(m.get("world_size") or 1)
     if world > 1:
@@ -51,9 +52,15 @@ def replayed(capture: Any, manifest: Mapping[str, Any], n_steps: int, step0: int
             if m.get("others_clean") and m.get("first_rank") is not None else "")
     else:
         who = ranks = ""
+    diff = ""
+    if differs:
+        name, run, here = differs[0]
+        more = len(differs) - 1
+        diff = (f"; the replay's model is not the run's: {name or '<model>'} is {here or 'missing'} here and "
+                f"{run or 'missing'} in the run" + (f" (and {more} more module(s) differ)" if more else ""))
     return (f"replayed from the capture {capture} of step {m.get('step')} ({m.get('reason')}){who}: "
             f"{n_steps} step(s) from the run's step {step0}; the {precision} replay "
-            f"failed again {reproduced} of {replays} times{ranks}")
+            f"failed again {reproduced} of {replays} times{ranks}{diff}")
 
 
 def start(kind: str, step0: int, label: str = "") -> str:

@@ -182,6 +182,22 @@ def _not_reproduced(f: Facts) -> str:
             "nondeterminism or a hardware fault, not FP16 range.")
 
 
+def _differs(f: Facts) -> str:
+    """'transformer.h.0.attn.attn_dropout is Dropout(p=0.0, inplace=False) here and Dropout(p=0.2, inplace=False) in
+    the run (and 9 more modules differ)'."""
+    name, run, here = f["differs"][0]
+    what = (f"{name or '<model>'} is {here or 'missing'} here and {run or 'missing'} in the run")
+    more = int(f.get("differs_count", 1)) - 1
+    return what + (f" (and {more} more module{'s' if more != 1 else ''} differ{'' if more != 1 else 's'})" if more else "")
+
+
+def _replay_mismatch(f: Facts) -> str:
+    got = ", ".join(f"loss {g4(lv)}" if lv is not None else "no step" for lv in f["losses"])
+    return (f"The run failed at step {f['step']} ({f['reason']}); the replay in {f['precision']} finished cleanly "
+            f"{f['replays']} times ({got}), but it did not run the run's model: {_differs(f)}. A replay of another "
+            "model says nothing of the run's failure, transient or not.")
+
+
 SUMMARIES: dict[str, Callable[[Facts], str]] = {
     "fp32_raised": lambda f: f"The FP32 reference raises {f['type']} at step {f['step']}: {f['message']}",
     "fp32_data_nonfinite": lambda f: (
@@ -227,6 +243,7 @@ SUMMARIES: dict[str, Callable[[Facts], str]] = {
     "healthy": _healthy,
     "scaler_normal": _scaler_normal,
     "not_reproduced": _not_reproduced,
+    "replay_mismatch": _replay_mismatch,
 }
 """Verdict variant (``Outcome.facts["variant"]``) → the verdict's summary."""
 
@@ -264,6 +281,7 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "not_reproduced": lambda f: (
         f"the {f['precision']} replay of step {f['step']} from the captured state finished cleanly {f['replays']} of "
         f"{f['replays']} times"),
+    "replay_mismatch": lambda f: f"the replay's model is not the run's: {_differs(f)}",
 }
 """Verdict variant → the title of the deciding rule's finding."""
 
