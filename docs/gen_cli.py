@@ -40,7 +40,7 @@ The help above is one line an option, at 80 columns; what each one does in full:
 | `--checkpoint PATH` | start every stage from a training checkpoint: a dict with model/optimizer/scaler entries, a transformers Trainer checkpoint folder, a Lightning `.ckpt`, or the spec's `load_checkpoint(model, optimizer, scaler, path)` ([checkpoints.md](checkpoints.md)) |
 | `--skip-batches N` | skip N batches of `build_dataloader()` first: where the run was when it saved the checkpoint |
 | `--attn-implementation NAME` | with `--checkpoint` and no `build_model()`: the attention the run's transformers model used (`eager`, `sdpa`, ...); a Trainer's `config.json` does not record it |
-| `--nproc N` | with `--from` a sharded capture: replay the ranks' shards on N CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism) instead of reassembling them on one ([scale-out.md](scale-out.md)) |
+| `--nproc N` | with `--from` a sharded capture: replay the ranks' shards on N CPU processes (gloo) under the run's layout (FSDP2, FSDP1, tensor parallelism, FSDP2 x tensor parallelism, HSDP) instead of reassembling them on one ([scale-out.md](scale-out.md)) |
 | `--import-outside` | with `--from` and no `build_model()`: rebuild the capture's model even where that needs a folder outside this one on the import path; only for a capture you trust ([long-runs.md](long-runs.md)) |
 | `--json PATH` | the whole report as JSON; `-`: to stdout, and the rest of the output to stderr ([report-format.md](report-format.md)) |
 | `--report PATH` | a report to attach to a ticket: `.md` (PNG plots beside it), `.json` or `.html`; repeat it for several |

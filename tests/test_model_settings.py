@@ -224,7 +224,7 @@ def test_a_spec_that_builds_another_model_is_said(gpt_run: Path) -> None:
 
 
 def test_a_replay_of_another_model_that_stays_clean_is_no_transient() -> None:
-    from ampdoctor.judge.rules import not_reproduced
+    from ampdoctor.judge.rules import not_reproduced, shift_diagnosis
     from ampdoctor.report.words.verdicts import summary
 
     m = {"step": 16, "reason": "nonfinite_loss", "module": None}
@@ -240,3 +240,5 @@ def test_a_replay_of_another_model_that_stays_clean_is_no_transient() -> None:
            "in the run (and 1 more module differs)" in words
     assert "transient: nondeterminism" not in words
     assert not_reproduced(m, 1, 2, last, "amp", 16, "cpu", differs) is None  # reproduced: the rules judge it
+    shifted = shift_diagnosis(d, 16)  # the run's own steps (the replay started at the captured step 16), once
+    assert shifted.outcome.step == 16 and "The run failed at step 16 (nonfinite_loss)" in summary(shifted.outcome.facts)

@@ -78,7 +78,7 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import() -> None
 
 def test_every_engine_module_is_found_and_implements_the_protocol() -> None:
     found = registry.engines()
-    assert [e.name for e in found] == ["deepspeed", "fsdp1", "fsdp2", "tensor_parallel", "ddp"]  # by priority
+    assert [e.name for e in found] == ["deepspeed", "fsdp1", "fsdp2_tp", "hsdp", "fsdp2", "tensor_parallel", "ddp"]  # by priority
     assert len({e.priority for e in found}) == len(found)
     for e in found:
         assert isinstance(e, Engine), e.name

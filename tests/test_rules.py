@@ -15,9 +15,9 @@ import torch
 
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
-from ampdoctor.judge import context, rules, rules_fp32, rules_silent, rules_target
+from ampdoctor.judge import context, refine, rules, rules_fp32, rules_silent, rules_target
 from ampdoctor.judge.context import Ctx, Recheck
-from ampdoctor.judge.opscan import NonfiniteOp
+from ampdoctor.judge.opscan import NonfiniteOp, OpRecord
 from ampdoctor.judge.rules import diagnose, shift_diagnosis
 from ampdoctor.records import NCOLS, Call, Col, Finding, Outcome, StageError, StageResult, StepRecord, StepStats, UserHook
 from ampdoctor.report.model import CAUSES
@@ -170,6 +170,18 @@ def _target_raised() -> Scenario:
     err = StageError("NotImplementedError", "\"addmm_impl_cpu_\" not implemented for 'Half'", 1, "enc", "a device limitation: rerun on a GPU")
     return (rules_target.target_raised, ctx(three(amp=stage("amp", error=err))), ("inconclusive", "enc", 1, "amp"),
             {"device_limit": True})
+
+
+def _target_raised_fill() -> Scenario:
+    # masked_fill(mask, -1e9) on FP16 scores: the stage raises; judge.refine (in diagnose) makes it the forward overflow
+    # it is, from the FP32 op scan's masked_fill reaching 1e9 (variant fill_beyond)
+    err = StageError("RuntimeError", "value cannot be converted to type c10::Half without overflow", 1, "attn", "")
+
+    def recheck(stage: str, step: int) -> Recheck:
+        return Recheck(1.0, True, "initial", ops=lambda m: [OpRecord(0, "masked_fill", 1e9, 0.25, 16)])
+
+    return (rules_target.target_raised, ctx(three(amp=stage("amp", error=err)), recheck=recheck),
+            ("amp_misuse", "attn", 1, "amp"), {"device_limit": False})
 
 
 def _outlier_at_event() -> Scenario:
@@ -334,7 +346,7 @@ def _healthy() -> Scenario:
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__[1:]: f for f in (
         _fp32_raised, _fp32_nonfinite_data, _fp32_outlier, _fp32_model_bug, _fp32_diverged, _fp32_exploded, _no_target, _custom_function,
-        _target_raised, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
+        _target_raised, _target_raised_fill, _outlier_at_event, _damaged_weights, _forward_in_root, _loss_in_fp16, _forward_overflow,
         _grad_overflow, _grad_overflow_probe_clean, _grad_overflow_probe_clean_no_evidence, _nonfinite_weights, _masked_overflow, _hook_hid_overflow,
         _hook_hid_overflow_replay, _stall, _stall_underflow,
         _stall_amp, _optimizer_underflow, _frozen, _flushed_in_fp16, _beyond_range_batch, _healthy)
@@ -393,9 +405,10 @@ def test_words_of_every_scenario() -> None:
             assert t and "{" not in t and t not in fixes_words.FIXES and t not in verdicts_words.SUMMARIES, (name, t)
         assert not any(k.startswith("_") for f in findings for k in f.evidence), name
     # the two verdicts of a replay that did not fail again (judge.rules.not_reproduced) are worded in
-    # tests/test_model_settings.py and tests/test_capture.py
-    assert seen_causes == set(CAUSES) - {"not_reproduced", "replay_mismatch"}
-    assert seen_variants == set(verdicts_words.SUMMARIES) - {"not_reproduced", "replay_mismatch"}
+    # tests/test_model_settings.py and tests/test_capture.py; compile_numerics needs an Inductor compile:
+    # tests/test_compile_rung.py
+    assert seen_causes == set(CAUSES) - {"not_reproduced", "replay_mismatch", "compile_numerics"}
+    assert seen_variants == set(verdicts_words.SUMMARIES) - {"not_reproduced", "replay_mismatch", "compile_numerics"}
 
 
 def _codes_written(module: Any) -> dict[str, set[str]]:
@@ -425,7 +438,7 @@ def test_every_code_the_rules_write_has_words() -> None:
     written: dict[str, set[str]] = {"Fix": set(), "Finding": set(), "variant": set()}
     groups = sorted(Path(rules.__file__).parent.glob("rules_*.py"))  # every rules module by group, a new one too
     assert {p.stem for p in groups} >= {"rules_fp32", "rules_target", "rules_silent"}
-    for module in (rules, context, *(importlib.import_module(f"ampdoctor.judge.{p.stem}") for p in groups)):
+    for module in (rules, context, refine, *(importlib.import_module(f"ampdoctor.judge.{p.stem}") for p in groups)):
         for kind, codes in _codes_written(module).items():
             written[kind] |= codes
     assert written["Fix"] and written["Fix"] <= set(fixes_words.FIXES), written["Fix"] - set(fixes_words.FIXES)

@@ -44,8 +44,10 @@ def test_sample_verdict(sample: str) -> None:  # forward_overflow.py: the README
 def test_every_cause_has_a_sample() -> None:
     from ampdoctor.report.model import CAUSES
 
-    # not_reproduced needs a capture of a real run: tests/test_capture.py replays one
-    assert {c for c, *_ in EXPECTED.values()} == set(CAUSES) - {"not_reproduced"}
+    # not_reproduced and replay_mismatch need a capture of a real run: tests/test_capture.py and
+    # tests/test_model_settings.py replay them; compile_numerics's sample (sample_models/compile_nan.py) compiles with
+    # Inductor: tests/test_compile_rung.py (slow)
+    assert {c for c, *_ in EXPECTED.values()} == set(CAUSES) - {"not_reproduced", "replay_mismatch", "compile_numerics"}
 
 
 def test_cli_json_matches_verdict(tmp_path: Path) -> None:

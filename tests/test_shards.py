@@ -87,23 +87,25 @@ def test_a_replica_counts_once_in_the_norm() -> None:
     assert sh.sums(per[1:], [1], torch.device("cpu")).tolist() == [0.0, 16.0]  # a parameter without a gradient here
 
 
-def test_a_2d_mesh_and_fsdp1_flat_parameters_turn_the_monitor_off_with_one_warning() -> None:
-    """HSDP (a 2-D mesh) and FSDP1 with use_orig_params=False: one MonitorOffWarning each, no raise, the loop
-    trains on (one process over gloo: every layout here is the same as on N ranks)."""
+def test_a_3d_mesh_and_fsdp1_flat_parameters_turn_the_monitor_off_with_one_warning_and_hsdp_is_read() -> None:
+    """HSDP x tensor parallelism (a 3-D mesh) and FSDP1 with use_orig_params=False: one MonitorOffWarning each, no
+    raise, the loop trains on; HSDP (a 2-D mesh, ``parallel.hsdp``) is read: no warning, the monitor stays on (one
+    process over gloo: every layout here is the same as on N ranks; 4 ranks: tests/test_mesh.py)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "tests" / "assets" / "unsupported_worker.py"), "hsdp", "fsdp1_flat"],
-                       capture_output=True, text=True, timeout=240, cwd=root)
+    r = subprocess.run([sys.executable, str(root / "tests" / "assets" / "unsupported_worker.py"), "hsdp", "hsdp_tp",
+                        "fsdp1_flat"], capture_output=True, text=True, timeout=240, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     got = {x["setup"]: x for x in map(json.loads, r.stdout.splitlines())}
-    for setup, why in (("hsdp", "2-D device mesh (1, 1)"), ("fsdp1_flat", "use_orig_params=False")):
+    for setup, why in (("hsdp_tp", "3-D device mesh (1, 1, 1)"), ("fsdp1_flat", "use_orig_params=False")):
         x = got[setup]
         assert x["steps"] == 3 and x["off"] is not None and why in x["off"]
         assert [c for c, _ in x["said"]] == ["MonitorOffWarning"] and why in x["said"][0][1]
+    assert got["hsdp"]["steps"] == 3 and got["hsdp"]["off"] is None and got["hsdp"]["said"] == []
 
 
 class _TripHooks:

@@ -18,6 +18,7 @@ from ampdoctor.capture.identity import fingerprint
 from ampdoctor.capture.schema import MODEL_INPUTS_KEY
 from ampdoctor.input import origin
 from ampdoctor.input.batches import ModelInputs
+from ampdoctor.ladder.compile import is_compiled
 from ampdoctor.notify import shown_path
 from ampdoctor.parallel.pieces import is_dtensor
 from ampdoctor.parallel.registry import engine_of, sharded_engine
@@ -180,6 +181,8 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
     modules = origin.structure(inner)  # every model: the settings a replay's model must match (a dropout rate)
     if modules:
         out["modules"] = modules
+    if is_compiled(model):
+        out["compiled"] = True  # the run's model ran under torch.compile: triage --from runs the compile rung
     return out
 
 

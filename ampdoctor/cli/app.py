@@ -81,6 +81,7 @@ def triage(
     seed: Annotated[Optional[int], typer.Option(metavar="N", help="RNG seed set before every stage." + default(0), rich_help_panel=RUN)] = None,
     max_norm: Annotated[Optional[float], typer.Option(metavar="X", help="Clip the gradient norm to X in every stage." + default("no clipping"), rich_help_panel=RUN)] = None,
     accumulate: Annotated[Optional[int], typer.Option(metavar="N", help="Micro-batches per optimizer step." + default(1), rich_help_panel=RUN)] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Also run the target under torch.compile; bisect a compile-only NaN.", rich_help_panel=RUN)] = False,
     init_scale: Annotated[Optional[float], typer.Option(metavar="X", help="GradScaler's init_scale." + default(65536), rich_help_panel=SCALER)] = None,
     growth_interval: Annotated[Optional[int], typer.Option(metavar="N", help="GradScaler's growth_interval." + default(2000), rich_help_panel=SCALER)] = None,
     backoff_factor: Annotated[Optional[float], typer.Option(metavar="X", help="GradScaler's backoff_factor." + default(0.5), rich_help_panel=SCALER)] = None,
@@ -110,7 +111,7 @@ def triage(
     if (target or "").strip().lower() == "fp8":  # the FP8 ladder (cli/fp8.py)
         from ampdoctor.cli.fp8 import triage_fp8
 
-        extra = {"--checkpoint": checkpoint, "--report": report_path, "--dump-dir": dump_dir,
+        extra = {"--compile": compile_, "--checkpoint": checkpoint, "--report": report_path, "--dump-dir": dump_dir,
                  "--log": log, "--nproc": nproc, "--script": script, "--stages": stages}
         raise typer.Exit(triage_fp8(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn), fp8_recipe, _whole(steps, "--steps"),
                                     seed, device, json_path, quiet, human, extra, from_capture))
@@ -119,7 +120,7 @@ def triage(
             check_triage_outputs(json_path, report_path, log, dump_dir, force)
             given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                     "batch_keys": batch_keys, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+                     "batch_keys": batch_keys, "compile": compile_ or None, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             if nproc is not None and from_capture is None:
                 raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")

@@ -10,9 +10,12 @@ import torch
 from torch import nn
 
 from ampdoctor.engine.forward import forward_loss
+from ampdoctor.engine.grad_replay import replay_grad_node
+from ampdoctor.formats import FP16
 from ampdoctor.input.batches import Batches, KeyedLoss, filter_kwargs, micro_batches, split, to_device
 from ampdoctor.input.spec import Spec
 from ampdoctor.judge.context import HookCheck, HookCheckFn, Recheck
+from ampdoctor.judge.gradnode import GradNode
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord, first_nonfinite_op, masked_rows, scan_module
 from ampdoctor.ladder import AMP, FP32, registered, rung
 from ampdoctor.records import StageResult, UserHook
@@ -108,7 +111,14 @@ def recheck_fn(model: nn.Module, spec: Spec, batches: Batches, init_state: dict[
             model.load_state_dict(state)
             return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)))
 
-        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked)
+        def grad_node(scale: float) -> GradNode | None:
+            return replay_grad_node(model, spec, worst, state, stage, device, scale)
+
+        def masked_beyond(module: str) -> MaskedRows | None:
+            model.load_state_dict(state)
+            return masked_rows(model, module, lambda: model(*args, **filter_kwargs(model, kwargs)), FP16.overflow_threshold)
+
+        return Recheck(lv, math.isfinite(lv) and grads_ok, label, ops, nonfinite_op, masked, grad_node, masked_beyond)
 
     return run
 

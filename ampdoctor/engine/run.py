@@ -73,6 +73,8 @@ class Run:
     ``checkpoint``."""
     rng_restored: list[str] = field(default_factory=list)
     """The RNG states set before every stage (``torch``, ``cuda``, ``numpy``, ``python``); empty: seeded."""
+    compiled: dict[str, Any] | None = None
+    """The compile rung's failing step bisected over the backends (``engine.compiled.compile_facts``), or None."""
 
     def reset(self) -> None:
         """Put the model back at its initial weights."""

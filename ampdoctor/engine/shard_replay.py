@@ -24,6 +24,7 @@ others (``ProcessContext.join``); a replay that does not finish in ``TIMEOUT_S``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -236,6 +237,8 @@ def _worker(rank: int, world: int, port: int, spec_path: str, names: tuple[str, 
     torch.set_num_threads(1)
     # (DTensor's note on a one-element scale or loss is about the replay's own tensors, not the user's code)
     warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+    # (DTensor's note that a 2-D mesh's found-inf takes two all-reduces is about the replay's own scaler, not the run)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict[str, Any] = {}
     try:

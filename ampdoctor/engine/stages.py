@@ -63,6 +63,9 @@ class StageContext:
     device: torch.device
     progress: ProgressFn | None = None
     with_monitor: bool = True
+    track: bool = True
+    """Follow which module runs (errors name it). False with ``with_monitor=False``: nothing of ampdoctor's on the model
+    (a compiled model: a hook would be traced into its graph and change what Inductor fuses)."""
     snapshot: bool = False
     log: StepLogWriter | None = None
     """Step log (the CSV of ``ampdoctor scaler``), written and flushed as each step finishes."""
@@ -222,7 +225,8 @@ def run_stage(stage: Rung | str, ctx: StageContext) -> StageResult:
     try:
         if probe is not None:
             probe.attach()
-        (st.hooks or st.tracker).attach()
+        if st.hooks is not None or ctx.track:
+            (st.hooks or st.tracker).attach()
         for done in driver.steps(ctx.config.steps, ctx.batches.__getitem__, ctx.batches.index, before):
             rec = done.record
             if done.stats is not None:

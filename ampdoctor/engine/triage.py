@@ -14,6 +14,7 @@ from ampdoctor.capture.folder import Captured
 from ampdoctor.capture.read import layout_optimizer, read_capture
 from ampdoctor.capture.reassemble import reassemble
 from ampdoctor.engine import preflight
+from ampdoctor.engine.compiled import compile_facts, uncompiled
 from ampdoctor.engine.forward import forward_loss, make_optimizer
 from ampdoctor.engine.recheck import hook_check, recheck_fn
 from ampdoctor.engine.ring import history_finding
@@ -35,9 +36,11 @@ from ampdoctor.input.config import TriageConfig
 from ampdoctor.input.env import environment, resolve_device
 from ampdoctor.input.resume import StartState, load_into
 from ampdoctor.input.spec import Spec, SpecNames, load_spec, no_spec, spec_importable
+from ampdoctor.judge.compiled import compile_outcome
 from ampdoctor.judge.measures import stall_ratio
 from ampdoctor.judge.rules import Diagnosis, diagnose, not_reproduced, shift_diagnosis
-from ampdoctor.ladder import ladder
+from ampdoctor.ladder import ladder, rung
+from ampdoctor.ladder.compile import compiled_run
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
 from ampdoctor.report import stages as stage_report
@@ -92,12 +95,12 @@ def triage(
     """
     cfg = config or TriageConfig()
     device = resolve_device(cfg.device)
-    if from_capture is not None and checkpoint is not None:
-        raise UsageError("--from and --checkpoint both say where to start; give one")
     spec = _checked_spec(spec_path, names, from_capture, checkpoint, skip_batches)
     if cfg.batch_keys:  # --batch-keys: every forward and loss of the run takes the fields named
         spec = replace(spec, loss_fn=KeyedLoss(BatchKeys.parse(cfg.batch_keys), spec.loss_fn))
     found = lint_sources(spec.path if spec_path is not None else None, script)  # a bad --script: one line now
+    compiled_by_spec: list[str] = []  # a spec that returns torch.compile(model): triage runs the compile rung
+    spec = replace(spec, build_model=uncompiled(spec.build_model, compiled_by_spec)) if spec.own_model else spec
     cap: Captured | None = None
     start: StartState | None = None
     start_note = ""
@@ -105,7 +108,7 @@ def triage(
     if from_capture is not None:
         spec, model, batches, cap, said = prepare_replay(spec, cfg, device, from_capture, import_outside)
         target = cap.precision if cap.precision in ("amp", "bf16") else cfg.target
-        cfg = replace(cfg, steps=len(batches.items), target=target)
+        cfg = replace(cfg, steps=len(batches.items), target=target, compile=cfg.compile or compiled_run(cap.manifest))
         start = cap.start
     elif checkpoint is not None:
         spec, model, batches, start, start_note, said = prepare_checkpoint(spec, cfg, device, checkpoint, skip_batches, progress,
@@ -114,6 +117,7 @@ def triage(
         if skip_batches:
             spec, said = skipping(spec, skip_batches)
         model, batches = prepare(spec, cfg, device, progress)
+    cfg = replace(cfg, compile=True) if compiled_by_spec and not cfg.compile else cfg
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec_arg = ("" if spec_path is None else str(spec.path if isinstance(spec_path, Spec) else spec_path))
     hooks_now = userhooks.found(model)
@@ -169,7 +173,9 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
 
     def context(name: str, log: StepLogWriter | None = None, snapshot: bool = False) -> StageContext:
         fp32 = run.results.get("fp32")
-        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot,
+        bare = name == "compile"  # nothing of ampdoctor's traced into the compiled graph
+        return StageContext(run.spec, run.model, run.init_state, run.batches, cfg, run.device, progress, snapshot=snapshot or bare,
+                            with_monitor=not bare, track=not bare,
                             log=log, optimizer_state=start.optimizer if start else None,
                             scaler_state=start.scaler if start else None, rng=start.rng if start is not None else None,
                             rng_restored=run.rng_restored, probe_hooks=name == cfg.target and hooked,
@@ -184,10 +190,14 @@ def _run_stages(run: Run, cap: Captured | None, start: StartState | None, log_pa
         finally:
             if log is not None:
                 log.close()
+    run.compiled = compile_facts(run.results, rung(cfg.target, cfg), run.model, run.spec, run.batches, run.init_state,
+                                 run.device)
     if cap is not None:
-        # transient or persistent: the failing step in the run's own precision, from the captured state, twice
-        again = run_stage(cfg.target, context(cfg.target))
-        replays = [run.results[cfg.target], again]
+        # transient or persistent: the failing step in the run's own precision (compiled, if the run was), from the
+        # captured state, twice
+        own = "compile" if compiled_run(cap.manifest) and "compile" in run.results else cfg.target
+        again = run_stage(own, context(own))
+        replays = [run.results[own], again]
         ident = cap.manifest.get("model_identity")
         differs = origin.differences(ident.get("modules") if isinstance(ident, dict) else None, unwrap(run.model))
         run.replay = Replay(cap.path, cap.manifest, cap.start.step0, cfg.target,
@@ -373,6 +383,8 @@ def build_report(run: Run, argv: list[str] | None = None) -> Report:
     cfg_dict = asdict(cfg)
     if cfg_dict.get("batch_keys") is None:
         cfg_dict.pop("batch_keys", None)
+    if not cfg_dict.get("compile"):
+        cfg_dict.pop("compile", None)
     cfg_dict["spec"] = run.spec_arg or str(run.spec.path)
     cfg_dict["start"] = start_words
     if ratio is not None:
@@ -418,6 +430,7 @@ def _diagnosis(run: Run, start_words: str) -> Diagnosis:
                     step0=step0,  # the story in the run's steps
                     resumed=run.start_kind != "init",
                     captured=(str(rp.manifest.get("reason")), int(rp.manifest["step"]) - rp.step0) if rp is not None else None)
+    diag = replace(diag, outcome=compile_outcome(diag.outcome, run.compiled, cfg.target))
     if rp is not None:
         transient = not_reproduced(rp.manifest, rp.reproduced, rp.replays, rp.last, rp.precision, rp.step0, str(device),
                                    rp.differs)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ampdoctor.errors import UsageError
 
-STAGES = ("fp32", "fp16", "amp", "bf16")
+STAGES = ("fp32", "fp16", "amp", "bf16", "compile")
 MAX_STEPS = 10**7
 """The most optimizer steps a triage takes (--steps x --accumulate micro-batches): tens to thousands tell
 the story; more would run for days (or, for 12 digits, never end) rather than fail."""
@@ -45,6 +45,9 @@ class TriageConfig:
     batch_keys: str | None = None
     """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
     None: the rule of docs/spec-format.md."""
+    compile: bool = False
+    """Also run the target's precision with the model under ``torch.compile`` (the ``compile`` rung): a failure only
+    the compiled model has is bisected over the backends (``engine.compiled``)."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -86,13 +89,14 @@ class TriageConfig:
     def stage_list(self) -> tuple[str, ...]:
         """Stages in run order; fp32 always runs first because every verdict compares with it."""
         wanted = self.stages or ("fp32", "fp16", "amp") + (("bf16",) if self.target == "bf16" else ())
-        want = set(wanted) | {"fp32", self.target}
+        want = set(wanted) | {"fp32", self.target} | ({"compile"} if self.compile else set())
         return tuple(s for s in STAGES if s in want)
 
 
-_KIND = {"accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str, "fp8_recipe": str,
-         "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
-_EXAMPLE = {"accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"', "fp8_recipe": '"rowwise"',
+_KIND = {"compile": bool, "accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str,
+         "fp8_recipe": str, "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
+_EXAMPLE = {"compile": "true", "accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"',
+            "fp8_recipe": '"rowwise"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 
@@ -107,14 +111,16 @@ def _check_types(cfg: TriageConfig) -> None:
         kind = _KIND.get(f.name)
         if kind is None or (v is None and f.name in ("max_norm", "batch_keys")):
             continue
-        if kind is int:
+        if kind is bool:
+            ok = isinstance(v, bool)
+        elif kind is int:
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif kind is float:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         else:
             ok = isinstance(v, str)
         if not ok:
-            what = {int: "a whole number", float: "a finite number", str: "a string"}[kind]
+            what = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}[kind]
             raise UsageError(f"{_option(f.name)} must be {what} (got {v!r}); in TRIAGE_OPTIONS write "
                              f"\"{f.name}\": {_EXAMPLE[f.name]}")
 

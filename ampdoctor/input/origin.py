@@ -421,10 +421,20 @@ def structure(model: Any) -> dict[str, str]:
         for name, m in model.named_modules():
             if len(out) >= MAX_MODULES:
                 return {}
-            out[name] = f"{type(m).__name__}({m.extra_repr()})"[:MAX_LITERAL]
+            out[name] = f"{_user_class(m).__name__}({m.extra_repr()})"[:MAX_LITERAL]
     except Exception:  # a module whose extra_repr raises: nothing is recorded, nothing is compared
         return {}
     return out
+
+
+def _user_class(m: Any) -> type:
+    """The module's class as the user wrote it: FSDP2's ``fully_shard`` swaps it for a class of its own
+    (``FSDPLinear(FSDPModule, Linear)``, made in ``torch.distributed``): its user's base is the one that counts (a
+    replay's spec builds ``Linear``, then shards it or not)."""
+    cls = type(m)
+    if cls.__module__.startswith("torch.distributed") and any(b.__name__ == "FSDPModule" for b in cls.__bases__):
+        return next((b for b in cls.__bases__ if b.__name__ != "FSDPModule"), cls)
+    return cls
 
 
 def differences(recorded: Any, model: Any) -> list[tuple[str, str, str]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ampdoctor.input.batches import Batches
 from ampdoctor.input.config import TriageConfig
+from ampdoctor.judge.gradnode import GradNode
 from ampdoctor.judge.measures import calibration_steps, first_bad_step, mean_swallowed, stall_ratio, underflowing_params
 from ampdoctor.judge.opscan import MaskedRows, NonfiniteOp, OpRecord
 from ampdoctor.judge.scale_facts import Advice, ScaleFacts
@@ -37,6 +38,11 @@ class Recheck:
     masked: Callable[[str], MaskedRows | None] | None = None
     """Replays the same FP32 forward and returns the first softmax inside a named module with a row masked
     throughout (softmax over all -inf is NaN in every precision)."""
+    grad_node: Callable[[float], GradNode | None] | None = None
+    """Replays the step's forward and backward in the stage's own precision from the same weights, the loss times the
+    scale given, and returns the first autograd node whose output gradient is non-finite (``judge.gradnode``)."""
+    masked_beyond: Callable[[str], MaskedRows | None] | None = None
+    """Like ``masked``, for rows finite in FP32 and beyond FP16's range throughout (a -1e9 mask: -inf in FP16)."""
 
 
 RecheckFn = Callable[[str, int], Recheck | None]

@@ -90,53 +90,108 @@ def scan_module(model: nn.Module, module_name: str, run: Callable[[], Any]) -> l
 @dataclass
 class MaskedRows:
     """Softmax rows whose every entry is masked, seen inside a module in one forward: softmax over a row of -inf is
-    0/0 = NaN in every precision (a query that may attend to no key)."""
+    0/0 = NaN in every precision (a query that may attend to no key). With ``beyond`` (a format's overflow threshold):
+    rows whose every entry is finite but at or below minus that threshold (a ``-1e9`` mask), which the format holds
+    as -inf: NaN in that format only."""
 
     op: str
-    """'softmax', 'log_softmax' or 'scaled_dot_product_attention'."""
+    """'softmax', 'log_softmax', 'scaled_dot_product_attention' or 'multi_head_attention_forward'."""
     rows: int
     """Fully masked rows in the first call that had any."""
     first: tuple[int, ...]
     """Index of the first such row (its leading dimensions: sample, head, query ...)."""
+    samples: tuple[int, ...] = ()
+    """The samples (first index) holding such rows, at most 16."""
+    value: float | None = None
+    """``beyond`` rows: the largest entry of the first such row (the mask constant, e.g. -1e9)."""
 
 
-def _dead_rows(func_name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A bool tensor over the rows of a softmax (or of SDPA's mask): True where every entry is masked."""
+def _kpm_rows(args: tuple, kwargs: dict, beyond: float | None) -> torch.Tensor | None:
+    """``multi_head_attention_forward``: True per (sample, query) whose every key is masked by ``key_padding_mask``
+    (True or -inf; with ``beyond``, finite and at or below -beyond) combined with a 2-D ``attn_mask``."""
+    kpm, am = kwargs.get("key_padding_mask"), kwargs.get("attn_mask")
+    q = args[0] if args else kwargs.get("query")
+    if not isinstance(kpm, torch.Tensor) or kpm.dim() != 2 or not isinstance(q, torch.Tensor) or q.dim() != 3:
+        return None
+    length = q.shape[0]  # (L, N, E): nn.MultiheadAttention hands batch_first inputs over transposed
+
+    def masked(m: torch.Tensor) -> torch.Tensor:
+        if m.dtype == torch.bool:
+            return m if beyond is None else torch.zeros_like(m)
+        return m == float("-inf") if beyond is None else torch.isfinite(m) & (m <= -beyond)
+
+    dead = masked(kpm)[:, None, :].expand(kpm.shape[0], length, kpm.shape[1])
+    if isinstance(am, torch.Tensor) and am.dim() == 2:
+        dead = dead | masked(am)[None]
+    return dead.all(dim=-1)
+
+
+def _dead_rows(func_name: str, args: tuple, kwargs: dict, beyond: float | None = None) -> torch.Tensor | None:
+    """A bool tensor over the rows of a softmax (or of SDPA's mask): True where every entry is masked (-inf; with
+    ``beyond``, finite and at or below -beyond)."""
+    def dead(x: torch.Tensor, dim: int) -> torch.Tensor:
+        if beyond is None:
+            return (x == float("-inf")).all(dim=dim)
+        return (torch.isfinite(x) & (x <= -beyond)).all(dim=dim)
+
     if func_name in ("softmax", "log_softmax"):
         x = args[0] if args else kwargs.get("input")
         dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
         if isinstance(x, torch.Tensor) and x.is_floating_point() and isinstance(dim, int) and x.dim():
-            return (x == float("-inf")).all(dim=dim)
+            return dead(x, dim)
         return None
     if func_name == "scaled_dot_product_attention":
         m = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         if isinstance(m, torch.Tensor) and m.dim():
-            return (~m).all(dim=-1) if m.dtype == torch.bool else (m == float("-inf")).all(dim=-1)
+            if m.dtype == torch.bool:
+                rows = (~m).all(dim=-1) if beyond is None else None
+            else:
+                rows = dead(m, -1)
+            q = args[0] if args else kwargs.get("query")
+            try:  # the mask broadcasts over heads and queries: count the rows of the attention itself
+                return torch.broadcast_to(rows, q.shape[:-1]) if rows is not None and isinstance(q, torch.Tensor) else rows
+            except RuntimeError:
+                return rows
+    if func_name == "multi_head_attention_forward":
+        return _kpm_rows(args, kwargs, beyond)
     return None
 
 
+_MASKED_OPS = ("softmax", "log_softmax", "scaled_dot_product_attention", "multi_head_attention_forward")
+
+
 class _Masked(TorchFunctionMode):
-    def __init__(self) -> None:
+    def __init__(self, beyond: float | None = None) -> None:
         super().__init__()
         self.depth = 0
+        self.beyond = beyond
         self.found: MaskedRows | None = None
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if self.depth > 0 and self.found is None and name in ("softmax", "log_softmax", "scaled_dot_product_attention"):
+        if self.depth > 0 and self.found is None and name in _MASKED_OPS:
             with torch._C.DisableTorchFunction():
-                dead = _dead_rows(name, args, kwargs)
+                dead = _dead_rows(name, args, kwargs, self.beyond)
                 if dead is not None and bool(dead.any()):
-                    first = tuple(int(i) for i in torch.nonzero(dead)[0].tolist())
-                    self.found = MaskedRows(name, int(dead.sum()), first)
+                    at = torch.nonzero(dead)
+                    first = tuple(int(i) for i in at[0].tolist())
+                    samples = tuple(sorted({int(i) for i in at[:, 0].tolist()}))[:16] if dead.dim() else ()
+                    value = None
+                    if self.beyond is not None and name in ("softmax", "log_softmax"):
+                        x = args[0] if args else kwargs["input"]
+                        dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+                        value = float(x.movedim(dim, -1)[first].max())
+                    self.found = MaskedRows(name, int(dead.sum()), first, samples, value)
         return func(*args, **kwargs)
 
 
-def masked_rows(model: nn.Module, module_name: str, run: Callable[[], Any]) -> MaskedRows | None:
+def masked_rows(model: nn.Module, module_name: str, run: Callable[[], Any], beyond: float | None = None) -> MaskedRows | None:
     """Run ``run()`` (a forward of ``model``) and return the first softmax inside ``module_name`` with a row that is
-    masked throughout (all -inf; for SDPA, a mask row that allows no key), or None."""
-    scan = _Masked()
+    masked throughout (all -inf; for SDPA, a mask row that allows no key; for ``nn.MultiheadAttention``, a
+    ``key_padding_mask`` row), or None. With ``beyond`` (a format's overflow threshold): a row that is finite in FP32
+    and at or below -beyond throughout, which that format holds as -inf."""
+    scan = _Masked(beyond)
     return scan.found if _run_inside(model, module_name, scan, run) else None
 
 
@@ -170,11 +225,13 @@ def _user_line() -> str | None:
     from pathlib import Path
 
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    own_dir = str(Path(__file__).resolve().parent)
+    own_dir = str(Path(__file__).resolve().parent.parent)  # the ampdoctor package: it runs the user's forward
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith((torch_dir, own_dir)) and not fn.startswith("<"):
+        if fn.startswith(own_dir):
+            return None  # ampdoctor called torch directly (an nn.Sequential of torch modules): no line of the user's
+        if not fn.startswith(torch_dir) and not fn.startswith("<"):
             return f"{Path(fn).name}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return None

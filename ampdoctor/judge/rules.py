@@ -28,6 +28,7 @@ from ampdoctor.judge.datascan import DataIssue, scan_batches
 from ampdoctor.judge.detectors import probe_on_flagged_batch
 from ampdoctor.judge.measures import first_bad_step, layer_table, mean_swallowed, stall_ratio, underflowing_params
 from ampdoctor.judge.progress import loss_window
+from ampdoctor.judge.refine import refine
 from ampdoctor.judge.rules_fp32 import (
     fp32_exploded,
     fp32_model_bug,
@@ -116,7 +117,7 @@ def diagnose(
     stage's word on switching, and the data scan's findings."""
     c = Ctx(results, batches, cfg, recheck, device, model_hooks, scaler_phase, step0, resumed, hook_list, hook_check,
             captured)
-    out = _not_the_root(judge(c))
+    out = refine(c, _not_the_root(judge(c)))  # below the module: the autograd node, masked rows
     table = layer_table(results, c.tgt_name, focus=out.module) if out.module else layer_table(results, c.tgt_name)
     ev = out.findings[0].evidence if out.findings else {}
     if out.module and "op" in ev and "fp32_absmax" in ev:
@@ -255,7 +256,7 @@ def not_reproduced(manifest: dict[str, object], reproduced: int, replays: int, l
         ev["differs"] = [list(d) for d in differs[:20]]
         return Diagnosis(Outcome("replay_mismatch", mod, rel, precision, facts,
                                  [Finding("replay_mismatch", "error", stage=precision, module=mod, step=rel, evidence=ev)],
-                                 [Fix("spec_model", facts)]), [], None, device)
+                                 [Fix("spec_model", {"differs": shown})]), [], None, device)
     out = Outcome("not_reproduced", mod, rel, precision, facts,
                   [Finding("not_reproduced", "error", stage=precision, module=mod, step=rel, evidence=ev)], [Fix("transient")])
     return Diagnosis(out, [], None, device)

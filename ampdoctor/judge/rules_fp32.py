@@ -11,6 +11,7 @@ from ampdoctor.judge import locate
 from ampdoctor.judge.context import Ctx
 from ampdoctor.judge.explosion import first_explosion
 from ampdoctor.judge.measures import first_bad_step, outlier_field
+from ampdoctor.judge.refine import masked_facts
 from ampdoctor.records import Finding, Fix, Outcome, UserHook, nonfinite
 from ampdoctor.records import stats_at as _stats_at
 
@@ -187,9 +188,9 @@ def fp32_model_bug(c: Ctx) -> Outcome | None:
         # the fix follows the mechanism: a softmax row masked throughout is 0/0 (the mask), not a domain error
         mr = rc.masked(module) if rc is not None and rc.masked is not None and module and where == "forward" else None
         if mr is not None:
-            facts.update(masked={"op": mr.op, "rows": mr.rows, "first": list(mr.first)})
-            ev["fully_masked_rows"] = {"op": mr.op, "rows": mr.rows, "first": list(mr.first)}
-            fix = Fix("unmask_row", {"module": module, "op": mr.op, "rows": mr.rows, "first": list(mr.first)})
+            facts.update(masked=masked_facts(mr))
+            ev["fully_masked_rows"] = masked_facts(mr)
+            fix = Fix("unmask_row", {"module": module, **masked_facts(mr)})
         else:
             fix = Fix("guard_op", {"module": module})
     return Outcome("model_bug", module, s, "fp32", facts,

@@ -100,14 +100,28 @@ class RankView:
     """Ranks whose monitor failed and left (``OFF``): every rank turns off after this step."""
     by_position: bool = False
     """The ranks share one batch (tensor parallelism): the first is the earliest in the forward (module doc)."""
+    groups: tuple[int, ...] | None = None
+    """Per rank, its batch group: ranks of one group run one batch (FSDP2 x tensor parallelism's ``tp`` ranks), the
+    groups run different ones. The first is then the earliest in the forward within the lowest group that saw it
+    locally (``by_position`` within a group). None: ``by_position`` says for the whole world."""
+
+    def _pool(self) -> list[RankFault]:
+        """The faults the first is chosen from: those seen locally (else all); with ``groups``, only those of the
+        lowest rank's group among them."""
+        local = [f for f in self.faults if f.local]
+        pool = local or list(self.faults)
+        if self.groups is not None and pool and len(self.groups) == self.world:
+            g = self.groups[pool[0].rank]
+            pool = [f for f in pool if self.groups[f.rank] == g]
+        return pool
 
     @property
     def first(self) -> RankFault | None:
         """The rank to blame: the lowest rank that saw it locally, else the lowest that saw it at all (under
-        ``by_position``: the rank whose forward went bad earliest)."""
-        local = [f for f in self.faults if f.local]
-        pool = local or list(self.faults)
-        if self.by_position and any(f.pos for f in pool):
+        ``by_position``: the rank whose forward went bad earliest; with ``groups``: the earliest in the lowest
+        group's forward)."""
+        pool = self._pool()
+        if (self.by_position or self.groups is not None) and any(f.pos for f in pool):
             return min(pool, key=lambda f: (f.pos if f.pos > 0 else float("inf"), f.rank))
         return pool[0] if pool else None
 
@@ -116,9 +130,12 @@ class RankView:
         """``by_position``: other ranks went bad too, all later in the forward than the first (a collective
         carried the first rank's fault to them)."""
         first = self.first
-        if not self.by_position or first is None or first.pos <= 0:
+        if not (self.by_position or self.groups is not None) or first is None or first.pos <= 0:
             return False
         others = [f for f in self.faults if f.local and f.rank != first.rank]
+        if self.groups is not None and len(self.groups) == self.world:
+            if any(self.groups[f.rank] != self.groups[first.rank] for f in others):
+                return False  # another batch went bad on its own
         return bool(others) and all(f.pos > first.pos for f in others)
 
     @property
@@ -165,6 +182,8 @@ class RankExchange:
         the module that first reads the batch is the first to read such a copy."""
         self.by_position = False
         """The ranks share one batch (tensor parallelism): the first rank is the one whose forward went bad earliest."""
+        self.groups: list[int] | None = None
+        """Per rank, its batch group (``RankView.groups``), or None."""
 
     @classmethod
     def detect(cls, modules: Sequence[str], params: Sequence[str], group: Any = None,
@@ -315,7 +334,8 @@ class RankExchange:
             if module is None and int(param) > 0 and int(param) - 1 < len(self.params):
                 module = locate.module_of_param(self.params[int(param) - 1], self.modules)
             faults.append(RankFault(r, fl, module, int(pos)))
-        return RankView(self.world, tuple(faults), tuple(off), self.by_position)
+        return RankView(self.world, tuple(faults), tuple(off), self.by_position,
+                        tuple(self.groups) if self.groups is not None else None)
 
     def _module(self, code: int) -> str | None:
         if code == len(self.modules) + 1:  # a batch tensor no module read: its labels, read by the loss

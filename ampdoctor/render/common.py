@@ -21,6 +21,7 @@ CAUSE_TITLES = {
     "amp_misuse": "AMP misuse",
     "inconclusive": "Inconclusive",
     "not_reproduced": "Not reproduced (transient)",
+    "compile_numerics": "Compiled numerics (torch.compile only)",
     "replay_mismatch": "Replay ran another model",
 }
 

@@ -21,6 +21,7 @@ CAUSES = (
     "amp_misuse",
     "inconclusive",
     "not_reproduced",
+    "compile_numerics",
     "replay_mismatch",
 )
 

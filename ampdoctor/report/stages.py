@@ -104,6 +104,11 @@ def layout(recipe: Mapping[str, Any]) -> str:
         return words.fsdp1_layout(list(recipe.get("wrapped") or []), recipe.get("sharding_strategy"),
                                   [(k, v) for k, v in (recipe.get("mixed_precision") or {}).items() if v])
     mp = recipe.get("mp_policy") or {}
+    if recipe.get("engine") in ("fsdp2_tp", "hsdp"):
+        return words.mesh_layout(str(recipe["engine"]), list(recipe.get("fully_shard") or []), tuple(recipe.get("mesh") or []),
+                                 tuple(recipe.get("mesh_dim_names") or ()), {n: st["style"] for n, st in (recipe.get("plan") or {}).items()},
+                                 [(k, v) for k, v in mp.items() if k.endswith("dtype") and v],
+                                 (str(recipe.get("dp", "dp")), str(recipe.get("tp", "tp"))))
     return words.fsdp2_layout(list(recipe.get("fully_shard") or []), tuple(recipe.get("mesh") or []),
                               [(k, v) for k, v in mp.items() if k.endswith("dtype") and v])
 

@@ -1,7 +1,8 @@
-"""One CPU process over gloo (world 1) per setup the monitor does not read yet; prints a JSON line per setup:
-the ampdoctor warnings (category, text), whether the monitor is off, and that the training went on.
+"""One CPU process over gloo (world 1) per setup; prints a JSON line per setup: the ampdoctor warnings (category,
+text), whether the monitor is off, and that the training went on. ``hsdp`` (a (1, 1) mesh) is read; ``hsdp_tp`` (a
+3-D mesh) and ``fsdp1_flat`` are not yet.
 
-    python tests/assets/unsupported_worker.py hsdp fsdp1_flat
+    python tests/assets/unsupported_worker.py hsdp hsdp_tp fsdp1_flat
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def model_for(setup: str) -> nn.Module:
 
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
         fully_shard(model, mesh=mesh)
+        return model
+    if setup == "hsdp_tp":  # a 3-D mesh: HSDP over (replicate, shard) of a tensor-parallel model over tp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("replicate", "shard", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["replicate", "shard"])
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -93,6 +93,7 @@ def build_shards(mon: Monitor) -> None:
     if rx is not None and eng is not None:  # (the engine's own facts: parallel.protocol.Engine)
         rx.by_position = eng.shares_batch  # ranks share a batch (tensor parallelism): order by the forward
         rx.derived_inputs = eng.casts_inputs  # (FSDP's mixed precision casts the batch)
+        rx.groups = sh.reader.groups  # (a 2-D mesh: which ranks run one batch, parallel.protocol.Reader.groups)
     if sh.problem is not None:
         raise _Unreadable(f"{SHARDED[mon.engine]} over {sh.problem} is not supported yet")
 

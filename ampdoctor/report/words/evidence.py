@@ -3,11 +3,13 @@ source an op is found at (``OP_PLACES``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ampdoctor.fmt import fixed, gen, num, pct0, pow2
 from ampdoctor.formats import FP16
+from ampdoctor.report.words import inside
 from ampdoctor.report.words.common import PHASES, Facts, g3, g4, hooks_in
 
 
@@ -77,10 +79,20 @@ def _ev_step(ev: Facts) -> str | None:
         return None
     s = "At that step " + ", ".join(parts) + "."
     if "replay_from_initial_weights_finite" in ev:
-        fin = "finite" if ev["replay_from_initial_weights_finite"] else "non-finite"
+        loss = ev.get("replay_loss")
+        ok = ev["replay_from_initial_weights_finite"]
+        # the replay fails on a finite loss when only its gradients are non-finite (a fault made in backward)
+        fin = "finite" if ok or _finite(loss) else "non-finite"
         s += f" The same batch from the initial weights gives a {fin} loss" + (
-            f" ({g4(ev['replay_loss'])})." if ev.get("replay_loss") is not None else ".")
+            f" ({g4(loss)})" if loss is not None else "") + ("" if ok or not _finite(loss) else " but non-finite gradients") + "."
     return s
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
 
 
 def _ev_scaler(ev: Facts) -> str | None:
@@ -208,6 +220,7 @@ _EVIDENCE: tuple[tuple[Callable[[Facts], str | None], tuple[str, ...]], ...] = (
     (_ev_progress, ("progress_vs_fp32",)),
 )
 """Evidence facts → a sentence, in reading order after the range sentence (``_ev_range``); each names the keys it tells."""
+_EVIDENCE += inside.EVIDENCE
 
 
 def evidence(ev: Facts, module: str | None = None) -> list[str]:

@@ -111,3 +111,8 @@ SCALER_NOTES: dict[str, Callable[[ScalerStory], str]] = {
     "forward_fault": _forward_fault,
 }
 """A note that replaces the scale history's own explanation, where the verdict knows better."""
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+FINDINGS.update(_compile.FINDINGS)

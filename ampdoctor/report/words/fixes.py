@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from ampdoctor.fmt import gen, pct0
 from ampdoctor.records import Fix
+from ampdoctor.report.words import inside
 from ampdoctor.report.words.common import Facts, first_layer, g3, hooks_in, op_name
 
 
@@ -43,7 +44,8 @@ FIXES: dict[str, Callable[[Facts], str]] = {
         f"Fix the mask in {f['module']}: every query must keep at least one key it may attend to (a sequence that is all "
         "padding, or a left-padded position under a causal mask, keeps none). Drop such samples or unmask one key per "
         "row (e.g. the query's own position), or fill with torch.finfo(dtype).min instead of -inf and zero the "
-        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0."),
+        "fully masked rows' output; clamping or an eps does not help, the softmax is 0/0, and nan_to_num or torch.where "
+        "on the output alone leaves the backward NaN where the mask is added to the scores."),
     "custom_fwd_bwd": lambda f: (
         f"Decorate {f['function']}.forward with `@torch.amp.custom_fwd(device_type='{f['device']}', cast_inputs=torch.float32)` "
         f"and {f['function']}.backward with `@torch.amp.custom_bwd(device_type='{f['device']}')`: forward then runs in FP32 "
@@ -120,5 +122,13 @@ FIXES: dict[str, Callable[[Facts], str]] = {
 """Fix code → the sentence, from the fix's facts."""
 
 
+FIXES.update(inside.FIXES)
+
+
 def fix_text(fix: Fix) -> str:
     return FIXES[fix.code](fix.facts)
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+FIXES.update(_compile.FIXES)

@@ -166,6 +166,23 @@ def tp_layout(styles: dict[str, list[str]], mesh: tuple[int, ...]) -> str:
     return f"tensor_parallel ({styled or 'distribute_tensor of its parameters'} on a mesh of {mesh})"
 
 
+def mesh_layout(engine: str, modules: list[str], mesh: tuple[int, ...], dims: tuple[str, ...], styles: dict[str, str],
+                dtypes: list[tuple[str, Any]], over: tuple[str, str] = ("dp", "tp")) -> str:
+    """'fsdp2_tp (ColwiseParallel of embed; RowwiseParallel of mid over tp, fully_shard of embed, the model over dp, on a
+    mesh of (2, 2) (dp, tp), MixedPrecisionPolicy(...))' or 'hsdp (fully_shard of ..., on a mesh of (2, 2) (replicate,
+    shard))': the layout a 2-D mesh capture recorded (``styles``: module -> its parallelize style; ``over``: the names
+    of the dimensions fully_shard and the plan run over)."""
+    by: dict[str, list[str]] = {}
+    for m, st in styles.items():
+        by.setdefault(st, []).append(m or "the model")
+    tp = "; ".join(f"{st} of {', '.join(ms)}" for st, ms in by.items())
+    mods = ", ".join(m or "the model" for m in modules)
+    dts = ", ".join(f"{k}={v}" for k, v in dtypes)
+    parts = ([f"{tp} over {over[1]}"] if tp else []) + [f"fully_shard of {mods}" + (f" over {over[0]}" if tp else "")]
+    return (f"{engine} ({', '.join(parts)}, on a mesh of {mesh}" + (f" ({', '.join(dims)})" if dims else "")
+            + (f", MixedPrecisionPolicy({dts})" if dts else "") + ")")
+
+
 def fsdp1_layout(modules: list[str], strategy: Any, dtypes: list[tuple[str, Any]]) -> str:
     """'fsdp1 (FullyShardedDataParallel of blocks.0, the model, FULL_SHARD, use_orig_params=True, MixedPrecision(...))'."""
     mods = ", ".join(m or "the model" for m in modules)
@@ -187,4 +204,4 @@ def ranks_replayed(nproc: int, layout: str, firsts: list[tuple[str, list[Any] | 
 
 
 __all__ = ["CPU_AUTOCAST", "ERROR_HINTS", "MODEL_INPUTS", "checkpoint_start", "cycled", "epochs", "error_hint",
-           "fsdp2_layout", "layout_optimizer", "lightning_optimizer", "own_loss", "ranks_replayed", "replayed", "rng", "start", "training_step_loss"]
+           "fsdp2_layout", "layout_optimizer", "mesh_layout", "lightning_optimizer", "own_loss", "ranks_replayed", "replayed", "rng", "start", "training_step_loss"]

@@ -10,6 +10,7 @@ from ampdoctor.fmt import gen, pct0
 from ampdoctor.formats import FP16
 from ampdoctor.judge.progress import LossWindow
 from ampdoctor.records import Fix
+from ampdoctor.report.words import inside
 from ampdoctor.report.words.common import PHASES, Facts, custom_where, g3, g4, hooks_in, op_name
 from ampdoctor.report.words.fixes import fix_text
 
@@ -52,7 +53,7 @@ def _hook_hid(f: Facts) -> str:
 def _fp32_bug(f: Facts) -> str:
     loc = {"module": f"{f.get('module')} ({f.get('where')})", "loss": "the loss function", "model": "the model"}[f["location"]]
     m = f.get("masked")
-    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}), and a softmax "
+    why = (f": its {m['op']} gets {m['rows']} row(s) masked throughout (first at index {tuple(m['first'])}){inside.samples(m)}, and a softmax "
            "over a row of -inf is 0/0 = NaN in every precision" if m else "")
     return (f"FP32 fails at step {f['step']} on finite data: batch {f['batch']} is finite, yet FP32 produces NaN/Inf in "
             f"{loc} {_from_start(f, even=True)}{why}.")
@@ -284,6 +285,8 @@ RULE_TITLES: dict[str, Callable[[Facts], str]] = {
     "replay_mismatch": lambda f: f"the replay's model is not the run's: {_differs(f)}",
 }
 """Verdict variant → the title of the deciding rule's finding."""
+SUMMARIES.update(inside.SUMMARIES)
+RULE_TITLES.update(inside.TITLES)
 
 
 RULE_FINDING_FIX: dict[str, Callable[[Facts], str]] = {
@@ -309,7 +312,7 @@ def rule_fix(variant: str, facts: Facts, fixes: list[Fix]) -> str:
 
 
 def summary(facts: Facts) -> str:
-    return SUMMARIES[facts["variant"]](facts)
+    return SUMMARIES[facts["variant"]](facts) + inside.extra(facts)
 
 
 def describe(w: LossWindow, name: str) -> str:
@@ -317,3 +320,9 @@ def describe(w: LossWindow, name: str) -> str:
     last = f"{w.steps - w.window}-{w.steps - 1}"
     return (f"mean loss over steps {last}: {name} {w.target_tail:.4g}, FP32 {w.fp32_tail:.4g}, from FP32's "
             f"{w.fp32_head:.4g} over steps 0-{w.window - 1}: {w.ratio:.0%} of FP32's progress")
+
+
+from ampdoctor.report.words import compile as _compile  # noqa: E402 - the compile rung's words, merged in
+
+SUMMARIES.update(_compile.SUMMARIES)
+RULE_TITLES.update(_compile.RULE_TITLES)
