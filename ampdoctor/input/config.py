@@ -44,6 +44,8 @@ class TriageConfig:
     autocast_policy: str = "auto"
     """Which ops autocast casts: auto (the device's own; a capture of a CUDA run replayed on the CPU: cuda), native
     or cuda (CUDA's op policy emulated on the CPU: ``ladder.policy``)."""
+    fp8_recipe: str = "tensorwise"
+    """The FP8 rung's torchao recipe (``--target fp8``): tensorwise, rowwise or rowwise_with_gw_hp."""
     batch_keys: str | None = None
     """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
     None: the rule of docs/spec-format.md."""
@@ -99,9 +101,9 @@ class TriageConfig:
 
 _KIND = {"compile": bool, "accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str,
          "autocast_policy": str,
-         "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
+         "fp8_recipe": str, "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
 _EXAMPLE = {"compile": "true", "accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"',
-            "autocast_policy": '"cuda"',
+            "autocast_policy": '"cuda"', "fp8_recipe": '"rowwise"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 

@@ -19,6 +19,7 @@ from ampdoctor.capture import reference as capture_ref
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
 from ampdoctor.engine.driver import Driver
+from ampdoctor.engine.fp8_watch import Fp8Watch
 from ampdoctor.engine.monitor import (
     building,
     capturing,
@@ -281,6 +282,8 @@ class Monitor:
         self.writer: StepLogWriter | None = None
         self.lookback: Lookback | None = None
         """The lookback ring, its forecast and its spike trigger (None with ``ring=0``)."""
+        self.fp8: Fp8Watch | None = None
+        """A torchao-converted model's per-GEMM FP8 statistics (``engine.monitor.fp8``); None for any other model."""
         self.log_path: Path | None = None
         """The step log this process writes (per rank under torch.distributed)."""
         self.rates = Rates(cfg)
@@ -302,7 +305,7 @@ class Monitor:
     def close(self) -> None:
         """Remove the hooks and close the log. Safe to call twice; never raises."""
         self._closed = True
-        for part in ("tap", "hooks", "writer"):
+        for part in ("tap", "hooks", "writer", "fp8"):
             obj = getattr(self, part, None)
             if obj is None:
                 continue
