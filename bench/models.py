@@ -134,10 +134,38 @@ def word_lm() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor
     return model, batch
 
 
+class _Res(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def resnet() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """A ResNet-style net (a stem, 3 stages of 2 basic blocks, 32-64-128 channels, strided convs between),
+    32x32 RGB images, batch 32, 10 outputs."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
+    for i, c in enumerate((32, 64, 128)):
+        if i:
+            layers += [nn.Conv2d(c // 2, c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()]
+        layers += [_Res(c), _Res(c)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(32, 3, 32, 32, generator=g), torch.randn(32, 10, generator=g)
+
+    return model, batch
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.long:
         return nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
     return nn.functional.mse_loss(out.float(), y)
 
 
-MODELS = {"deep_mlp": deep_mlp, "gpt": gpt, "wide": wide, "word_lm": word_lm}
+MODELS = {"deep_mlp": deep_mlp, "gpt": gpt, "wide": wide, "word_lm": word_lm, "resnet": resnet}

@@ -54,7 +54,7 @@ def test_missing_file_and_bad_options(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["triage", str(tmp_path / "nope.py")])
     assert r.exit_code == 2 and "no such file" in r.output
     spec = write_spec(tmp_path, GOOD_MODEL + GOOD_DATA)
-    r = CliRunner().invoke(app, ["triage", str(spec), "--target", "fp8"])
+    r = CliRunner().invoke(app, ["triage", str(spec), "--target", "fp4"])  # (fp8 is one: tests/test_fp8_triage.py)
     assert r.exit_code == 2 and "--target must be one of" in r.output
     r = CliRunner().invoke(app, ["triage", str(spec), "--steps", "0"])
     assert r.exit_code == 2 and "--steps" in r.output

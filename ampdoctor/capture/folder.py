@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ampdoctor.capture import reference as capture_ref
 from ampdoctor.capture.schema import (
     BATCHES_FILE,
     MANIFEST,
@@ -111,6 +112,9 @@ def _read_one(p: Path) -> Captured:
     rng = _load(p, RNG_FILE) if RNG_FILE in files and (p / RNG_FILE).is_file() else None
     rng = rng if isinstance(rng, dict) else None
     ring = read_ring(p, sorted(files))
+    if capture_ref.REFERENCE in manifest:  # by reference: the run's own checkpoint holds the state (capture.reference)
+        model, opt, scaler, at = capture_ref.start_state(p, manifest)
+        return Captured(p, manifest, model, StartState(opt, scaler, at), batches, from_snapshot=True, rng=rng, ring=ring)
     if STATE_FILE in files:
         st = _load(p, STATE_FILE)
         validate_state(st, p / STATE_FILE)

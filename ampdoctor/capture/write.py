@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ampdoctor._version import __version__
+from ampdoctor.capture import reference as capture_ref
 from ampdoctor.capture.identity import run_id
 from ampdoctor.capture.schema import (
     BATCHES_FILE,
@@ -294,6 +295,7 @@ class Capture:
             torch.cuda.synchronize()  # the non-blocking host copies are complete
         left_out: list[str] = []
         files, snap, at_start, batch_steps = self._files(step, skipped, scaler_before, left_out, trig.first)
+        reference = capture_ref.written(self, files, snap, batch_steps, self.path)  # the run's checkpoint holds the state
         begins = batch_steps[0] if trig.first is not None and snap is not None and batch_steps[:1] == [trig.first] else step
         manifest = {
             **self._manifest(trig, step, skipped, record, scaler_before),
@@ -310,6 +312,7 @@ class Capture:
             "batch_steps": batch_steps,
             "files": sorted([*files, MANIFEST, *([STATS_FILE] if stats is not None else []), *tables]),
             "left_out": left_out,
+            **reference,
         }
         # what is written is what a reader accepts (capture.schema): a capture that would not replay is a
         # warning now, not a surprise for the person it is mailed to

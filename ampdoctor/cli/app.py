@@ -73,11 +73,14 @@ def _whole(text: str | None, flag: str) -> int | None:
 def triage(
     spec: Annotated[Optional[Path], typer.Argument(metavar="SPEC", help=SPEC_HELP + "; optional with --from or --checkpoint.", show_default=False)] = None,
     steps: Annotated[Optional[str], typer.Option(metavar="N", help="Steps per stage." + default(50), rich_help_panel=RUN)] = None,
-    target: Annotated[Optional[str], typer.Option(metavar="TARGET", help="What you train with: amp, fp16 or bf16." + default("amp"), rich_help_panel=RUN,
-                                                                 autocompletion=lambda: ["amp", "fp16", "bf16"])] = None,
+    target: Annotated[Optional[str], typer.Option(metavar="TARGET", help="What you train with: amp, fp16, bf16 or fp8." + default("amp"), rich_help_panel=RUN,
+                                                                 autocompletion=lambda: ["amp", "fp16", "bf16", "fp8"])] = None,
+    fp8_recipe: Annotated[Optional[str], typer.Option("--fp8-recipe", metavar="NAME", help="With --target fp8: tensorwise, rowwise or rowwise_with_gw_hp." + default("tensorwise"), rich_help_panel=RUN)] = None,
     stages: Annotated[Optional[str], typer.Option(metavar="LIST", help="Stages to run, e.g. fp16,amp (fp32 always runs)." + default("fp32,fp16,amp"), rich_help_panel=RUN)] = None,
     device: Annotated[str, typer.Option(metavar="DEVICE", help=DEVICE_HELP, rich_help_panel=RUN)] = "auto",
     seed: Annotated[Optional[int], typer.Option(metavar="N", help="RNG seed set before every stage." + default(0), rich_help_panel=RUN)] = None,
+    autocast_policy: Annotated[Optional[str], typer.Option("--autocast-policy", metavar="POLICY", help="The ops autocast casts: native, cuda (CUDA's, emulated on the CPU) or auto." + default("auto"), rich_help_panel=RUN,
+                                                           autocompletion=lambda: ["auto", "native", "cuda"])] = None,
     max_norm: Annotated[Optional[float], typer.Option(metavar="X", help="Clip the gradient norm to X in every stage." + default("no clipping"), rich_help_panel=RUN)] = None,
     accumulate: Annotated[Optional[int], typer.Option(metavar="N", help="Micro-batches per optimizer step." + default(1), rich_help_panel=RUN)] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Also run the target under torch.compile; bisect a compile-only NaN.", rich_help_panel=RUN)] = False,
@@ -107,12 +110,19 @@ def triage(
     from ampdoctor.cli.outputs import check_triage_outputs, is_stdout, stdout_to_stderr
 
     human = err if is_stdout(json_path) else out  # `--json -`: the JSON alone on stdout
+    if (target or "").strip().lower() == "fp8":  # the FP8 ladder (cli/fp8.py)
+        from ampdoctor.cli.fp8 import triage_fp8
+
+        extra = {"--compile": compile_, "--checkpoint": checkpoint, "--report": report_path, "--dump-dir": dump_dir,
+                 "--log": log, "--nproc": nproc, "--script": script, "--stages": stages}
+        raise typer.Exit(triage_fp8(spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn), fp8_recipe, _whole(steps, "--steps"),
+                                    seed, device, json_path, quiet, human, extra, from_capture))
     try:
         with stdout_to_stderr(is_stdout(json_path)):  # what the spec prints must not corrupt `--json -`
             check_triage_outputs(json_path, report_path, log, dump_dir, force)
             given = {"steps": _whole(steps, "--steps"), "target": target, "seed": seed, "max_norm": max_norm, "init_scale": init_scale,
                      "growth_interval": growth_interval, "backoff_factor": backoff_factor, "accumulate": accumulate,
-                     "batch_keys": batch_keys, "compile": compile_ or None, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
+                     "batch_keys": batch_keys, "compile": compile_ or None, "autocast_policy": autocast_policy, "stages": tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None}
             names = SpecNames(model_fn, data_fn, loss_fn, optimizer_fn)
             if nproc is not None and from_capture is None:
                 raise UsageError("--nproc replays the per-rank captures of a sharded run: give --from CAPTURE_DIR")

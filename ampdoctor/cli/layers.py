@@ -79,7 +79,7 @@ def _check_inputs(sort: str, top: int, pattern: Optional[str], tolerance: float,
 @boundary
 def layers(
     spec: Annotated[Path, typer.Argument(metavar="SPEC", help=SPEC_HELP + ".")],
-    dtype: Annotated[str, typer.Option(metavar="LIST", help="Formats: fp16, bf16, fp8_e4m3, fp8_e5m2 (comma-separated).", rich_help_panel=RUN)] = "fp16",
+    dtype: Annotated[str, typer.Option(metavar="LIST", help="Formats: fp16, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4 (comma-separated).", rich_help_panel=RUN)] = "fp16",
     steps: Annotated[int, typer.Option(metavar="N", help="FP32 reference steps.", rich_help_panel=RUN)] = 3,
     scale: Annotated[str, typer.Option(metavar="X|auto", help="Loss scale the gradients are tested at; auto: the largest that overflows none.", rich_help_panel=RUN)] = "1",
     what: Annotated[str, typer.Option(metavar="LIST", help="Any of activations, grads, weights.", rich_help_panel=RUN)] = "activations,grads,weights",
@@ -104,9 +104,18 @@ def layers(
 
     How much of each activation, gradient and weight would overflow, underflow or go subnormal in each format, and the loss scale its gradients can take.
     """
+    from ampdoctor.cli.layers_block import block_tables, split_block
     from ampdoctor.engine.layers import parse_dtypes, parse_what
     from ampdoctor.input.spec import SpecNames
 
+    elements, blocks = split_block(dtype)
+    if blocks:  # the block-scaled formats: their own reference steps and table (engine/layers_block.py)
+        _check_inputs(sort, top, filter, underflow_tolerance, csv, None, force, None)
+        block_tables(out, spec, SpecNames(model_fn, data_fn, loss_fn, optimizer_fn), blocks, steps=steps, device=device, seed=seed,
+                     what=parse_what(what), max_norm=max_norm, top=top, csv=csv if elements is None else None)
+        if elements is None:
+            return
+        dtype = elements
     wanted = [f.name for f in parse_dtypes(dtype)]
     what_t = parse_what(what)
     scale_v = _parse_scale(scale)

@@ -40,9 +40,11 @@ from ampdoctor.judge.compiled import compile_outcome
 from ampdoctor.judge.measures import stall_ratio
 from ampdoctor.judge.rules import Diagnosis, diagnose, not_reproduced, shift_diagnosis
 from ampdoctor.ladder import ladder, rung
+from ampdoctor.ladder import policy as autocast_policy
 from ampdoctor.ladder.compile import compiled_run
 from ampdoctor.lint import LintFinding
 from ampdoctor.records import StageResult, UserHook
+from ampdoctor.report import policy as policy_report
 from ampdoctor.report import stages as stage_report
 from ampdoctor.report.build import code_findings, enrich, replayed_scaler, shift_steps, stage_summary, worded
 from ampdoctor.report.model import Report
@@ -129,8 +131,7 @@ def triage(
               start_kind=("capture" if cap is not None else "checkpoint" if checkpoint is not None else "init"),
               start_label=(("" if Path(checkpoint).is_dir() else "the checkpoint ") + Path(checkpoint).name
                            if checkpoint is not None else ""))
-    _run_stages(run, cap, start, log_path, progress)
-    report = build_report(run, argv)
+    report = _stages_and_report(run, cap, start, log_path, progress, argv)
     report.lint = code_findings(found, report.verdict.cause)
     if script is not None:
         report.config["script"] = str(script)
@@ -140,6 +141,18 @@ def triage(
         report.config["skip_batches"] = skip_batches
     run.reset()
     return report, run
+
+
+def _stages_and_report(run: Run, cap: Captured | None, start: StartState | None, log_path: str | Path | None,
+                       progress: ProgressFn | None, argv: list[str] | None) -> Report:
+    """The stages and the report, under the autocast op policy the config and the capture ask for
+    (``ladder.policy``: CUDA's emulated on the CPU for ``--autocast-policy cuda`` or a CUDA run's capture)."""
+    manifest = cap.manifest if cap is not None else None
+    with autocast_policy.using(run.config.autocast_policy, run.device, manifest) as policy:
+        _run_stages(run, cap, start, log_path, progress)
+        report = build_report(run, argv)
+    policy_report.apply(report, policy.facts())
+    return report
 
 
 def _checked_spec(spec_path: str | Path | Spec | None, names: SpecNames | None, from_capture: str | Path | None,

@@ -14,6 +14,7 @@ the story; more would run for days (or, for 12 digits, never end) rather than fa
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds ``torch.manual_seed`` takes."""
 TARGETS = ("amp", "fp16", "bf16")
+AUTOCAST_POLICIES = ("auto", "native", "cuda")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class TriageConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    autocast_policy: str = "auto"
+    """Which ops autocast casts: auto (the device's own; a capture of a CUDA run replayed on the CPU: cuda), native
+    or cuda (CUDA's op policy emulated on the CPU: ``ladder.policy``)."""
+    fp8_recipe: str = "tensorwise"
+    """The FP8 rung's torchao recipe (``--target fp8``): tensorwise, rowwise or rowwise_with_gw_hp."""
     batch_keys: str | None = None
     """``IN[,IN...]:TARGET``: the batch fields that are the model's inputs and the target (``input.batches.BatchKeys``);
     None: the rule of docs/spec-format.md."""
@@ -55,6 +61,8 @@ class TriageConfig:
             raise UsageError(f"--accumulate must be at least 1 (got {self.accumulate})")
         if self.target not in TARGETS:
             raise UsageError(f"--target must be one of {', '.join(TARGETS)} (got {self.target!r})")
+        if self.autocast_policy not in AUTOCAST_POLICIES:
+            raise UsageError(f"--autocast-policy must be one of {', '.join(AUTOCAST_POLICIES)} (got {self.autocast_policy!r})")
         if self.stages is not None:
             bad = [s for s in self.stages if s not in STAGES]
             if bad:
@@ -92,8 +100,10 @@ class TriageConfig:
 
 
 _KIND = {"compile": bool, "accumulate": int, "steps": int, "seed": int, "growth_interval": int, "target": str, "device": str, "batch_keys": str,
-         "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
+         "autocast_policy": str,
+         "fp8_recipe": str, "max_norm": float, "init_scale": float, "growth_factor": float, "backoff_factor": float}
 _EXAMPLE = {"compile": "true", "accumulate": "4", "steps": "50", "seed": "0", "growth_interval": "2000", "target": '"amp"', "device": '"cpu"', "batch_keys": '"image:label"',
+            "autocast_policy": '"cuda"', "fp8_recipe": '"rowwise"',
             "max_norm": "1.0", "init_scale": "65536", "growth_factor": "2.0", "backoff_factor": "0.5"}
 
 

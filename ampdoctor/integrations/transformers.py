@@ -127,6 +127,8 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _tracker.trainer_saving(self, args, state, control, before=False)
+        if self.monitor is not None:  # the capture starts from this checkpoint by reference (capture.reference)
+            self.monitor.saved(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attached is not None:

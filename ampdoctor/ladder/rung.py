@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ampdoctor.ladder.policy import autocast_context
+
 
 @runtime_checkable
 class ModelTransform(Protocol):
@@ -82,9 +84,9 @@ class Rung:
         return self.params != torch.float32
 
     def autocast_on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` with this rung's compute dtype on ``device`` (disabled without one)."""
-        dt = self.compute
-        return torch.autocast(device.type, dtype=dt or torch.float32, enabled=dt is not None)
+        """``torch.autocast`` with this rung's compute dtype on ``device`` (disabled without one); CUDA's op policy
+        emulated on the CPU inside ``ladder.policy.using(..."cuda"...)``."""
+        return autocast_context(device, self.compute)
 
     def cast_model(self, model: nn.Module, device: torch.device | None = None) -> nn.Module:
         """The model this rung's forward runs: a copy in the rung's weight dtype (the model itself in FP32), then

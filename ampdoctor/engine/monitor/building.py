@@ -11,7 +11,7 @@ import torch
 
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.engine.driver import Driver
-from ampdoctor.engine.monitor import capturing, exchange, lookback, skips
+from ampdoctor.engine.monitor import capturing, exchange, fp8, lookback, skips
 from ampdoctor.engine.monitor.injection import Injection
 from ampdoctor.engine.monitor.records import CAPTURE_COLUMNS, EXTRA_COLUMNS, RANK_COLUMNS, SHARDED, STEP_COLUMNS, _Unreadable
 from ampdoctor.engine.monitor.sentinel import Sentinel
@@ -61,6 +61,7 @@ def build(mon: Monitor, scaler: torch.amp.GradScaler | None) -> None:
     if mon.engine in SHARDED and mon.rank in (None, 0):
         say_sharded(mon, scaler)
     mon.lookback = lookback.build(mon, cfg)
+    mon.fp8 = fp8.attach(mon)  # a torchao-converted model's per-GEMM statistics (engine/monitor/fp8.py)
     mon.hooks.on_error = mon._hook_failed
     mon.hooks.attach()
     mon.hooks.begin_step(mon.step_num)

@@ -81,6 +81,8 @@ def _extra(mon: Monitor, m: Measured, trig: Trigger) -> tuple[dict[str, Any], di
                              "step_log": str(mon.log_path) if mon.log_path is not None else None}
     if mon._loss_recipe is not None:
         extra["loss_recipe"] = mon._loss_recipe  # (issue 45: a plain model's replay without a spec)
+    if mon.fp8 is not None:
+        extra["fp8"] = mon.fp8.recipe  # a torchao-converted model: its layers and casts (triage --from --target fp8)
     view = m.ranks
     if view is not None:
         first = view.first

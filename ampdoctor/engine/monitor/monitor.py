@@ -15,9 +15,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ampdoctor.capture import reference as capture_ref
 from ampdoctor.capture.trigger import FailingStep
 from ampdoctor.capture.write import DEFAULT_MAX_BYTES, Capture
 from ampdoctor.engine.driver import Driver
+from ampdoctor.engine.fp8_watch import Fp8Watch
 from ampdoctor.engine.monitor import (
     building,
     capturing,
@@ -280,6 +282,8 @@ class Monitor:
         self.writer: StepLogWriter | None = None
         self.lookback: Lookback | None = None
         """The lookback ring, its forecast and its spike trigger (None with ``ring=0``)."""
+        self.fp8: Fp8Watch | None = None
+        """A torchao-converted model's per-GEMM FP8 statistics (``engine.monitor.fp8``); None for any other model."""
         self.log_path: Path | None = None
         """The step log this process writes (per rank under torch.distributed)."""
         self.rates = Rates(cfg)
@@ -301,7 +305,7 @@ class Monitor:
     def close(self) -> None:
         """Remove the hooks and close the log. Safe to call twice; never raises."""
         self._closed = True
-        for part in ("tap", "hooks", "writer"):
+        for part in ("tap", "hooks", "writer", "fp8"):
             obj = getattr(self, part, None)
             if obj is None:
                 continue
@@ -549,6 +553,10 @@ class Monitor:
         if skipped is None and self.scaler is None and not self._asked:
             skipped = False
         return recording.after_step(self, skipped)
+
+    def saved(self, path: str | Path) -> None:
+        """Call after your loop saved a checkpoint at ``path``: the capture starts from it by reference (``capture.reference``)."""
+        capture_ref.saved(self.capture, path, self.step_num, on_error=self._fail)
 
     def saving(self, path: str | Path | None = None) -> str | None:
         """Call when your loop is about to save a checkpoint (``path``: where, for the message). Says once, on the

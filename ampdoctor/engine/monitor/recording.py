@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ampdoctor.engine.driver import skip_reason, step_record
-from ampdoctor.engine.monitor import capturing, exchange, failsafe, failure, figures, lookback
+from ampdoctor.engine.monitor import capturing, exchange, failsafe, failure, figures, fp8, lookback
 from ampdoctor.engine.monitor.records import MonitorRecord, SkipRateError, _Pending
 from ampdoctor.errors import UsageError
 
@@ -38,6 +38,7 @@ def _after_step(mon: Monitor, skipped: bool | None) -> MonitorRecord:
     if mon.writer is not None:
         mon.writer.write(rec.row())
     spike = lookback.push(mon.lookback, rec, m)
+    fp8.step_done(mon, pend.step)
     mon.last = rec
     mon.step_num += 1
     if not mon._closed:
