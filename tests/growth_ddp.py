@@ -33,7 +33,7 @@ def main() -> None:
     opt = make_opt(ddp.parameters())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Monitor(ddp, opt, torch.amp.GradScaler("cpu"), alert_min_steps=10**9) as mon:
+        with Monitor(ddp, opt, torch.amp.GradScaler("cpu"), alert_min_steps=10**9, watch_ops=True) as mon:
             for s in range(a.steps):
                 x, y = batch(2 * s + rank)
                 with mon.autocast():

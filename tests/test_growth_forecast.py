@@ -80,7 +80,7 @@ def test_the_op_watch_reads_q_at_k_inside_the_module_in_the_users_forward() -> N
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         want = (attn.q(x) @ attn.k(x).transpose(-2, -1)).abs().max().item()
     opt = torch.optim.SGD(attn.parameters(), lr=0.0)
-    with Monitor(attn, opt, torch.amp.GradScaler("cpu"), quiet=True) as mon:
+    with Monitor(attn, opt, torch.amp.GradScaler("cpu"), quiet=True, watch_ops=True) as mon:
         with mon.autocast():
             loss = attn(x).float().pow(2).mean()
         rec = mon.step(loss)
@@ -131,7 +131,7 @@ def test_no_forecast_while_every_step_is_skipped_after_a_failure() -> None:
     ("fp16_sum_loss", "<loss>:loss", "loss"),
 ])
 def test_each_growth_is_forecast_before_its_late_failure(name: str, culprit: str, kind: str) -> None:
-    mon, said = run(GROWTH[name], 800)
+    mon, said = run(GROWTH[name], 800, **({"watch_ops": True} if kind == "op" else {}))  # (ops: the opt-in)
     assert mon.first_failure is not None
     fail = mon.first_failure[0]
     assert fail >= 100  # late: after at least 100 clean steps
@@ -146,7 +146,7 @@ def test_each_growth_is_forecast_before_its_late_failure(name: str, culprit: str
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HEALTHY))
 def test_no_growth_forecast_on_healthy_runs_of_1000_steps(name: str) -> None:
-    mon, bad, said = train(HEALTHY[name], 1000, quiet=False)
+    mon, bad, said = train(HEALTHY[name], 1000, quiet=False, watch_ops=True)
     assert bad is None and said == []
     g = mon.lookback.growth
     assert g.warned == {} and len(g.steps) == 32 and g.series  # it read the ops and gradients all along (every 2nd)

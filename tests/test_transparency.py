@@ -296,11 +296,13 @@ def test_the_warm_up_path_while_the_kernel_builds_changes_nothing(driver: str, f
     for o in ("adamw_fused", "adam_forloop", "sgd_momentum") for d in ("observe", "owned")])
 def test_the_lookback_ring_forecast_and_spike_trigger_change_nothing(opt_name: str, driver: str, tmp_path: Path) -> None:
     """The ring reads the optimizer's state (Adam's moments, SGD's momentum) and the forecast and a hair-trigger
-    spike test run every step, a spike capture included: the run still ends bit-identical."""
+    spike test run every step, a spike capture included, with the op watch on (``watch_ops``: a TorchFunctionMode over
+    the sampled forwards): the run still ends bit-identical."""
     for fault in ("none", "nan_loss"):
         kw = dict(scaler_on=True, clip=False, accum=1, mode="full", fault=fault, fault_step=30, steps=48)
         bare = _run(opt_name, driver, capture=None, watched=False, **kw)  # type: ignore[arg-type]
         seen = _run(opt_name, driver, capture=tmp_path / f"cap-{fault}", watched=True,
-                    extra={"ring": 24, "forecast_horizon": 10**6, "spike_sigmas": 0.5, "spike_window": 16},
+                    extra={"ring": 24, "forecast_horizon": 10**6, "spike_sigmas": 0.5, "spike_window": 16,
+                           "watch_ops": True},
                     **kw)  # type: ignore[arg-type]
         _same(bare, seen)

@@ -64,13 +64,23 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+LEARN = 4
+"""Without reading the ops, the recorded forwards that say which modules return the format's dtype."""
+
+
 class OpWatch:
     """``OpWatch(model, hooks)``: figures of the ops inside ``model``'s modules on the steps ``hooks`` records.
 
     ``attach()`` starts watching module calls; ``detach()`` stops (the Monitor's hooks call both: ``Hooks.tracker``). The dtype watched is the format's
     (``torch.float16`` for FP16, ``torch.bfloat16`` for BF16)."""
 
-    def __init__(self, model: nn.Module, hooks: Any, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, hooks: Any, dtype: torch.dtype, read_ops: bool = True) -> None:
+        self.read_ops = read_ops
+        self.learned = 0
+        """Forwards read; without ``read_ops`` the first ``LEARN`` say which modules return the format's dtype, and
+        the module calls are not watched after them (the cost of a call per module on a model of many)."""
+        """Read each op's output (the mode); without it only which modules return the format's dtype (``reduced``:
+        the gradient series' modules), from the module calls the hooks' tracker sees anyway."""
         self.hooks = hooks
         self.dtype = dtype
         names = getattr(hooks, "_names", None)
@@ -118,6 +128,9 @@ class OpWatch:
         if id(module) == self._root_id and not self.stack:
             if not (self.sample and self.hooks.recording and torch.is_grad_enabled() and module.training):
                 return False
+            if not self.read_ops and self.learned >= LEARN:
+                return False
+            self.learned += 1
             self._start_mode()
         elif not self.on:
             return False
@@ -161,8 +174,9 @@ class OpWatch:
             ops.append((f"{name} > {op}" + (f" #{k + 1}" if k else ""), id(t), fig))
 
     def _start_mode(self) -> None:
-        self._mode = _Mode(self)
-        self._mode.__enter__()
+        if self.read_ops:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
         self.on = True
 
     def _stop_mode(self) -> None:

@@ -105,6 +105,8 @@ class MonitorConfig:
     """Steps the lookback ring keeps (0: no ring, and no forecast or spike)."""
     forecast_horizon: int | None = DEFAULT_HORIZON
     """Warn once (``ForecastWarning``) when a layer is on course to pass the format's max within this many steps."""
+    watch_ops: bool = False
+    """The forecast reads each op's largest value inside the modules too (``watch.opwatch``; costly on many modules)."""
     spike_sigmas: float | None = None
     """A loss or gradient norm this many robust standard deviations above the median is a failure (None: off)."""
     spike_window: int = SPIKE_WINDOW

@@ -34,7 +34,7 @@ def build(mon: Monitor, cfg: MonitorConfig) -> Lookback | None:
                   quiet=cfg.quiet, speaks=mon.rank in (None, 0), device=mon.device.type)
     lb.growth = growth.build(mon.model, mon.hooks, mon.hooks.fmt, mon.amp_dtype or torch.float16,  # type: ignore[attr-defined]
                              horizon=cfg.forecast_horizon, quiet=cfg.quiet, speaks=mon.rank in (None, 0), device=mon.device.type,
-                             category=ForecastWarning)
+                             category=ForecastWarning, watch_ops=cfg.watch_ops)
     if mon.engine not in SHARDED:
         mon.recipe.ring_figures = RingFigures(mon.optimizer, params,
                                               every=1 if cfg.spike_sigmas is not None else OPTIMIZER_EVERY)
