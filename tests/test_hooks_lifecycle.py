@@ -125,8 +125,8 @@ def test_hooks_register_nothing_on_steps_not_recorded() -> None:
 
 def test_a_compiled_training_function_traces_through_the_call_wrapper() -> None:
     """The model is called inside a ``torch.compile``d function while the ``__call__`` wrapper is in place (and
-    taken away on the steps not recorded): one graph, no graph break, no recompilation; the parameters are
-    still watched."""
+    taken away on the steps not recorded): a graph per state of the wrapper, no graph break, no recompilation; the
+    parameters are still watched."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -139,7 +139,9 @@ def test_a_compiled_training_function_traces_through_the_call_wrapper() -> None:
 
     with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.01), every=2) as mon:
         recs = [mon.step(loss_of(model, x)) for _ in range(6)]
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # one graph per state of the wrapper: the hooks and the forecast's op watch (a Python tracker, listening only
+    # while the hooks do: watch.opwatch.sync) on recorded steps, none on the others; each compiled once, then cached
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     assert not torch._dynamo.utils.counters["graph_break"]
     assert not torch._dynamo.utils.counters["recompiles"]
     assert recs[0].stats is not None and set(recs[0].stats.pgrad) == {"0.weight", "0.bias", "2.weight", "2.bias"}

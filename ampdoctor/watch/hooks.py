@@ -245,6 +245,9 @@ class Hooks:
             self._listening = False
             unlisten_calls(self)
             remove_hooks(self._handles)
+        sync = getattr(self.tracker, "sync", None)  # a tracker that listens only while the hooks do (watch.opwatch)
+        if sync is not None:
+            sync(self._listening)
 
     def __enter__(self) -> Hooks:
         self._training = self.model.training

@@ -93,6 +93,8 @@ class OpWatch:
         self.on = False
         """The mode records (inside a recorded training forward of the model)."""
         self._tracking = False
+        self._attached = False
+        self._hooks_listening = bool(getattr(hooks, "_listening", False))
         self.stack: list[tuple[str, dict[str, int], list[tuple[str, int, torch.Tensor]]]] = []
         """Per module call in progress: (name, ops counted per op name, [(key, id of the op's output, figure)])."""
         self._acc: dict[str, torch.Tensor] = {}
@@ -104,16 +106,32 @@ class OpWatch:
         """Read the ops in the next recorded forward (``engine.growth`` samples the steps)."""
 
     def attach(self) -> None:
-        """Watch module calls (the hooks' ``tracker``: attached and detached with them)."""
-        if not self.failed and not self._tracking:
-            self._tracking = True
-            track_calls(self)
+        """Watch module calls (the hooks' ``tracker``: attached and detached with them, and listening only while
+        they listen: ``sync``)."""
+        self._attached = True
+        self._apply()
 
     def detach(self) -> None:
-        self._tracking = False
+        self._attached = False
         self.stack.clear()
         self._stop_mode()
-        unlisten_calls(self)
+        self._apply()
+
+    def sync(self, listening: bool) -> None:
+        """The hooks started or stopped watching module calls (``Hooks._sync_hook``): a sentinel or unrecorded step
+        has no watcher on module calls, this one neither."""
+        self._hooks_listening = listening
+        self._apply()
+
+    def _apply(self) -> None:
+        done = not self.read_ops and self.learned >= LEARN  # (which modules return FP16 is known)
+        want = self._attached and self._hooks_listening and not self.failed and not done
+        if want and not self._tracking:
+            self._tracking = True
+            track_calls(self)
+        elif not want and self._tracking:
+            self._tracking = False
+            unlisten_calls(self)
 
     def fail(self) -> None:
         self.failed = True
