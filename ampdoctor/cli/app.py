@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -22,6 +23,12 @@ from ampdoctor.io import write_atomic
 if TYPE_CHECKING:
     from ampdoctor.engine.run import Run
     from ampdoctor.report.model import Report
+
+# Import-time notices of libraries the CLI's own process imports, not the user's run: torchao (imported by
+# transformers where it is installed) says "Failed to load <CUDA kernel>.so" on every CPU machine, torch's pytree a
+# deprecation of torchao's enums. ampdoctor's one line stays one line; their errors still show.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 app = typer.Typer(
     add_completion=True,
